@@ -1,0 +1,1 @@
+"""In-tree backends, installed as the import package ``deepinfer_backends``."""

@@ -1,0 +1,97 @@
+"""Backend discovery (entry points), selection, fallback and per-op overrides."""
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from importlib.metadata import entry_points
+from typing import Callable, Mapping
+
+from deepinfer.hal.backend import Backend
+from deepinfer.hal.spec import SPECS
+
+log = logging.getLogger(__name__)
+ENTRY_POINT_GROUP = "deepinfer.backends"
+
+
+class OpUnavailableError(RuntimeError):
+    """A backend lacks an op and no fallback was configured."""
+
+
+class UnknownBackendError(ValueError):
+    """No backend of that name is installed."""
+
+
+@lru_cache(maxsize=None)
+def available_backends() -> dict[str, type[Backend]]:
+    """Backends registered under the ``deepinfer.backends`` entry-point group, by name."""
+    found: dict[str, type[Backend]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        cls = ep.load()
+        if cls.name != ep.name:
+            raise TypeError(f"entry point {ep.name!r} loads backend named {cls.name!r}; the names must match")
+        found[ep.name] = cls
+    return found
+
+
+@lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    """The (shared) instance of backend ``name``."""
+    backends = available_backends()
+    if name not in backends:
+        raise UnknownBackendError(
+            f"unknown backend {name!r}; installed backends: {sorted(backends)}. "
+            f"Install the extra that provides it (e.g. pip install 'deepinfer[{name}]')")
+    return backends[name]()
+
+
+class OpTable:
+    """The ops a model calls, resolved once per configuration: ``ops.rms_norm(...)``.
+
+    ``backend`` serves every op unless ``overrides`` names another backend for it. An op the
+    chosen backend lacks runs on ``fallback`` (logged once) or raises :class:`OpUnavailableError`
+    when called."""
+
+    def __init__(self, backend: str, fallback: str | None = None, overrides: Mapping[str, str] | None = None):
+        import deepinfer.hal.ops  # noqa: F401  (declares every OpSpec)
+
+        self.backend = get_backend(backend)
+        self.fallback = get_backend(fallback) if fallback else None
+        self.overrides = dict(overrides or {})
+        unknown = sorted(set(self.overrides) - set(SPECS))
+        if unknown:
+            raise ValueError(f"backend.overrides names unknown ops {unknown}; known ops: {sorted(SPECS)}")
+        self.sources: dict[str, str] = {}
+        self._impls: dict[str, Callable] = {}
+        for op in SPECS:
+            self._impls[op] = self._resolve(op)
+
+    def _resolve(self, op: str) -> Callable:
+        chosen = get_backend(self.overrides[op]) if op in self.overrides else self.backend
+        impl = chosen.implementations().get(op)
+        if impl is not None:
+            self.sources[op] = chosen.name
+            return impl
+        reason = chosen.unsupported_reasons().get(op, "not implemented")
+        if self.fallback is not None and op in self.fallback.implementations():
+            log.warning("op %s: backend %r lacks it (%s); falling back to %r as configured",
+                        op, chosen.name, reason, self.fallback.name)
+            self.sources[op] = self.fallback.name
+            return self.fallback.implementations()[op]
+        self.sources[op] = "unavailable"
+
+        def refuse(*args, **kwargs):
+            raise OpUnavailableError(
+                f"op {op!r} is not available on backend {chosen.name!r} ({reason}); set "
+                f"backend.fallback=reference to run the reference implementation, or "
+                f"backend.overrides.{op}=<backend> to take it from another backend")
+
+        return refuse
+
+    def __getattr__(self, op: str) -> Callable:
+        impls = self.__dict__.get("_impls", {})
+        if op in impls:
+            return impls[op]
+        raise AttributeError(f"no HAL op named {op!r}; known ops: {sorted(impls)}")
+
+    def __repr__(self) -> str:
+        return f"OpTable(backend={self.backend.name!r}, fallback={getattr(self.fallback, 'name', None)!r})"
