@@ -1,2 +1,15 @@
 """Every HAL op's contract; importing this package declares them all."""
-from deepinfer.hal.ops import norm  # noqa: F401
+from deepinfer.hal.ops import (  # noqa: F401
+    all_to_all,
+    compress,
+    grouped_gemm,
+    indexer,
+    kv_cache,
+    mhc,
+    mla,
+    norm,
+    rope,
+    routing,
+    sampling,
+    swa_replay,
+)
