@@ -21,9 +21,12 @@ class UnknownBackendError(ValueError):
     """No backend of that name is installed."""
 
 
+_REGISTERED: dict[str, type[Backend]] = {}
+_INSTANCES: dict[str, Backend] = {}
+
+
 @lru_cache(maxsize=None)
-def available_backends() -> dict[str, type[Backend]]:
-    """Backends registered under the ``deepinfer.backends`` entry-point group, by name."""
+def _entry_point_backends() -> dict[str, type[Backend]]:
     found: dict[str, type[Backend]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         cls = ep.load()
@@ -33,15 +36,34 @@ def available_backends() -> dict[str, type[Backend]]:
     return found
 
 
-@lru_cache(maxsize=None)
+def available_backends() -> dict[str, type[Backend]]:
+    """Backends by name: the ``deepinfer.backends`` entry points plus :func:`register_backend`."""
+    return {**_entry_point_backends(), **_REGISTERED}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Make a backend class selectable without an entry point (notebooks, tests); a decorator."""
+    _REGISTERED[cls.name] = cls
+    _INSTANCES.pop(cls.name, None)
+    return cls
+
+
+def unregister_backend(name: str) -> None:
+    """Forget a backend added with :func:`register_backend`."""
+    _REGISTERED.pop(name, None)
+    _INSTANCES.pop(name, None)
+
+
 def get_backend(name: str) -> Backend:
     """The (shared) instance of backend ``name``."""
-    backends = available_backends()
-    if name not in backends:
-        raise UnknownBackendError(
-            f"unknown backend {name!r}; installed backends: {sorted(backends)}. "
-            f"Install the extra that provides it (e.g. pip install 'deepinfer[{name}]')")
-    return backends[name]()
+    if name not in _INSTANCES:
+        backends = available_backends()
+        if name not in backends:
+            raise UnknownBackendError(
+                f"unknown backend {name!r}; installed backends: {sorted(backends)}. "
+                f"Install the extra that provides it (e.g. pip install 'deepinfer[{name}]')")
+        _INSTANCES[name] = backends[name]()
+    return _INSTANCES[name]
 
 
 class OpTable:

@@ -1,6 +1,7 @@
 """OpSpec: an op's contract as data (reference function, named cases, tolerances)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -81,6 +82,13 @@ def compare(got: Any, want: Any, tol: Tolerance, where: str = "output") -> list[
         return failures
     if want is None:
         return [] if got is None else [f"{where}: expected None"]
+    if dataclasses.is_dataclass(want) and not isinstance(want, type):
+        failures = []
+        for f in dataclasses.fields(want):
+            value = getattr(want, f.name)
+            if isinstance(value, (torch.Tensor, int, float, str, tuple, list)) or dataclasses.is_dataclass(value):
+                failures += compare(getattr(got, f.name), value, tol, f"{where}.{f.name}")
+        return failures
     if not isinstance(want, torch.Tensor):
         return [] if got == want else [f"{where}: expected {want!r}, got {got!r}"]
     if got.shape != want.shape:

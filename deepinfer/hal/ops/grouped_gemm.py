@@ -1,1 +1,172 @@
-"""(being written)"""
+"""Dense and grouped (per-expert) GEMMs, ``y = x @ weight.T``, with plain or block-quantized operands.
+
+Quantized operands are :class:`~deepinfer.hal.formats.Quantized` with blocks of 32 along K and
+UE8M0 scales: activations ``"fp8"`` (e4m3), weights ``"fp8"`` or ``"mxfp4"`` (packed e2m1, two
+values per byte). They are dequantized exactly, so the only rounding is the float32 accumulation.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.formats import Quantized, quantize
+from deepinfer.hal.spec import OpCase, OpSpec, register
+
+Operand = torch.Tensor | Quantized
+
+BLOCK = 32
+ACTIVATION_FORMATS = ("fp8",)
+WEIGHT_FORMATS = ("fp8", "mxfp4")
+_DATA_DTYPES = {"fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
+
+
+def linear(x: Operand, weight: Operand) -> torch.Tensor:
+    """``y[..., N] = x[..., K] @ weight[N, K].T``, accumulated in float32.
+
+    Plain tensors give a result in ``x.dtype``. If either operand is :class:`Quantized` (``x``:
+    ``"fp8"`` data ``[..., K]``, scale ``[..., K/32]``; ``weight``: ``"fp8"`` data ``[N, K]`` or
+    ``"mxfp4"`` data ``uint8 [N, K/2]``, scale ``[N, K/32]``) it is dequantized exactly and the
+    result is float32."""
+    x_shape = logical_shape(x, "x", ACTIVATION_FORMATS)
+    w_shape = logical_shape(weight, "weight", WEIGHT_FORMATS)
+    if len(x_shape) < 1 or len(w_shape) != 2 or w_shape[1] != x_shape[-1]:
+        raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(x_shape)}, "
+                         f"weight {tuple(w_shape)}")
+    return (values(x) @ values(weight).T).to(result_dtype(x, weight))
+
+
+def grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> torch.Tensor:
+    """Per-expert GEMMs over contiguous row segments: ``y[seg e] = x[seg e] @ weight[e].T``.
+
+    ``x [M, K]``, ``weight [E, N, K]``, ``group_sizes int64 [E]`` (non-negative, sum ``M``):
+    segment ``e`` is the next ``group_sizes[e]`` rows, in expert order; empty segments are
+    allowed. float32 accumulation; result ``[M, N]`` in ``x.dtype`` for plain operands, float32
+    if either is :class:`Quantized` (``x``: ``"fp8"`` data ``[M, K]``, scale ``[M, K/32]``;
+    ``weight``: ``"fp8"`` data ``[E, N, K]`` or ``"mxfp4"`` data ``uint8 [E, N, K/2]``, scale
+    ``[E, N, K/32]``)."""
+    x_shape = logical_shape(x, "x", ACTIVATION_FORMATS)
+    w_shape = logical_shape(weight, "weight", WEIGHT_FORMATS)
+    if len(x_shape) != 2 or len(w_shape) != 3 or w_shape[2] != x_shape[1]:
+        raise ValueError(f"grouped_gemm expects x [M, K] and weight [E, N, K]; got x {tuple(x_shape)}, "
+                         f"weight {tuple(w_shape)}")
+    sizes = _segment_sizes(group_sizes, num_experts=w_shape[0], num_rows=x_shape[0])
+    x_values = values(x)
+    out = torch.zeros(x_shape[0], w_shape[1], dtype=torch.float32, device=x_values.device)
+    start = 0
+    for expert, size in enumerate(sizes):
+        if size:
+            out[start:start + size] = x_values[start:start + size] @ values(expert_weight(weight, expert)).T
+            start += size
+    return out.to(result_dtype(x, weight))
+
+
+def logical_shape(operand: Operand, name: str, formats: tuple[str, ...]) -> torch.Size:
+    """Shape of the values ``operand`` holds (checks a :class:`Quantized` operand's layout)."""
+    if isinstance(operand, torch.Tensor):
+        return operand.shape
+    if not isinstance(operand, Quantized):
+        raise ValueError(f"{name} must be a Tensor or Quantized, got {type(operand).__name__}")
+    if operand.fmt not in formats or operand.block != BLOCK:
+        raise ValueError(f"{name} is Quantized {operand.fmt!r} with block {operand.block}; "
+                         f"expected one of {formats} with block {BLOCK}")
+    data = operand.data
+    if data.dtype != _DATA_DTYPES[operand.fmt]:
+        raise ValueError(f"{name}.data is {data.dtype}; {operand.fmt!r} stores {_DATA_DTYPES[operand.fmt]}")
+    k = data.shape[-1] * (2 if operand.fmt == "mxfp4" else 1)
+    scale_shape = (*data.shape[:-1], k // BLOCK)
+    if k % BLOCK or tuple(operand.scale.shape) != scale_shape:
+        raise ValueError(f"{name}: K={k} with scale {tuple(operand.scale.shape)}; expected K a multiple "
+                         f"of {BLOCK} and scale {scale_shape} (one UE8M0 byte per {BLOCK} along K)")
+    return torch.Size((*data.shape[:-1], k))
+
+
+def values(operand: Operand) -> torch.Tensor:
+    """float32 values of a plain or :class:`Quantized` operand."""
+    return operand.dequantize() if isinstance(operand, Quantized) else operand.float()
+
+
+def expert_weight(weight: Operand, expert: int) -> Operand:
+    """Expert ``expert``'s ``[N, K]`` slice of an ``[E, N, K]`` weight."""
+    if isinstance(weight, Quantized):
+        return Quantized(weight.data[expert], weight.scale[expert], weight.fmt, weight.block)
+    return weight[expert]
+
+
+def result_dtype(x: Operand, weight: Operand) -> torch.dtype:
+    """float32 when either operand is quantized, else ``x.dtype``."""
+    quantized = isinstance(x, Quantized) or isinstance(weight, Quantized)
+    return torch.float32 if quantized else x.dtype
+
+
+def _segment_sizes(group_sizes: torch.Tensor, num_experts: int, num_rows: int) -> list[int]:
+    if (not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int64
+            or tuple(group_sizes.shape) != (num_experts,)):
+        seen = (f"{group_sizes.dtype} {tuple(group_sizes.shape)}" if isinstance(group_sizes, torch.Tensor)
+                else type(group_sizes).__name__)
+        raise ValueError(f"group_sizes must be int64 [{num_experts}] (one count per expert), got {seen}")
+    sizes = group_sizes.tolist()
+    if min(sizes, default=0) < 0 or sum(sizes) != num_rows:
+        raise ValueError(f"group_sizes {sizes} must be non-negative and sum to the {num_rows} rows of x")
+    return sizes
+
+
+def _random_mxfp4(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> Quantized:
+    """Random MXFP4 bytes (all 16 codes, scales 2^-7 .. 2^-4), as a checkpoint would hold them."""
+    *lead, k = shape
+    data = torch.randint(0, 256, (*lead, k // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(120, 124, (*lead, k // BLOCK), generator=gen, dtype=torch.uint8)
+    return Quantized(data.to(device), scale.to(device), "mxfp4", BLOCK)
+
+
+def _operand(shape, fmt, gen, device, dtype=torch.float32, spread=1.0) -> Operand:
+    if fmt == "mxfp4":
+        return _random_mxfp4(shape, gen, device)
+    plain = (spread * torch.randn(*shape, generator=gen, dtype=dtype)).to(device)
+    return quantize(plain, fmt, BLOCK) if fmt else plain
+
+
+def _linear_case(lead, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32):
+    def make(gen: torch.Generator, device: torch.device):
+        return {"x": _operand((*lead, k), x_fmt, gen, device, dtype),
+                "weight": _operand((n, k), w_fmt, gen, device, dtype, spread=k ** -0.5)}
+    return make
+
+
+def _grouped_case(sizes, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32):
+    def make(gen: torch.Generator, device: torch.device):
+        return {"x": _operand((sum(sizes), k), x_fmt, gen, device, dtype),
+                "weight": _operand((len(sizes), n, k), w_fmt, gen, device, dtype, spread=k ** -0.5),
+                "group_sizes": torch.tensor(sizes, dtype=torch.int64, device=device)}
+    return make
+
+
+register(OpSpec(
+    name="linear",
+    summary="y = x @ weight.T (float32 accumulation; FP8 / MXFP4 operands dequantized exactly)",
+    reference=linear,
+    cases=(
+        OpCase("tiny", _linear_case((2, 3), 16, 64)),
+        OpCase("tiny_bf16", _linear_case((5,), 24, 96, dtype=torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("tiny_fp8_fp8", _linear_case((4,), 16, 64, "fp8", "fp8")),
+        OpCase("tiny_bf16_x_fp8_weight", _linear_case((4,), 16, 64, None, "fp8", torch.bfloat16)),
+        OpCase("tiny_fp8_mxfp4", _linear_case((3,), 8, 128, "fp8", "mxfp4")),
+        OpCase("v41_q_a_bf16", _linear_case((32,), 1280, 4096, dtype=torch.bfloat16), "real", torch.bfloat16),
+        OpCase("v41_q_a_fp8", _linear_case((32,), 1280, 4096, "fp8", "fp8"), "real"),
+    ),
+))
+
+register(OpSpec(
+    name="grouped_gemm",
+    summary="per-expert GEMMs over contiguous row segments (bf16, FP8 x FP8, FP8 x MXFP4)",
+    reference=grouped_gemm,
+    cases=(
+        OpCase("tiny", _grouped_case((3, 1, 4), 16, 64)),
+        OpCase("tiny_bf16", _grouped_case((2, 5), 24, 96, dtype=torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("tiny_fp8_fp8", _grouped_case((2, 3, 1), 16, 64, "fp8", "fp8")),
+        OpCase("tiny_fp8_mxfp4", _grouped_case((4, 2), 8, 128, "fp8", "mxfp4")),
+        OpCase("empty_experts", _grouped_case((0, 3, 0, 0, 2, 0), 16, 64, "fp8", "mxfp4")),
+        OpCase("no_rows", _grouped_case((0, 0), 16, 64)),
+        OpCase("v41_experts_bf16", _grouped_case((20, 0, 31, 13), 2048, 4096, dtype=torch.bfloat16),
+               "real", torch.bfloat16),
+        OpCase("v41_experts_fp8_mxfp4", _grouped_case((9, 27, 0, 28), 2048, 4096, "fp8", "mxfp4"), "real"),
+    ),
+))

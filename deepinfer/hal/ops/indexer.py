@@ -1,1 +1,115 @@
-"""(being written)"""
+"""Sparse indexer ("lightning indexer" style): per-query logits over compressed keys, then top-k."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.formats import cast_back
+from deepinfer.hal.spec import OpCase, OpSpec, register
+
+Q_FORMATS = ("mxfp4", None)
+
+
+def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+                   q_format: str | None = "mxfp4") -> torch.Tensor:
+    """``logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])``, float32 ``[T, S]``.
+
+    ``q [T, nh, d]``, ``k [S, d]`` (the dequantized index keys), ``weights float32 [T, nh]``.
+    With ``q_format="mxfp4"`` (the model's FP4 index queries) ``q`` is first cast through MXFP4
+    (e2m1, UE8M0 scale per 32 along ``d``, so ``d % 32 == 0``); with None it is used as given."""
+    if q_format not in Q_FORMATS:
+        raise ValueError(f"q_format must be one of {Q_FORMATS}, got {q_format!r}")
+    if q.ndim != 3 or k.ndim != 2 or k.shape[1] != q.shape[2]:
+        raise ValueError(f"indexer_logits expects q [T, nh, d] and k [S, d]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if weights.shape != q.shape[:2]:
+        raise ValueError(f"weights must be [T, nh] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
+    if q_format == "mxfp4" and q.shape[2] % 32:
+        raise ValueError(f"q_format 'mxfp4' quantizes d in blocks of 32; d={q.shape[2]} is not a multiple")
+    queries = cast_back(q, "mxfp4", 32) if q_format == "mxfp4" else q.float()
+    scores = torch.relu(torch.einsum("thd,sd->ths", queries, k.float()))
+    return torch.einsum("ths,th->ts", scores, weights.float())
+
+
+def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, the ``k`` best columns of a window, as int32 ``[T, k]`` offsets into the window.
+
+    Row ``t`` considers columns ``starts[t] .. starts[t] + lengths[t] - 1`` of ``logits [T, S]``
+    (int64 ``starts``, ``lengths``) and keeps the ``k`` highest logits (ties: the lower column).
+    Returned indices are relative to ``starts[t]``, sorted ascending, padded with -1 when the
+    window holds fewer than ``k`` columns (then all of them are returned)."""
+    _check_windows(logits, starts, lengths, k)
+    tokens, width = logits.shape
+    offsets = torch.arange(width, device=logits.device)
+    in_window = offsets < lengths[:, None]
+    columns = (starts[:, None] + offsets).clamp(max=max(width - 1, 0))
+    window = torch.where(in_window, logits.gather(1, columns), torch.full_like(logits, float("-inf")))
+    ranked = torch.sort(window, dim=1, descending=True, stable=True).indices[:, :k]
+    chosen = torch.where(in_window.gather(1, ranked), ranked, width)
+    chosen = torch.sort(chosen, dim=1).values
+    chosen = torch.where(chosen == width, -1, chosen).to(torch.int32)
+    padding = torch.full((tokens, k - chosen.shape[1]), -1, dtype=torch.int32, device=logits.device)
+    return torch.cat((chosen, padding), dim=1)
+
+
+def _check_windows(logits, starts, lengths, k) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [T, S], got shape {tuple(logits.shape)}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    tokens, width = logits.shape
+    for name, value in (("starts", starts), ("lengths", lengths)):
+        if value.dtype != torch.int64 or tuple(value.shape) != (tokens,):
+            raise ValueError(f"{name} must be int64 [{tokens}], got {value.dtype} {tuple(value.shape)}")
+    if tokens and ((starts < 0).any() or (lengths < 0).any() or (starts + lengths > width).any()):
+        raise ValueError(f"each window starts[t] .. starts[t] + lengths[t] - 1 must lie in the {width} "
+                         f"columns of logits (non-negative starts and lengths)")
+
+
+def _logits_case(tokens, heads, dim, keys, q_format="mxfp4"):
+    def make(gen: torch.Generator, device: torch.device):
+        return {"q": torch.randn(tokens, heads, dim, generator=gen).to(device),
+                "k": torch.randn(keys, dim, generator=gen).to(device),
+                "weights": (heads ** -0.5 * torch.randn(tokens, heads, generator=gen)).to(device),
+                "q_format": q_format}
+    return make
+
+
+def _topk_case(width, starts, lengths, k, distinct_values=None):
+    """``distinct_values``: draw logits from that many integers, so that ties are common."""
+    def make(gen: torch.Generator, device: torch.device):
+        shape = (len(starts), width)
+        logits = (torch.randint(0, distinct_values, shape, generator=gen).float() if distinct_values
+                  else torch.randn(shape, generator=gen))
+        return {"logits": logits.to(device), "starts": torch.tensor(starts, device=device),
+                "lengths": torch.tensor(lengths, device=device), "k": k}
+    return make
+
+
+def _real_windows(tokens, width):
+    """Windows of growing length (shorter and longer than k), ending at or before the last column."""
+    return list(range(tokens)), [width * (t + 1) // tokens - t for t in range(tokens)]
+
+
+register(OpSpec(
+    name="indexer_logits",
+    summary="indexer logits: sum_h w_h * relu(q_h . k), q cast through MXFP4",
+    reference=indexer_logits,
+    cases=(
+        OpCase("tiny", _logits_case(3, 2, 32, 5)),
+        OpCase("tiny_two_blocks", _logits_case(4, 3, 64, 7)),
+        OpCase("tiny_unquantized_q", _logits_case(3, 2, 16, 6, q_format=None)),
+        OpCase("v41_prefill", _logits_case(16, 64, 128, 2048), "real"),
+    ),
+))
+
+register(OpSpec(
+    name="indexer_topk",
+    summary="top-k columns of a per-row window, ascending offsets, -1 padding",
+    reference=indexer_topk,
+    cases=(
+        OpCase("tiny", _topk_case(16, [0, 3, 5, 10], [16, 10, 8, 6], 4)),
+        OpCase("tiny_ties", _topk_case(12, [0, 2, 1], [12, 9, 11], 5, distinct_values=3)),
+        OpCase("tiny_short_and_empty", _topk_case(10, [0, 4, 9, 10], [3, 0, 1, 0], 4)),
+        OpCase("v41_prefill", _topk_case(2048, *_real_windows(16, 2048), 512), "real"),
+    ),
+))

@@ -1,1 +1,155 @@
-"""(being written)"""
+"""KV cache store and load: token rows encoded in a cache format, addressed by flat slot.
+
+A cache is a contiguous ``uint8`` tensor whose last dim is the format's bytes per token; any
+leading shape (``[blocks, block_size, bytes]`` for paged caches, ``[slots, bytes]`` for state
+rings) is viewed as ``[num_slots, bytes]`` and a slot is a row of that view. Slot ``-1`` is
+padding. Formats are those of :mod:`deepinfer.hal.formats` (``bf16``, ``fp8`` 528 B, ``fp4``
+288 B, ``index_fp4`` 68 B, ``index_bf16``)."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.formats import TOKEN_FORMATS, TokenFormat, decode_tokens, encode_tokens, token_format
+from deepinfer.hal.spec import OpCase, OpSpec, register
+
+
+def kv_store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Encode ``x [n, dim]`` in format ``fmt`` and write row ``i`` at flat slot ``slots[i]``.
+
+    ``cache`` is ``uint8 [..., bytes_per_token]`` and is written in place (and returned);
+    ``slots`` is ``int64 [n]``, ``-1`` skips the row. Valid slots must be distinct."""
+    spec = token_format(fmt)
+    rows = cache_rows(cache, spec)
+    _check_slots(slots, rows.shape[0])
+    if x.dim() != 2 or x.shape != (slots.shape[0], spec.dim) or not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor [n={slots.shape[0]}, dim={spec.dim}] for format "
+                         f"{fmt!r}, got {x.dtype} {tuple(x.shape)}")
+    keep = slots >= 0
+    rows[slots[keep]] = encode_tokens(x[keep], fmt)
+    return cache
+
+
+def kv_load(cache: torch.Tensor, slots: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Decode the rows at flat ``slots [n]`` of ``cache`` (format ``fmt``) into float32 ``[n, dim]``.
+
+    Slot ``-1`` gives a row of zeros."""
+    spec = token_format(fmt)
+    rows = cache_rows(cache, spec)
+    _check_slots(slots, rows.shape[0])
+    keep = slots >= 0
+    decoded = decode_tokens(rows[slots.clamp(min=0)], fmt)
+    return torch.where(keep.unsqueeze(-1), decoded, torch.zeros((), device=decoded.device))
+
+
+def cache_rows(cache: torch.Tensor, spec: TokenFormat) -> torch.Tensor:
+    """``cache`` viewed as ``[num_slots, bytes_per_token]`` (shares its storage)."""
+    if cache.dtype != torch.uint8 or cache.dim() < 2 or cache.shape[-1] != spec.bytes_per_token:
+        raise ValueError(f"cache must be uint8 [..., {spec.bytes_per_token}] for format {spec.name!r}, "
+                         f"got {cache.dtype} {tuple(cache.shape)}")
+    if not cache.is_contiguous():
+        raise ValueError(f"cache must be contiguous to be addressed by flat slot; got strides "
+                         f"{cache.stride()}")
+    return cache.view(-1, spec.bytes_per_token)
+
+
+def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
+    if slots.dim() != 1 or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be int64 [n], got {slots.dtype} {tuple(slots.shape)}")
+    if slots.numel() and (slots.min() < -1 or slots.max() >= num_slots):
+        raise ValueError(f"slots must lie in [0, {num_slots}) or be -1 (skip); got values in "
+                         f"[{slots.min().item()}, {slots.max().item()}]")
+
+
+def _random_cache(gen: torch.Generator, fmt: str, blocks: int, block_size: int) -> torch.Tensor:
+    """A cache whose every row holds a valid encoded token (so every row decodes to finite values)."""
+    spec = TOKEN_FORMATS[fmt]
+    tokens = torch.randn(blocks * block_size, spec.dim, generator=gen)
+    return encode_tokens(tokens, fmt).reshape(blocks, block_size, spec.bytes_per_token)
+
+
+def _slots(gen: torch.Generator, n: int, num_slots: int, skipped: int) -> torch.Tensor:
+    slots = torch.randperm(num_slots, generator=gen)[:n]
+    slots[torch.randperm(n, generator=gen)[:skipped]] = -1
+    return slots
+
+
+_E2M1_TIES = (6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _values(gen: torch.Generator, n: int, dim: int) -> torch.Tensor:
+    """Rows with block magnitudes spread over many powers of two, one all-zero row and one row of
+    e2m1 rounding ties (exact at FP4 scale 1)."""
+    magnitude = torch.exp2(torch.randint(-6, 7, (n, dim // 16), generator=gen).float())
+    x = torch.randn(n, dim, generator=gen) * magnitude.repeat_interleave(16, dim=1)
+    x[0] = 0.0
+    ties = torch.tensor(_E2M1_TIES)
+    x[1] = torch.cat((ties, -ties)).repeat(dim // 16)
+    return x
+
+
+def _store_case(fmt: str, n: int, blocks: int, block_size: int, skipped: int):
+    def make(gen: torch.Generator, device: torch.device):
+        cache = _random_cache(gen, fmt, blocks, block_size)
+        return {
+            "cache": cache.to(device),
+            "slots": _slots(gen, n, blocks * block_size, skipped).to(device),
+            "x": _values(gen, n, TOKEN_FORMATS[fmt].dim).to(device),
+            "fmt": fmt,
+        }
+    return make
+
+
+def _load_case(fmt: str, n: int, blocks: int, block_size: int, skipped: int):
+    def make(gen: torch.Generator, device: torch.device):
+        return {
+            "cache": _random_cache(gen, fmt, blocks, block_size).to(device),
+            "slots": _slots(gen, n, blocks * block_size, skipped).to(device),
+            "fmt": fmt,
+        }
+    return make
+
+
+def _cases(make_case) -> tuple[OpCase, ...]:
+    cases = []
+    for fmt in TOKEN_FORMATS:
+        cases.append(OpCase(f"tiny_{fmt}", make_case(fmt, 5, 3, 4, 1)))
+        cases.append(OpCase(f"real_{fmt}", make_case(fmt, 256, 4, 128, 7), size="real"))
+    return tuple(cases)
+
+
+register(OpSpec(
+    name="kv_store",
+    summary="encode token rows in a cache format and write them at flat cache slots (in place)",
+    reference=kv_store,
+    cases=_cases(_store_case),
+))
+
+register(OpSpec(
+    name="kv_load",
+    summary="decode the cache rows at flat slots into float32 (slot -1 gives zeros)",
+    reference=kv_load,
+    cases=_cases(_load_case),
+))
+
+
+def kv_cast(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 values a reader of ``x [n, dim]`` stored in format ``fmt`` will see
+    (encode then decode), so prefill can attend to exactly what decode reads back."""
+    spec = token_format(fmt)
+    if x.dim() != 2 or x.shape[1] != spec.dim or not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor [n, {spec.dim}] for format {fmt!r}, got {x.dtype} {tuple(x.shape)}")
+    return decode_tokens(encode_tokens(x, fmt), fmt)
+
+
+def _cast_case(fmt: str, n: int, *_):
+    def make(gen: torch.Generator, device: torch.device):
+        return {"x": _values(gen, n, TOKEN_FORMATS[fmt].dim).to(device), "fmt": fmt}
+    return make
+
+
+register(OpSpec(
+    name="kv_cast",
+    summary="quantize-dequantize token rows through a cache format (what a reader sees)",
+    reference=kv_cast,
+    cases=_cases(_cast_case),
+))

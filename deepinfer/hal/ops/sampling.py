@@ -1,1 +1,153 @@
-"""(being written)"""
+"""Counter-based, batch-invariant token sampling (greedy takes the same path).
+
+Every draw is a pure function of ``(seed, 3 * position + case)``, so a row's token does not
+depend on what else is in the batch. ``case`` names the draw's namespace:
+
+* ``CASE_SAMPLE = 0``: the normal draw of a token;
+* ``CASE_RESAMPLE = 1``: the residual resample after a speculative rejection;
+* ``CASE_ACCEPT = 2``: the acceptance uniform of speculative verification.
+
+Seeds are uint64 values held in int64 tensors (values ``>= 2**63`` stored as ``value - 2**64``).
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.spec import OpCase, OpSpec, register
+
+CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT = 0, 1, 2
+MIN_TEMPERATURE = 1e-5
+FIXED_POINT_ONE = 1 << 31
+
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: counter mixing and SplitMix64 step
+SPLITMIX_MUL_1 = 0xBF58476D1CE4E5B9  # SplitMix64 finalizer (Stafford's Mix13, as in Steele et al. 2014)
+SPLITMIX_MUL_2 = 0x94D049BB133111EB
+
+
+def _as_int64(value: int) -> int:
+    """The int64 with the same 64 bits as the uint64 ``value``."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Uniform float64 in ``[0, 1)``, a pure function of each ``(seed, counter)`` pair.
+
+    In uint64 arithmetic (wrapping; held in int64): ``state = seed ^ (counter * GOLDEN_GAMMA)``,
+    then SplitMix64 (``z = state + GOLDEN_GAMMA``; ``z = (z ^ z >> 30) * SPLITMIX_MUL_1``;
+    ``z = (z ^ z >> 27) * SPLITMIX_MUL_2``; ``z ^= z >> 31``); the result is ``(z >> 11) / 2**53``.
+    ``seeds`` and ``counters``: int64 tensors of one shape."""
+    if seeds.dtype != torch.int64 or counters.dtype != torch.int64 or seeds.shape != counters.shape:
+        raise ValueError(f"seeds and counters must be int64 tensors of one shape, got {seeds.dtype} "
+                         f"{tuple(seeds.shape)} and {counters.dtype} {tuple(counters.shape)}")
+    z = seeds ^ (counters * _as_int64(GOLDEN_GAMMA))
+    z = z + _as_int64(GOLDEN_GAMMA)
+    z = (z ^ _shift_right_logical(z, 30)) * _as_int64(SPLITMIX_MUL_1)
+    z = (z ^ _shift_right_logical(z, 27)) * _as_int64(SPLITMIX_MUL_2)
+    z = z ^ _shift_right_logical(z, 31)
+    return _shift_right_logical(z, 11).double() / float(1 << 53)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+           seeds: torch.Tensor, positions: torch.Tensor, case: int = CASE_SAMPLE):
+    """Draw one token per row; returns ``(token_ids int64 [N], logprobs float32 [N, V])``.
+
+    ``logits``: float ``[N, V]``; per row ``temperature`` (>= 0), ``top_p`` in ``(0, 1]``,
+    ``top_k`` (int64; ``<= 0`` or ``>= V`` is off), ``seeds`` and ``positions`` (int64).
+    ``z = logits / max(temperature, 1e-5)``; top-k keeps ``z >=`` the k-th largest ``z`` (ties
+    kept); top-p (``< 1``) then keeps, on ``softmax(z)`` over the kept tokens, every token whose
+    probability is ``>=`` that of the token at which the descending cumulative sum first reaches
+    ``top_p``. ``logprobs`` is ``log_softmax`` over the kept tokens, ``-inf`` elsewhere (the
+    processed distribution). Draw: ``w = floor(exp(logprobs) * 2**31)`` (int64),
+    ``r = floor(u * sum(w))`` with ``u = counter_uniform(seed, 3 * position + case)``; the token
+    is the first whose inclusive integer cumsum of ``w`` exceeds ``r``, so tokens of weight 0 are
+    never drawn. (``sum(w) > 2**30``, so ``u < 1`` keeps ``r < sum(w)`` after float64 rounding.)"""
+    _check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
+    z = logits.float() / temperature.float().clamp_min(MIN_TEMPERATURE)[:, None]
+    keep = _top_k_mask(z, top_k)
+    keep &= _top_p_mask(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
+    logprobs = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+    weights = torch.floor(logprobs.exp() * FIXED_POINT_ONE).long()
+    cumulative = weights.cumsum(dim=-1)
+    total = cumulative[:, -1]
+    uniform = counter_uniform(seeds, 3 * positions + case)
+    target = torch.floor(uniform * total.double()).long()
+    token_ids = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+    return token_ids, logprobs
+
+
+def _top_k_mask(z: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = z.shape[1]
+    active = (top_k > 0) & (top_k < vocab)
+    descending = torch.sort(z, dim=-1, descending=True).values
+    kth = descending.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
+    return (z >= kth) | ~active[:, None]
+
+
+def _top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    descending = torch.sort(probs, dim=-1, descending=True).values
+    below = (descending.cumsum(dim=-1) < top_p.float()[:, None]).sum(dim=-1, keepdim=True)
+    threshold = descending.gather(1, below.clamp_max(probs.shape[1] - 1))
+    return (probs >= threshold) | (top_p >= 1.0)[:, None]
+
+
+def _check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [N, V] tensor, got {logits.dtype} "
+                         f"of shape {tuple(logits.shape)}")
+    rows = logits.shape[0]
+    for name, tensor, integer in (("temperature", temperature, False), ("top_p", top_p, False),
+                                  ("top_k", top_k, True), ("seeds", seeds, True), ("positions", positions, True)):
+        wrong_dtype = tensor.dtype != torch.int64 if integer else not tensor.is_floating_point()
+        if wrong_dtype or tensor.shape != (rows,):
+            kind = "an int64" if integer else "a float"
+            raise ValueError(f"{name} must be {kind} tensor of shape [N={rows}], got {tensor.dtype} "
+                             f"of shape {tuple(tensor.shape)}")
+    if not bool((temperature >= 0).all()):
+        raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
+    if not bool(((top_p > 0) & (top_p <= 1)).all()):
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p.tolist()}")
+    if case not in (CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT):
+        raise ValueError(f"case must be 0 (sample), 1 (resample) or 2 (accept), got {case}")
+
+
+def _case(vocab: int, temperature, top_p, top_k, case: int = CASE_SAMPLE, scale: float = 2.0,
+          spikes: int = 0, tied: bool = False):
+    def make(gen: torch.Generator, device: torch.device):
+        rows = len(temperature)
+        if tied:
+            logits = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+        else:
+            logits = scale * torch.randn(rows, vocab, generator=gen)
+        if spikes:
+            columns = torch.randint(0, vocab, (rows, spikes), generator=gen)
+            logits.scatter_(1, columns, 20 + 2 * torch.randn(rows, spikes, generator=gen))
+        return {
+            "logits": logits.to(device),
+            "temperature": torch.tensor(temperature, device=device),
+            "top_p": torch.tensor(top_p, device=device),
+            "top_k": torch.tensor(top_k, device=device),
+            "seeds": torch.randint(-(1 << 62), 1 << 62, (rows,), generator=gen).to(device),
+            "positions": torch.randint(0, 1 << 20, (rows,), generator=gen).to(device),
+            "case": case,
+        }
+    return make
+
+
+register(OpSpec(
+    name="sample",
+    summary="temperature / top-k / top-p sampling with a counter-based RNG and integer CDF",
+    reference=sample,
+    cases=(
+        OpCase("tiny_mixed", _case(11, [1.0, 0.7, 1.3, 0.5, 2.0, 1.0], [1.0, 0.9, 0.6, 1.0, 0.8, 0.3],
+                                   [0, 3, -1, 5, 11, 2])),
+        OpCase("tiny_greedy", _case(11, [0.0, 0.0, 0.0, 1e-6], [1.0, 1.0, 0.5, 1.0], [-1, 0, 4, -1])),
+        OpCase("tiny_top_k_ties", _case(11, [1.0, 0.5, 1.0, 2.0], [1.0, 1.0, 0.7, 1.0], [2, 3, 4, 1], tied=True)),
+        OpCase("tiny_resample", _case(11, [1.0, 0.8, 1.0], [1.0, 0.95, 0.5], [0, 6, 0], case=CASE_RESAMPLE)),
+        OpCase("v41_vocab", _case(129280, [1.0, 0.6, 1.0, 0.0], [0.9, 1.0, 0.95, 1.0], [0, 50, 1000, -1],
+                                  scale=1.0, spikes=8), size="real"),
+    ),
+))

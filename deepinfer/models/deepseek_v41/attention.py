@@ -1,0 +1,159 @@
+"""V4.1 attention: MQA over a 512-dim K=V latent, SWA ring plus C1/C2 compressed keys chosen by
+the sparse indexer, attention sink, conjugate RoPE on the output, grouped low-rank output."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.hal.registry import OpTable
+from deepinfer.models.deepseek_v41.cache import LayerCache
+from deepinfer.models.deepseek_v41.config import ATTENTION_DIM, INDEX_HEAD_DIM, DeepseekV41Config
+from deepinfer.models.forward_context import ForwardContext
+from deepinfer.models.layers import Linear, RMSNorm
+
+
+class Compressor(nn.Module):
+    """Projects the compressed KV stream: ``wkv`` (latent) and, for C2, ``wgate`` (score)."""
+
+    def __init__(self, cfg: DeepseekV41Config, ratio: int, ops: OpTable, dtype: torch.dtype):
+        super().__init__()
+        self.wkv = Linear(cfg.hidden_size, ATTENTION_DIM, ops, dtype)
+        self.wgate = Linear(cfg.hidden_size, ATTENTION_DIM, ops, dtype) if ratio > 1 else None
+        self.norm = RMSNorm(ATTENTION_DIM, cfg.rms_norm_eps, ops, dtype)
+
+
+class Indexer(nn.Module):
+    """Lightning-style indexer: index queries from ``q_a``, index keys from pre-RoPE compressed KV."""
+
+    def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype):
+        super().__init__()
+        self.heads = cfg.index_n_heads
+        self.wq_b = Linear(cfg.q_lora_rank, self.heads * INDEX_HEAD_DIM, ops, dtype)
+        self.wk = Linear(ATTENTION_DIM, INDEX_HEAD_DIM, ops, dtype)
+        self.k_norm = RMSNorm(INDEX_HEAD_DIM, cfg.rms_norm_eps, ops, dtype)
+        self.weights_proj = Linear(cfg.hidden_size, self.heads, ops, dtype)
+
+
+class Attention(nn.Module):
+    """One layer's attention; ``ratio`` 0 is SWA only, 1 and 2 add compressed keys."""
+
+    def __init__(self, cfg: DeepseekV41Config, ratio: int, ops: OpTable, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.ratio, self.ops = cfg, ratio, ops
+        self.heads = cfg.num_attention_heads
+        heads_per_group = self.heads // cfg.o_groups
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, ops, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops, dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, self.heads * ATTENTION_DIM, ops, dtype)
+        self.wkv = Linear(cfg.hidden_size, ATTENTION_DIM, ops, dtype)
+        self.kv_norm = RMSNorm(ATTENTION_DIM, cfg.rms_norm_eps, ops, dtype)
+        self.wo_a = Linear(heads_per_group * ATTENTION_DIM, cfg.o_groups * cfg.o_lora_rank, ops, dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, ops, dtype)
+        self.compressor = Compressor(cfg, ratio, ops, dtype) if ratio else None
+        self.indexer = Indexer(cfg, ops, dtype) if ratio else None
+        self.scale = ATTENTION_DIM ** -0.5
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, cache: LayerCache, cos_sin: torch.Tensor,
+                kv_source: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden`` is the normed layer input; compressed KV is projected from ``kv_source``
+        (the YOCO shared hidden in consumer layers) when given."""
+        ops, pos = self.ops, ctx.positions
+        q_a = self.q_norm(self.wq_a(hidden))
+        q = ops.apply_rope(self.wq_b(q_a).view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
+        kv = ops.apply_rope(self.kv_norm(self.wkv(hidden)), pos, cos_sin)
+        selected = None
+        if self.ratio:
+            self._store_compressed(hidden if kv_source is None else kv_source, ctx, cache, cos_sin)
+            selected = self._select_compressed(q_a, hidden, ctx, cache, cos_sin)
+        attend = self._attend_decode if ctx.decode else self._attend_prefill
+        out = attend(q, kv, selected, ctx, cache)
+        out = ops.apply_rope(out, pos, cos_sin, conjugate=True)
+        return self._project_out(out)
+
+    def _store_compressed(self, source, ctx, cache, cos_sin) -> None:
+        ops, comp = self.ops, self.compressor
+        latent = comp.wkv(source).float()
+        score = comp.wgate(source).float() if comp.wgate is not None else None
+        packed, emit = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
+                                           ctx.chunk_start_of_token, cache.compress_state, self.ratio)
+        rows = emit.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        pre_rope = comp.norm(packed[rows].to(latent.dtype))
+        index = (ctx.positions[rows] + 1) // self.ratio - 1
+        key_pos = index * self.ratio
+        slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token[rows], index)
+        ops.kv_store(cache.compressed, slots, ops.apply_rope(pre_rope, key_pos, cos_sin),
+                     self.cfg.compressed_cache_format)
+        index_k = ops.apply_rope(self.indexer.k_norm(self.indexer.wk(pre_rope)), key_pos, cos_sin)
+        ops.kv_store(cache.index_k, slots, index_k, "index_fp4")
+
+    def _compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
+        """Flat cache rows of every sequence's compressed tokens, and each sequence's first row."""
+        counts = ctx.context_lens // self.ratio
+        seq = torch.repeat_interleave(torch.arange(ctx.num_seqs, device=counts.device), counts)
+        first = torch.cat((counts.new_zeros(1), counts.cumsum(0)[:-1]))
+        index = torch.arange(seq.numel(), device=counts.device) - first[seq]
+        return cache.compressed_slots(ctx.block_tables, seq, index), first
+
+    def _select_compressed(self, q_a, hidden, ctx, cache, cos_sin) -> torch.Tensor:
+        """Logical indices of the compressed keys each query attends to (-1 padding)."""
+        ops, idx = self.ops, self.indexer
+        q = ops.apply_rope(idx.wq_b(q_a).view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
+        weights = idx.weights_proj(hidden).float() * (idx.heads * INDEX_HEAD_DIM) ** -0.5
+        key_slots, first = self._compressed_keys(ctx, cache)
+        keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
+        logits = ops.indexer_logits(q, keys, weights)
+        visible = (ctx.positions + 1) // self.ratio
+        return ops.indexer_topk(logits, first[ctx.seq_of_token], visible, self.cfg.index_topk)
+
+    def _attend_prefill(self, q, kv, selected, ctx, cache):
+        ops, cfg = self.ops, self.cfg
+        window, ring, fmt = cfg.sliding_window, cfg.swa_ring_size, cfg.swa_cache_format
+        history_slots = ops.swa_history_slots(ctx.state_slots, ctx.chunk_start, window, ring)
+        history = ops.kv_load(cache.swa_ring, history_slots.flatten(), fmt)
+        chunk = ops.kv_cast(kv, fmt)
+        seq = ctx.seq_of_token
+        history_offset = seq * (window - 1)
+        chunk_offset = history.shape[0] + ctx.query_start[seq]
+        indices = ops.swa_prefill_indices(ctx.positions, ctx.chunk_start_of_token, history_offset,
+                                          chunk_offset, window)
+        buffers = [history, chunk]
+        if selected is not None:
+            key_slots, first = self._compressed_keys(ctx, cache)
+            buffers.append(ops.kv_load(cache.compressed, key_slots, cfg.compressed_cache_format))
+            base = history.shape[0] + chunk.shape[0] + first[seq]
+            shifted = torch.where(selected >= 0, selected + base.unsqueeze(1).to(selected.dtype), selected)
+            indices = torch.cat((indices, shifted.to(indices.dtype)), dim=1)
+        out, _ = ops.mla_sparse_prefill(q, torch.cat(buffers).to(q.dtype), indices, self.attn_sink, self.scale)
+        recent = ctx.positions >= (ctx.context_lens[seq] - ring)
+        slots = ops.swa_ring_slots(ctx.slot_of_token[recent], ctx.positions[recent], ring)
+        ops.kv_store(cache.swa_ring, slots, kv[recent], fmt)
+        return out
+
+    def _attend_decode(self, q, kv, selected, ctx, cache):
+        ops, cfg = self.ops, self.cfg
+        ring, fmt = cfg.swa_ring_size, cfg.swa_cache_format
+        ops.kv_store(cache.swa_ring, ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring), kv, fmt)
+        batch, s_q = ctx.num_seqs, ctx.decode_query_len
+        main = ops.swa_decode_indices(ctx.slot_of_token, ctx.positions, cfg.sliding_window, ring)
+        extra = {}
+        if selected is not None:
+            rows = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token.unsqueeze(1), selected)
+            extra = dict(extra_cache=cache.compressed, extra_indices=rows.to(torch.int32).view(batch, s_q, -1),
+                         extra_format=cfg.compressed_cache_format)
+        out, _ = ops.mla_sparse_decode(q.view(batch, s_q, self.heads, ATTENTION_DIM), cache.swa_ring,
+                                       main.view(batch, s_q, -1), self.attn_sink, self.scale,
+                                       cache_format=fmt, **extra)
+        return out.reshape(ctx.num_tokens, self.heads, ATTENTION_DIM)
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Grouped low-rank projection: each group of heads to ``o_lora_rank``, then to hidden."""
+        tokens, groups = out.shape[0], self.cfg.o_groups
+        grouped = out.reshape(tokens, groups, -1).transpose(0, 1).reshape(groups * tokens, -1)
+        weight = self.wo_a.weight.view(groups, self.cfg.o_lora_rank, -1)
+        sizes = torch.full((groups,), tokens, dtype=torch.long, device=out.device)
+        low_rank = self.ops.grouped_gemm(grouped, weight, sizes)
+        low_rank = low_rank.view(groups, tokens, -1).transpose(0, 1).reshape(tokens, -1)
+        return self.wo_b(low_rank.to(out.dtype))

@@ -1,0 +1,93 @@
+"""KV caches of a DeepSeek-V4.1 model: SWA rings and compress state per sequence slot, paged
+compressed KV and index K per 128-token block."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.hal.formats import token_format
+from deepinfer.models.deepseek_v41.config import PAGE_TOKENS, DeepseekV41Config
+
+
+@dataclass
+class LayerCache:
+    """One attention layer's caches.
+
+    ``swa_ring``: uint8 ``[num_state_slots * ring_size, 528]`` (row ``slot * ring + p % ring``).
+    ``compressed`` / ``index_k``: uint8 ``[num_blocks, PAGE_TOKENS // ratio, bytes]``.
+    ``compress_state``: float32 ``[num_state_slots, ring, 2, 512]`` (C2 only)."""
+
+    ratio: int
+    swa_ring: torch.Tensor
+    compressed: torch.Tensor | None = None
+    index_k: torch.Tensor | None = None
+    compress_state: torch.Tensor | None = None
+
+    @property
+    def tokens_per_block(self) -> int:
+        return PAGE_TOKENS // self.ratio
+
+    def compressed_slots(self, block_tables: torch.Tensor, seq: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Flat rows of logical compressed tokens ``index`` of sequences ``seq`` (-1 stays -1)."""
+        per_block = self.tokens_per_block
+        valid = index >= 0
+        safe = index.clamp(min=0)
+        block = block_tables[seq, safe // per_block]
+        rows = block * per_block + safe % per_block
+        bad = valid & (block < 0)
+        if bool(bad.any()):
+            raise ValueError("a compressed token falls in a block the block table does not hold; "
+                             "allocate ceil(context_len / 128) blocks per sequence")
+        return torch.where(valid, rows, torch.full_like(rows, -1))
+
+
+@dataclass
+class ModelCaches:
+    """All layers' caches; allocate with :meth:`allocate`."""
+
+    layers: list[LayerCache]
+    draft_layers: list[LayerCache]
+    num_blocks: int
+    num_state_slots: int
+
+    @classmethod
+    def allocate(cls, config: DeepseekV41Config, num_blocks: int, num_state_slots: int,
+                 device: torch.device | str = "cpu") -> "ModelCaches":
+        ring = config.swa_ring_size
+        swa_bytes = token_format(config.swa_cache_format).bytes_per_token
+
+        def layer(ratio: int) -> LayerCache:
+            cache = LayerCache(ratio, torch.zeros(num_state_slots * ring, swa_bytes, dtype=torch.uint8, device=device))
+            if ratio:
+                per_block = PAGE_TOKENS // ratio
+                kv_bytes = token_format(config.compressed_cache_format).bytes_per_token
+                cache.compressed = torch.zeros(num_blocks, per_block, kv_bytes, dtype=torch.uint8, device=device)
+                cache.index_k = torch.zeros(num_blocks, per_block, token_format("index_fp4").bytes_per_token,
+                                            dtype=torch.uint8, device=device)
+            if ratio > 1:
+                cache.compress_state = torch.zeros(num_state_slots, config.compress_state_ring(ratio), 2,
+                                                   config.head_dim, device=device)
+            return cache
+
+        return cls(
+            layers=[layer(r) for r in config.layer_ratios],
+            draft_layers=[layer(0) for _ in range(config.num_nextn_predict_layers)],
+            num_blocks=num_blocks,
+            num_state_slots=num_state_slots,
+        )
+
+    @staticmethod
+    def bytes_per_block(config: DeepseekV41Config) -> int:
+        """Paged bytes one 128-token block takes over all layers."""
+        kv = token_format(config.compressed_cache_format).bytes_per_token
+        idx = token_format("index_fp4").bytes_per_token
+        return sum((PAGE_TOKENS // r) * (kv + idx) for r in config.layer_ratios if r)
+
+    @staticmethod
+    def bytes_per_state_slot(config: DeepseekV41Config) -> int:
+        """Bytes of one sequence's SWA rings and compress state over all layers."""
+        ring = config.swa_ring_size * token_format(config.swa_cache_format).bytes_per_token
+        layers = config.num_hidden_layers + config.num_nextn_predict_layers
+        state = sum(config.compress_state_ring(r) * 2 * config.head_dim * 4 for r in config.layer_ratios if r > 1)
+        return layers * ring + state

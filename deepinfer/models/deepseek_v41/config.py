@@ -1,0 +1,174 @@
+"""DeepSeek-V4.1 model configuration: the HF ``config.json`` keys we read, plus runtime choices."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ATTENTION_DIM = 512
+ROPE_DIM = 64
+INDEX_HEAD_DIM = 128
+PAGE_TOKENS = 128
+
+
+@dataclass
+class DeepseekV41Config:
+    """Architecture of a DeepSeek-V4.1-family model (field names follow the HF ``text_config``).
+
+    ``compress_ratios[i]`` is 0 (SWA only), 1 or 2 for backbone layer ``i``; the first layer with
+    ratio 1 starts the YOCO consumer half. Runtime fields (not in checkpoints) come last."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = ATTENTION_DIM
+    qk_rope_head_dim: int = ROPE_DIM
+    q_lora_rank: int = 1280
+    o_lora_rank: int = 512
+    o_groups: int = 8
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    swiglu_limit: float = 10.0
+    tie_word_embeddings: bool = False
+    sliding_window: int = 128
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: dict[str, Any] | None = None
+    compress_ratios: list[int] = field(default_factory=list)
+    index_topk: int = 512
+    index_n_heads: int = 64
+    index_head_dim: int = INDEX_HEAD_DIM
+    hc_mult: int = 4
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    hc_shifted: bool = True
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 2048
+    shared_expert_intermediate_size: int | None = None
+    routed_scaling_factor: float = 1.5
+    scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    num_nextn_predict_layers: int = 3
+    dspark_block_size: int = 5
+    dspark_target_layer_ids: list[int] = field(default_factory=list)
+    dspark_markov_rank: int = 64
+    dspark_noise_token_id: int | None = None
+    dspark_n_routed_experts: int | None = None
+    dspark_num_experts_per_tok: int | None = None
+    use_fp4_sparse_kv: bool = True
+    kv_source_layer_ids: list[int] | None = None
+    index_source_layer_ids: list[int] | None = None
+    engram_layer_ids: list[int] = field(default_factory=list)
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+    # runtime choices, not read from checkpoints
+    max_backtracking: int = 6
+    swa_cache_format: str = "fp8"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def layer_ratios(self) -> list[int]:
+        return list(self.compress_ratios[: self.num_hidden_layers])
+
+    @property
+    def n_prefill_layers(self) -> int:
+        """Index of the first YOCO consumer layer (the first layer with compression ratio 1)."""
+        return self.layer_ratios.index(1)
+
+    @property
+    def swa_ring_size(self) -> int:
+        return self.sliding_window + self.max_backtracking
+
+    @property
+    def shared_width(self) -> int:
+        return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def compressed_cache_format(self) -> str:
+        return "fp4" if self.use_fp4_sparse_kv else "fp8"
+
+    @property
+    def draft_experts(self) -> tuple[int, int]:
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_num_experts_per_tok or self.num_experts_per_tok)
+
+    def compress_state_ring(self, ratio: int) -> int:
+        """Raw (score, latent) entries kept per sequence for a layer of this ratio."""
+        return ratio + max(0, self.max_backtracking - 1)
+
+    def validate(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid DeepSeek-V4.1 config: {what}")
+
+        need(self.head_dim == ATTENTION_DIM and self.qk_rope_head_dim == ROPE_DIM,
+             f"head_dim must be 512 with 64 RoPE dims (the V4.1 KV formats), got {self.head_dim}/{self.qk_rope_head_dim}")
+        need(self.num_key_value_heads == 1, f"num_key_value_heads must be 1 (MQA), got {self.num_key_value_heads}")
+        need(self.index_head_dim == INDEX_HEAD_DIM, f"index_head_dim must be 128, got {self.index_head_dim}")
+        need(self.hidden_act == "silu", f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        need(self.scoring_func == "sqrtsoftplus" and self.topk_method == "noaux_tc",
+             f"the gate must be sqrtsoftplus + noaux_tc, got {self.scoring_func!r} + {self.topk_method!r}")
+        need(len(self.compress_ratios) >= self.num_hidden_layers,
+             f"compress_ratios has {len(self.compress_ratios)} entries for {self.num_hidden_layers} layers")
+        need(set(self.layer_ratios) <= {0, 1, 2}, f"only ratios 0, 1, 2 exist in V4.1, got {sorted(set(self.layer_ratios))}")
+        need(1 in self.layer_ratios, "compress_ratios needs a ratio-1 layer (it starts the YOCO consumer half)")
+        need(self.num_attention_heads % self.o_groups == 0,
+             f"num_attention_heads {self.num_attention_heads} is not a multiple of o_groups {self.o_groups}")
+        need(0 < self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok must be in 1..n_routed_experts")
+        need(all(0 <= i < self.num_hidden_layers for i in self.dspark_target_layer_ids),
+             f"dspark_target_layer_ids {self.dspark_target_layer_ids} must name backbone layers")
+        need(self.max_backtracking >= 1, "max_backtracking must be >= 1")
+        need(not self.engram_layer_ids, "Engram memory is not supported yet; use a config with engram_layer_ids = []")
+        for key in ("kv_source_layer_ids", "index_source_layer_ids"):
+            sources = getattr(self, key)
+            compressed = [i for i, r in enumerate(self.layer_ratios) if r > 0]
+            need(sources is None or sorted(sources) == compressed,
+                 f"{key}={sources}: cross-layer cache sharing is not supported yet; every compressed layer "
+                 f"must be its own source ({compressed})")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "DeepseekV41Config":
+        """Build from an HF ``config.json`` dict (``text_config`` if present) or a flat dict.
+
+        Unknown keys are ignored (vision, quantization and Engram details live there)."""
+        flat = dict(values.get("text_config", values))
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in values and key not in flat:
+                flat[key] = values[key]
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in flat.items() if k in known})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DeepseekV41Config":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``config.json`` contents of a checkpoint of this model."""
+        text = dataclasses.asdict(self)
+        for key in ("max_backtracking", "swa_cache_format"):
+            text.pop(key)
+        return {
+            "architectures": ["DeepseekV41ForCausalLM"],
+            "model_type": "deepseek_v41",
+            "dtype": "bfloat16",
+            "text_config": text,
+            "quantization_config": {
+                "quant_method": "fp8", "expert_dtype": "fp4", "activation_scheme": "dynamic",
+                "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
+            },
+        }

@@ -1,0 +1,71 @@
+"""DSpark draft blocks (``mtp.{i}``) and the HC head, as modules with the official parameters.
+
+The drafting algorithm (one parallel pass, Markov correction, confidence-scheduled verification)
+lands with the DSpark issue; until then :meth:`DraftBlock.forward` refuses clearly."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.hal.registry import OpTable
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.layers import Linear, RMSNorm
+
+
+class HyperHead(nn.Module):
+    """HC head of non-shifted models: ``fn [hc, hc*H]``, ``base [hc]``, ``scale [1]``."""
+
+    def __init__(self, cfg: DeepseekV41Config, ops: OpTable):
+        super().__init__()
+        hc = cfg.hc_mult
+        self.fn = nn.Parameter(torch.zeros(hc, hc * cfg.hidden_size), requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(hc), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.norm_eps, self.hc_eps, self.ops = cfg.rms_norm_eps, cfg.hc_eps, ops
+
+    def weights(self, residual: torch.Tensor) -> torch.Tensor:
+        """Per-stream read-out weights ``[T, hc]``."""
+        return self.ops.mhc_head(residual, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps)
+
+
+class MarkovHead(nn.Module):
+    """Low-rank bigram correction: ``logits += head.weight @ embed.weight[prev]``."""
+
+    def __init__(self, vocab: int, rank: int, dtype: torch.dtype):
+        super().__init__()
+        self.embed = nn.Module()
+        self.embed.weight = nn.Parameter(torch.empty(vocab, rank, dtype=dtype), requires_grad=False)
+        self.head = nn.Module()
+        self.head.weight = nn.Parameter(torch.empty(vocab, rank, dtype=dtype), requires_grad=False)
+
+
+class ConfidenceHead(nn.Module):
+    """``sigmoid(<[h ; markov embed], proj> / T)``: the chance a draft is accepted."""
+
+    def __init__(self, hidden: int, rank: int, ops: OpTable, dtype: torch.dtype):
+        super().__init__()
+        self.proj = Linear(hidden + rank, 1, ops, dtype)
+
+
+class DraftBlock(nn.Module):
+    """One DSpark draft layer: an SWA-only HC + MoE block, the projection of the target layers'
+    features (``main_proj``, ``main_norm``), Markov and confidence heads, final norm and HC head."""
+
+    def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype):
+        super().__init__()
+        from deepinfer.models.deepseek_v41.model import Block
+
+        experts, top_k = cfg.draft_experts
+        block = Block(cfg, 0, ops, dtype, experts=experts, top_k=top_k)
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        targets = max(1, len(cfg.dspark_target_layer_ids))
+        self.main_proj = Linear(targets * cfg.hidden_size, cfg.hidden_size, ops, dtype)
+        self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
+        self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.dspark_markov_rank, ops, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.hc_head = HyperHead(cfg, ops)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("DSpark drafting is not implemented yet; run with decoding.num_draft_tokens=0")

@@ -1,0 +1,42 @@
+"""Manifold hyper-connection parameters of one sublayer and the shifted mixing step."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.hal.registry import OpTable
+
+
+class HyperConnection(nn.Module):
+    """``fn [hc*(2+hc), hc*H]``, ``base [hc*(2+hc)]``, ``scale [3]`` of one sublayer (float32).
+
+    The owning block registers them under the official names ``hc_{attn,ffn}_{fn,base,scale}``."""
+
+    def __init__(self, hidden: int, streams: int, norm_eps: float, hc_eps: float, sinkhorn_iters: int, ops: OpTable):
+        super().__init__()
+        mixes = streams * (2 + streams)
+        self.fn = nn.Parameter(torch.zeros(mixes, streams * hidden), requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(mixes), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(3), requires_grad=False)
+        self.norm_eps, self.hc_eps, self.sinkhorn_iters, self.ops = norm_eps, hc_eps, sinkhorn_iters, ops
+
+    def mixes(self, residual: torch.Tensor):
+        """``(pre, post, comb)`` of this sublayer, computed from the trunk entering it."""
+        return self.ops.mhc_mixes(residual, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps,
+                                  self.sinkhorn_iters)
+
+    def run(self, residual: torch.Tensor, input_pre: torch.Tensor | None, sublayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply ``sublayer`` on the trunk; returns ``(new trunk, this sublayer's pre mix)``.
+
+        Shifted HC reads the sublayer input with ``input_pre`` (the previous sublayer's pre mix);
+        with ``input_pre=None`` (non-shifted) it uses its own."""
+        pre, post, comb = self.mixes(residual)
+        x = self.ops.mhc_pre(residual, pre if input_pre is None else input_pre)
+        return self.ops.mhc_post(sublayer(x), residual, post, comb), pre
+
+
+def first_stream_mix(tokens: int, streams: int, device: torch.device) -> torch.Tensor:
+    """One-hot pre mix on stream 0: what the first shifted sublayer reads with."""
+    pre = torch.zeros(tokens, streams, device=device)
+    pre[:, 0] = 1.0
+    return pre

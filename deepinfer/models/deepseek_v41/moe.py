@@ -1,0 +1,71 @@
+"""V4.1 MoE: sqrt-softplus gate with noaux_tc bias, routed SwiGLU experts (clamped) through EP
+dispatch, grouped GEMMs and combine, plus one always-on shared expert."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from deepinfer.hal.registry import OpTable
+from deepinfer.models.layers import Linear
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (V4.1's SwiGLU with ``swiglu_limit``)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class Gate(nn.Module):
+    """Router: ``weight [E, H]`` (logits in float32) and the noaux_tc selection ``bias [E]``."""
+
+    def __init__(self, hidden: int, experts: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(experts), requires_grad=False)
+
+
+class Experts(nn.Module):
+    """Routed experts stacked per projection: ``w1, w3 [E, I, H]``, ``w2 [E, H, I]``.
+
+    Checkpoints name them one by one (``experts.{e}.w1.weight``); see ``model.official_state_dict``."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int, dtype: torch.dtype):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, intermediate, hidden, dtype=dtype), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(experts, intermediate, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, intermediate, dtype=dtype), requires_grad=False)
+
+
+class SharedExperts(nn.Module):
+    """The shared expert(s) as one SwiGLU MLP of width ``width``."""
+
+    def __init__(self, hidden: int, width: int, ops: OpTable, dtype: torch.dtype):
+        super().__init__()
+        self.w1 = Linear(hidden, width, ops, dtype)
+        self.w3 = Linear(hidden, width, ops, dtype)
+        self.w2 = Linear(width, hidden, ops, dtype)
+
+
+class MoE(nn.Module):
+    """Token-choice MoE; ``ep_group`` (a process group or None) spreads the experts over ranks."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, intermediate: int, shared_width: int,
+                 routed_scale: float, swiglu_limit: float, ops: OpTable, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_experts, self.top_k, self.routed_scale, self.limit = experts, top_k, routed_scale, swiglu_limit
+        self.ops = ops
+        self.ep_group = None
+        self.gate = Gate(hidden, experts, dtype)
+        self.experts = Experts(experts, hidden, intermediate, dtype)
+        self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        logits = ops.linear(x, self.gate.weight).float()
+        weights, ids = ops.moe_gate(logits, self.gate.bias, self.top_k, self.routed_scale)
+        rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
+        hidden = clamped_swiglu(ops.grouped_gemm(rows, self.experts.w1, group_sizes),
+                                ops.grouped_gemm(rows, self.experts.w3, group_sizes), self.limit)
+        routed = ops.ep_combine(ops.grouped_gemm(hidden.to(x.dtype), self.experts.w2, group_sizes), handle)
+        shared = self.shared_experts
+        return routed.to(x.dtype) + shared.w2(clamped_swiglu(shared.w1(x), shared.w3(x), self.limit))

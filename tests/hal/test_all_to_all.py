@@ -1,0 +1,132 @@
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deepinfer.hal.ops.all_to_all import ep_combine, ep_dispatch
+from deepinfer.hal.spec import SPECS, compare
+from tests.hal.oracle import as_float64, check_against_oracle
+
+
+def dispatch_float64(x, topk_ids, topk_weights, num_experts):
+    """Sort the (expert, token, slot) triples in Python and gather the rows."""
+    triples = sorted((e, t, j) for t, row in enumerate(topk_ids.tolist()) for j, e in enumerate(row) if e >= 0)
+    expanded = torch.stack([x[t] for _, t, _ in triples]) if triples else x[:0]
+    group_sizes = torch.zeros(num_experts, dtype=torch.int64)
+    for e, _, _ in triples:
+        group_sizes[e] += 1
+    return expanded, group_sizes
+
+
+def combine_float64(y, handle):
+    """Walk the expanded rows back through the handle's documented maps; sum per token."""
+    out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float64)
+    for row, received in enumerate(handle.expert_order.tolist()):
+        token = handle.pair_index[received].item() // handle.top_k
+        out[token] += handle.pair_weights[received].item() * y[row]
+    return out
+
+
+@pytest.mark.parametrize("case", [c.name for c in SPECS["ep_dispatch"].cases])
+def test_ep_dispatch_matches_float64(case):
+    spec = SPECS["ep_dispatch"]
+    inputs = spec.case(case).make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
+    expanded, group_sizes, _ = ep_dispatch(**inputs)
+    want_expanded, want_sizes = dispatch_float64(**as_float64(inputs))
+    failures = compare((expanded.double(), group_sizes), (want_expanded, want_sizes),
+                       spec.tolerance(torch.float64), f"ep_dispatch[{case}]")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", [c.name for c in SPECS["ep_combine"].cases])
+def test_ep_combine_matches_float64(case):
+    check_against_oracle("ep_combine", case, combine_float64)
+
+
+def test_round_trip_by_hand():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    ids = torch.tensor([[2, 0], [0, -1], [1, 2]])
+    weights = torch.tensor([[0.75, 0.25], [1.0, 0.0], [0.5, 0.5]])
+    expanded, sizes, handle = ep_dispatch(x, ids, weights, num_experts=3)
+    assert torch.equal(expanded, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [1.0, 2.0], [5.0, 6.0]]))
+    assert sizes.tolist() == [2, 1, 2]
+    expert_ids = torch.tensor([0.0, 0.0, 1.0, 2.0, 2.0])
+    out = ep_combine(expanded * (expert_ids + 1)[:, None], handle)
+    assert torch.equal(out, torch.tensor([[2.5, 5.0], [3.0, 4.0], [12.5, 15.0]]))
+
+
+def test_round_trip_passes_rows_through_exactly(gen):
+    """Dyadic weights summing to 1 on bf16-valued rows: every partial sum is exact in float32."""
+    inputs = SPECS["ep_dispatch"].case("v41_routing").make_inputs(gen, torch.device("cpu"))
+    inputs["x"] = inputs["x"].bfloat16().float()
+    inputs["topk_weights"] = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.03125]).expand(64, 6)
+    expanded, _, handle = ep_dispatch(**inputs)
+    assert torch.equal(ep_combine(expanded, handle), inputs["x"])
+
+
+def test_unrouted_tokens_are_skipped_and_combine_to_zero():
+    x = torch.ones(2, 4)
+    expanded, sizes, handle = ep_dispatch(x, torch.tensor([[1, 0], [-1, -1]]), torch.ones(2, 2), num_experts=2)
+    assert expanded.shape == (2, 4) and sizes.tolist() == [1, 1]
+    assert torch.equal(ep_combine(expanded, handle), torch.tensor([[2.0] * 4, [0.0] * 4]))
+
+
+def test_bad_inputs_are_rejected():
+    x, weights = torch.zeros(2, 4), torch.ones(2, 2)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[-1, 4\).*\[0, 4\]"):
+        ep_dispatch(x, torch.tensor([[0, 4], [1, 2]]), weights, num_experts=4)
+    with pytest.raises(ValueError, match="topk_ids must be int64"):
+        ep_dispatch(x, torch.zeros(2, 2, dtype=torch.int32), weights, num_experts=4)
+    with pytest.raises(ValueError, match="topk_weights must match"):
+        ep_dispatch(x, torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 3), num_experts=4)
+    _, _, handle = ep_dispatch(x, torch.zeros(2, 2, dtype=torch.int64), weights, num_experts=4)
+    with pytest.raises(ValueError, match=r"M=4 rows.*\(3, 4\)"):
+        ep_combine(torch.zeros(3, 4), handle)
+
+
+NUM_EXPERTS, TOP_K, HIDDEN, WORLD = 8, 3, 16, 2
+
+
+def rank_inputs(rank: int):
+    """Different tokens (and token counts) per rank, some of them padding."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    tokens = 5 + 4 * rank
+    ids = torch.rand(tokens, NUM_EXPERTS, generator=gen).topk(TOP_K).indices
+    ids[-1] = -1
+    return torch.randn(tokens, HIDDEN, generator=gen), ids, torch.rand(tokens, TOP_K, generator=gen)
+
+
+def fake_experts(expanded, group_sizes, first_expert):
+    """Expert e multiplies its rows by e + 1."""
+    expert_ids = first_expert + torch.repeat_interleave(torch.arange(len(group_sizes)), group_sizes)
+    return expanded * (expert_ids + 1).float()[:, None]
+
+
+def dispatch_experts_combine(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        x, ids, weights = rank_inputs(rank)
+        expanded, sizes, handle = ep_dispatch(x, ids, weights, NUM_EXPERTS, group=dist.group.WORLD)
+        out = ep_combine(fake_experts(expanded, sizes, rank * len(sizes)), handle)
+        torch.save({"expanded": expanded, "sizes": sizes, "out": out}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_two_ranks_match_one_process(tmp_path):
+    mp.spawn(dispatch_experts_combine, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+    inputs = [rank_inputs(rank) for rank in range(WORLD)]
+    for result, (x, ids, weights) in zip(results, inputs):
+        expanded, sizes, handle = ep_dispatch(x, ids, weights, NUM_EXPERTS)
+        assert torch.equal(result["out"], ep_combine(fake_experts(expanded, sizes, 0), handle))
+    all_expanded, all_sizes, _ = ep_dispatch(*(torch.cat(parts) for parts in zip(*inputs)), NUM_EXPERTS)
+    per_rank_rows = all_sizes.view(WORLD, -1).sum(dim=1).tolist()
+    for result, rows, sizes in zip(results, all_expanded.split(per_rank_rows), all_sizes.view(WORLD, -1)):
+        assert torch.equal(result["sizes"], sizes)
+        assert torch.equal(result["expanded"], rows)

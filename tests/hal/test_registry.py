@@ -1,0 +1,78 @@
+import logging
+
+import pytest
+import torch
+
+from deepinfer.hal import (
+    SPECS, Backend, Capabilities, OpTable, OpUnavailableError, UnknownBackendError, available_backends,
+    register_backend, unregister_backend,
+)
+
+
+class HalfBackend(Backend):
+    """Implements rms_norm only (by doubling the reference, so its use is visible)."""
+
+    name = "halfway"
+    capabilities = Capabilities(device_types=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+
+    def implementations(self):
+        return {"rms_norm": lambda *a, **k: 2 * SPECS["rms_norm"].reference(*a, **k)}
+
+    def unsupported_reasons(self):
+        return {"mla_sparse_decode": "no paged FP8 reader yet"}
+
+
+@pytest.fixture
+def halfway():
+    register_backend(HalfBackend)
+    yield
+    unregister_backend("halfway")
+
+
+def test_reference_is_found_through_its_entry_point():
+    assert "reference" in available_backends()
+    table = OpTable("reference")
+    assert set(table.sources) == set(SPECS)
+    assert set(table.sources.values()) == {"reference"}
+
+
+def test_unknown_backend_names_the_value_and_the_choices():
+    with pytest.raises(UnknownBackendError, match=r"'nosuch'.*reference"):
+        OpTable("nosuch")
+
+
+def test_missing_op_is_refused_naming_op_and_backend(halfway):
+    table = OpTable("halfway")
+    x = torch.ones(2, 4)
+    assert torch.equal(table.rms_norm(x, torch.ones(4), 1e-6), 2 * SPECS["rms_norm"].reference(x, torch.ones(4), 1e-6))
+    with pytest.raises(OpUnavailableError, match=r"'mla_sparse_decode'.*'halfway'.*no paged FP8 reader yet"):
+        table.mla_sparse_decode()
+
+
+def test_explicit_fallback_runs_the_reference_and_logs(halfway, caplog):
+    with caplog.at_level(logging.WARNING):
+        table = OpTable("halfway", fallback="reference")
+    assert table.sources["rms_norm"] == "halfway"
+    assert table.sources["apply_rope"] == "reference"
+    assert any("apply_rope" in r.message and "falling back" in r.message for r in caplog.records)
+
+
+def test_per_op_override_takes_the_op_from_another_backend(halfway):
+    table = OpTable("reference", overrides={"rms_norm": "halfway"})
+    assert table.sources["rms_norm"] == "halfway"
+    assert table.sources["linear"] == "reference"
+    with pytest.raises(ValueError, match="unknown ops"):
+        OpTable("reference", overrides={"no_such_op": "reference"})
+
+
+def test_backend_must_declare_name_and_capabilities():
+    with pytest.raises(TypeError, match="lowercase identifier"):
+        type("Bad", (Backend,), {"name": "Bad-Name", "capabilities": HalfBackend.capabilities})
+    with pytest.raises(TypeError, match="capabilities"):
+        type("Bare", (Backend,), {"name": "bare"})
+
+
+def test_every_op_has_tiny_and_real_cases():
+    for name, spec in SPECS.items():
+        sizes = {c.size for c in spec.cases}
+        assert "tiny" in sizes and "real" in sizes, f"op {name} needs tiny and real cases, has {sizes}"

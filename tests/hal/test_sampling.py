@@ -1,0 +1,194 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.hal.ops.sampling import CASE_ACCEPT, CASE_RESAMPLE, CASE_SAMPLE, counter_uniform, sample
+from deepinfer.hal.spec import SPECS
+from tests.hal.oracle import check_against_oracle
+
+MASK64 = (1 << 64) - 1
+
+
+def counter_uniform_python(seed: int, counter: int) -> float:
+    """The counter RNG in Python integers, reduced mod 2**64 after every step."""
+    golden = 0x9E3779B97F4A7C15
+    z = (seed & MASK64) ^ ((counter * golden) & MASK64)
+    z = (z + golden) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z ^= z >> 31
+    return (z >> 11) / 2.0 ** 53
+
+
+def _processed_logprobs(logits, temperature, top_p, top_k):
+    z = logits / max(temperature, 1e-5)
+    keep = np.ones(z.size, dtype=bool)
+    if 0 < top_k < z.size:
+        keep = z >= np.sort(z)[::-1][top_k - 1]
+    probs = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+    probs /= probs.sum()
+    if top_p < 1.0:
+        running, threshold = 0.0, 0.0
+        for p in sorted(probs, reverse=True):
+            running, threshold = running + p, p
+            if running >= top_p:
+                break
+        keep &= probs >= threshold
+    log_total = math.log(np.exp(z[keep] - z[keep].max()).sum()) + z[keep].max()
+    return np.where(keep, z - log_total, -np.inf)
+
+
+def _draw(logprobs, uniform):
+    weights = [math.floor(math.exp(lp) * 2 ** 31) if lp > -math.inf else 0 for lp in logprobs]
+    total = sum(weights)
+    target = math.floor(uniform * total)
+    return int(np.argmax(np.cumsum(weights) > target))
+
+
+def sample_float64(logits, temperature, top_p, top_k, seeds, positions, case=0):
+    tokens, rows = [], []
+    for i in range(logits.shape[0]):
+        logprobs = _processed_logprobs(logits[i].numpy(), temperature[i].item(), top_p[i].item(), top_k[i].item())
+        uniform = counter_uniform_python(seeds[i].item(), 3 * positions[i].item() + case)
+        tokens.append(_draw(logprobs, uniform))
+        rows.append(logprobs)
+    return torch.tensor(tokens), torch.from_numpy(np.stack(rows))
+
+
+def _args(logits, temperature=1.0, top_p=1.0, top_k=0, seed=7, positions=None):
+    rows = logits.shape[0]
+    return {"logits": logits, "temperature": torch.full((rows,), float(temperature)),
+            "top_p": torch.full((rows,), float(top_p)), "top_k": torch.full((rows,), top_k),
+            "seeds": torch.full((rows,), seed),
+            "positions": torch.arange(rows) if positions is None else positions}
+
+
+@pytest.mark.parametrize("case", [c.name for c in SPECS["sample"].cases])
+def test_sample_matches_float64(case):
+    check_against_oracle("sample", case, sample_float64)
+
+
+def test_counter_uniform_matches_python_integers():
+    rng = np.random.default_rng(0)
+    odd_seeds = rng.integers(0, 1 << 63, 200, dtype=np.uint64) * 2 + 1
+    seeds = [0, 1, (1 << 63) - 1, 1 << 63, MASK64] + [int(s) for s in odd_seeds]
+    counters = [0, 1, 3 * 10000019 + 2, (1 << 62) + 5, 12345] + [int(c) for c in rng.integers(0, 1 << 62, 200)]
+    as_int64 = [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]
+    got = counter_uniform(torch.tensor(as_int64), torch.tensor(counters))
+    assert got.dtype == torch.float64
+    assert got.tolist() == [counter_uniform_python(s, c) for s, c in zip(seeds, counters)]
+    assert bool(((got >= 0) & (got < 1)).all())
+
+
+def test_greedy_is_argmax():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 1000, generator=gen)
+    args = _args(logits, temperature=0.0, seed=11)
+    args["seeds"] = torch.randint(-(1 << 62), 1 << 62, (64,), generator=gen)
+    tokens, logprobs = sample(**args)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert torch.equal(logprobs.argmax(dim=-1), tokens)
+
+
+def test_token_does_not_depend_on_the_rest_of_the_batch():
+    gen = torch.Generator().manual_seed(6)
+    args = _args(torch.randn(8, 500, generator=gen), temperature=1.0, top_p=0.9, top_k=100,
+                 positions=torch.randint(0, 1 << 30, (8,), generator=gen))
+    args["seeds"] = torch.randint(0, 1 << 62, (8,), generator=gen)
+    tokens, _ = sample(**args)
+    order = torch.randperm(8, generator=gen)
+    permuted, _ = sample(**{k: v[order] for k, v in args.items()})
+    assert torch.equal(permuted, tokens[order])
+    alone, _ = sample(**{k: v[3:4] for k, v in args.items()})
+    assert alone.item() == tokens[3].item()
+
+
+@pytest.mark.parametrize("case", [CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT])
+def test_two_equal_tokens_split_at_one_half_of_the_uniform(case):
+    positions = torch.arange(200) * 977
+    tokens, _ = sample(**_args(torch.zeros(200, 2), seed=-3, positions=positions), case=case)
+    uniforms = [counter_uniform_python(-3, 3 * p + case) for p in positions.tolist()]
+    assert tokens.tolist() == [int(u >= 0.5) for u in uniforms]
+
+
+def _seed_for_output(z: int, counter: int) -> int:
+    """The seed whose SplitMix64 output at ``counter`` is ``z``, by inverting each step."""
+    def unshift(y, bits):
+        x = y
+        for _ in range(64 // bits):
+            x = y ^ (x >> bits)
+        return x
+
+    z = unshift(z, 31)
+    z = unshift(z * pow(0x94D049BB133111EB, -1, 1 << 64) & MASK64, 27)
+    z = unshift(z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64) & MASK64, 30)
+    state = (z - 0x9E3779B97F4A7C15) & MASK64
+    seed = state ^ ((counter * 0x9E3779B97F4A7C15) & MASK64)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+@pytest.mark.parametrize("output, token", [(0, 1), (MASK64, 2)])
+def test_extreme_uniforms_never_pick_zero_weight_tokens(output, token):
+    seed = _seed_for_output(output, counter=3 * 9 + CASE_SAMPLE)
+    assert counter_uniform_python(seed, 27) == (0.0 if output == 0 else 1 - 2.0 ** -53)
+    # top-k keeps tokens 1 and 2; tokens 0 and 3 have weight 0 and sit at both ends of the CDF
+    args = _args(torch.tensor([[0.0, 5.0, 5.0, 0.0]]), top_k=2, seed=seed, positions=torch.tensor([9]))
+    assert sample(**args)[0].tolist() == [token]
+
+
+def test_draw_frequencies_follow_the_probabilities():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    draws = 20000
+    tokens, _ = sample(**_args(probs.log().expand(draws, 4).contiguous(), seed=12345))
+    counts = torch.bincount(tokens, minlength=4).double()
+    expected = probs.double() * draws
+    chi_square = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi_square < 16.27  # 3 degrees of freedom, p = 0.001
+
+
+def test_top_k_keeps_ties_at_the_threshold_by_hand():
+    logits = torch.tensor([[3.0, 2.0, 2.0, 1.0]])
+    _, logprobs = sample(**_args(logits, top_k=2))
+    log_total = 2 + math.log(math.e + 2)  # log(e^3 + 2 e^2)
+    want = torch.tensor([[3 - log_total, 2 - log_total, 2 - log_total, -math.inf]])
+    assert torch.allclose(logprobs, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("probs, top_p, kept", [
+    ([0.1, 0.5, 0.15, 0.25], 0.45, 1), ([0.1, 0.5, 0.15, 0.25], 0.7, 2), ([0.1, 0.5, 0.15, 0.25], 0.8, 3),
+    ([0.1, 0.5, 0.15, 0.25], 0.95, 4), ([0.1, 0.5, 0.15, 0.25], 1.0, 4),
+    ([0.004, 0.5, 0.196, 0.3], 0.995, 3), ([0.004, 0.5, 0.196, 0.3], 1.0, 4),
+])
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass_by_hand(probs, top_p, kept):
+    _, logprobs = sample(**_args(torch.tensor([probs]).log(), top_p=top_p))
+    by_mass = sorted(range(4), key=lambda i: -probs[i])
+    assert (logprobs[0, by_mass[:kept]] > -math.inf).all() and (logprobs[0, by_mass[kept:]] == -math.inf).all()
+    assert torch.allclose(logprobs.exp().sum(), torch.tensor(1.0))
+
+
+def test_top_p_keeps_ties_with_the_threshold_token():
+    _, logprobs = sample(**_args(torch.tensor([[0.4, 0.2, 0.2, 0.2]]).log(), top_p=0.5))
+    assert (logprobs > -math.inf).all()
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("temperature", torch.tensor([-0.5]), "temperature must be >= 0"),
+    ("top_p", torch.tensor([0.0]), "top_p must lie in \\(0, 1\\]"),
+    ("top_p", torch.tensor([1.5]), "top_p must lie in \\(0, 1\\]"),
+    ("top_k", torch.tensor([1.0]), "top_k must be an int64 tensor of shape \\[N=1\\], got torch.float32"),
+    ("seeds", torch.tensor([1, 2]), "seeds must be an int64 tensor of shape \\[N=1\\]"),
+    ("positions", torch.tensor([1], dtype=torch.int32), "positions must be an int64 tensor"),
+    ("logits", torch.zeros(3), "logits must be a float \\[N, V\\] tensor"),
+])
+def test_bad_arguments_are_rejected(name, value, match):
+    args = _args(torch.zeros(1, 4))
+    args[name] = value
+    with pytest.raises(ValueError, match=match):
+        sample(**args)
+
+
+def test_unknown_case_is_rejected():
+    with pytest.raises(ValueError, match="case must be 0 \\(sample\\), 1 \\(resample\\) or 2 \\(accept\\), got 3"):
+        sample(**_args(torch.zeros(1, 4)), case=3)
