@@ -105,7 +105,7 @@ class OpTable:
             raise OpUnavailableError(
                 f"op {op!r} is not available on backend {chosen.name!r} ({reason}); set "
                 f"backend.fallback=reference to run the reference implementation, or "
-                f"backend.overrides.{op}=<backend> to take it from another backend")
+                f"+backend.overrides.{op}=<backend> to take it from another backend")
 
         return refuse
 

@@ -1,0 +1,193 @@
+"""Typed config schemas: one dataclass per config group, and :class:`AppConfig` that holds them.
+
+Hydra merges every ``configs/<group>/*.yaml`` into these types (see ``store.py``), so a yaml key
+the schema lacks or a value of the wrong type fails at composition. Range checks run when the
+dataclasses are built (``__post_init__``) and name the key as it is written on the command line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""Activation dtypes a model config may name (``torch.<name>``)."""
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or out of range; the message says which key and why."""
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run: a preset under ``configs/model/`` or a checkpoint directory."""
+
+    name: str = "tiny"
+    """Preset name, used in logs and result files."""
+    arch: str = "deepseek_v41"
+    """Architecture key of ``deepinfer.models.registry``."""
+    checkpoint: Optional[str] = None
+    """Checkpoint directory (safetensors + config.json); None runs random weights."""
+    dtype: str = "float32"
+    """Activation dtype, one of ``DTYPE_NAMES``."""
+    max_model_len: int = 1024
+    """Longest sequence (prompt + output) the engine accepts; bounds the RoPE tables."""
+    config: Dict[str, Any] = field(default_factory=dict)
+    """HF ``config.json`` architecture keys; a checkpoint's config.json overrides them."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPE_NAMES, "model.dtype", self.dtype, f"use one of {list(DTYPE_NAMES)}")
+        _require(self.max_model_len >= 1, "model.max_model_len", self.max_model_len, "must be >= 1")
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as a ``torch.dtype``."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class BackendConfig:
+    """Which HAL backend runs the ops (names and ops are checked when the op table is built)."""
+
+    name: str = "reference"
+    """Backend serving every op, e.g. reference, sm100, ascend950."""
+    device: str = "cpu"
+    """torch device the model and caches live on."""
+    fallback: Optional[str] = None
+    """Backend for ops the chosen one lacks; None makes a missing op an error."""
+    overrides: Dict[str, str] = field(default_factory=dict)
+    """Per-op backend choice (op name -> backend name), for bisecting parity problems."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the work is spread over ranks: attention DP, expert EP, prefill CP."""
+
+    name: str = "single"
+    """Preset name."""
+    data_parallel: int = 1
+    """Attention data-parallel ranks."""
+    expert_parallel: int = 1
+    """Ranks the routed experts are spread over."""
+    context_parallel: int = 1
+    """Ranks a long prefill is split over (balanced, 2*cp pieces)."""
+
+    def __post_init__(self) -> None:
+        for key in ("data_parallel", "expert_parallel", "context_parallel"):
+            value = getattr(self, key)
+            _require(value >= 1, f"parallel.{key}", value, "must be >= 1")
+
+
+@dataclass
+class DecodingConfig:
+    """Default sampling of a run, and DSpark speculative decoding."""
+
+    name: str = "greedy"
+    """Preset name."""
+    temperature: float = 0.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept, in (0, 1]; 1 keeps everything."""
+    top_k: int = -1
+    """Most likely tokens kept; -1 (any value <= 0) keeps all."""
+    max_tokens: int = 64
+    """Output tokens per request at most."""
+    seed: Optional[int] = None
+    """Per-request sampling seed (counter-based RNG); None draws one per request."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
+    num_draft_tokens: int = 0
+    """DSpark draft tokens per step; 0 turns speculative decoding off."""
+    varlen: bool = False
+    """DSpark confidence-scheduled verify lengths (False verifies every draft token)."""
+    confidence_temperature: float = 1.0
+    """Temperature of the DSpark confidence head."""
+
+    def __post_init__(self) -> None:
+        _require(self.temperature >= 0, "decoding.temperature", self.temperature, "must be >= 0 (0 is greedy)")
+        _require(0 < self.top_p <= 1, "decoding.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.max_tokens >= 1, "decoding.max_tokens", self.max_tokens, "must be >= 1")
+        _require(self.seed is None or 0 <= self.seed < 2**64, "decoding.seed", self.seed,
+                 "must be null or an unsigned 64-bit integer")
+        _require(self.num_draft_tokens >= 0, "decoding.num_draft_tokens", self.num_draft_tokens,
+                 "must be >= 0 (0 turns DSpark off)")
+        _require(self.confidence_temperature > 0, "decoding.confidence_temperature",
+                 self.confidence_temperature, "must be > 0")
+
+
+@dataclass
+class EngineConfig:
+    """Scheduler and cache sizes, and the engine's execution switches."""
+
+    max_num_seqs: int = 32
+    """Sequences running at once at most."""
+    max_num_batched_tokens: int = 1024
+    """Tokens in one step at most (prefill chunks plus decode tokens)."""
+    prefill_chunk_tokens: int = 256
+    """Longest prefill chunk of one sequence in a step."""
+    num_kv_blocks: Optional[int] = None
+    """Paged KV blocks (128 tokens each) to allocate; None sizes them from max_num_seqs and max_model_len."""
+    seed: int = 0
+    """Seed of weight initialisation and of per-request seeds not given."""
+    use_tqdm: bool = True
+    """Show a progress bar in generate()."""
+    batch_invariant: bool = False
+    """Make each request's logits bitwise independent of the rest of the batch."""
+    async_scheduling: bool = False
+    """Schedule step N+1 on the CPU while the device runs step N."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens"):
+            value = getattr(self, key)
+            _require(value >= 1, f"engine.{key}", value, "must be >= 1")
+        _require(self.prefill_chunk_tokens <= self.max_num_batched_tokens, "engine.prefill_chunk_tokens",
+                 self.prefill_chunk_tokens,
+                 f"must be <= engine.max_num_batched_tokens ({self.max_num_batched_tokens})")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "engine.num_kv_blocks",
+                 self.num_kv_blocks, "must be null (sized automatically) or >= 1")
+
+
+@dataclass
+class AppConfig:
+    """Everything one run needs: the composed ``configs/config.yaml`` as typed objects."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model (``model=<preset>``)."""
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    """The HAL backend (``backend=<name>``)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Rank layout (``parallel=<preset>``)."""
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    """Default sampling and DSpark (``decoding=<preset>``)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Engine sizes and switches (``engine=<preset>``)."""
+    task: str = "generate"
+    """What ``python -m deepinfer`` does."""
+    prompt: Optional[str] = None
+    """One prompt to generate from."""
+    prompts_file: Optional[str] = None
+    """A text file with one prompt per line."""
+    output_file: Optional[str] = None
+    """File the results are written to; None prints them."""
+
+    def __post_init__(self) -> None:
+        _require(self.prompt is None or self.prompts_file is None, "prompts_file", self.prompts_file,
+                 "give prompt or prompts_file, not both")
+
+
+def to_app_config(cfg: DictConfig) -> AppConfig:
+    """The typed, validated form of a composed config; the only place a ``DictConfig`` becomes
+    an :class:`AppConfig`."""
+    app = OmegaConf.to_object(cfg)
+    if not isinstance(app, AppConfig):
+        raise ConfigError(f"expected a config composed on the AppConfig schema, got {type(app).__name__}; "
+                          "compose it with deepinfer.config.compose.compose()")
+    return app

@@ -1,0 +1,235 @@
+"""The offline engine: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from deepinfer.engine.kv_manager import KVManager
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.request import Request
+from deepinfer.engine.runner import ModelRunner, Sampled
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.scheduler import Batch, Scheduler
+from deepinfer.hal.registry import OpTable
+from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
+from deepinfer.models.registry import build_model
+from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Offline generation with continuous batching over a paged KV cache.
+
+    ``LLM(model="tiny", backend="reference", overrides=["decoding=greedy", ...])`` composes the
+    same Hydra configs as ``python -m deepinfer``; :meth:`from_config` takes a composed config."""
+
+    def __init__(self, model: str = "tiny", backend: str = "reference", overrides: Sequence[str] = ()):
+        from deepinfer.config.compose import compose
+
+        self._setup(compose([f"model={model}", f"backend={backend}", *overrides]))
+
+    @classmethod
+    def from_config(cls, app) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._setup(app)
+        return llm
+
+    def _setup(self, app) -> None:
+        _refuse_unfinished_features(app)
+        self.config = app
+        self.ops = OpTable(app.backend.name, app.backend.fallback, dict(app.backend.overrides))
+        if app.engine.batch_invariant and not self.ops.backend.capabilities.batch_invariant:
+            raise ValueError(f"engine.batch_invariant=true, but backend {app.backend.name!r} does not declare "
+                             f"batch invariance; run with engine.batch_invariant=false")
+        device = torch.device(app.backend.device)
+        self.model, self.random_weights = build_model(app.model, self.ops, device, app.engine.seed)
+        cfg = self.model.cfg
+        self.max_model_len = app.model.max_model_len
+        self.tokenizer = load_tokenizer(app.model.checkpoint, cfg.vocab_size, cfg.bos_token_id,
+                                        cfg.eos_token_id, cfg.pad_token_id)
+        per_seq = math.ceil(self.max_model_len / PAGE_TOKENS)
+        num_blocks = app.engine.num_kv_blocks or 1 + app.engine.max_num_seqs * per_seq
+        if num_blocks - 1 < per_seq:
+            raise ValueError(f"engine.num_kv_blocks={num_blocks} cannot hold one sequence of max_model_len "
+                             f"{self.max_model_len} ({per_seq} blocks of {PAGE_TOKENS} plus the padding block)")
+        kv = KVManager(num_blocks, app.engine.max_num_seqs + 1)
+        self.scheduler = Scheduler(kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens,
+                                   app.engine.prefill_chunk_tokens)
+        self.runner = ModelRunner(self.model, self.ops, num_blocks, app.engine.max_num_seqs + 1, device)
+        self._seeds = random.Random(app.engine.seed)
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs keep the input order.
+
+        Every prompt and parameter set is checked before anything runs: a bad one raises a
+        ValueError naming it, and no request (here or already queued) is affected."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        params = self._params_for(len(prompts), sampling_params)
+        requests = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for request in requests:
+            self.scheduler.add(request)
+        show = self.config.engine.use_tqdm if use_tqdm is None else use_tqdm
+        self._run_until_done(requests, show)
+        return [_output(r) for r in requests]
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Request:
+        """Queue one request (validated first); :meth:`step` advances every queued request."""
+        request = self._make_request(0, prompt, params or SamplingParams.from_decoding(self.config.decoding))
+        self.scheduler.add(request)
+        return request
+
+    def step(self) -> list[Request]:
+        """One engine step: schedule, run the model, append tokens. Returns requests that finished."""
+        batch = self.scheduler.schedule()
+        return self._postprocess(batch, self.runner.run(batch))
+
+    def _params_for(self, count, sampling_params):
+        if sampling_params is None:
+            return [SamplingParams.from_decoding(self.config.decoding)] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
+        return params
+
+    def _make_request(self, index: int, prompt: Prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {index}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, add_bos=True) if text is not None else list(prompt)
+        vocab = self.model.cfg.vocab_size
+        if not ids or (text is not None and not text):
+            raise ValueError(f"request {index}: the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {index}: prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {index}: the prompt has {len(ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}; shorten it or raise model.max_model_len")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        request = Request(self._next_id, text, ids, params, seed)
+        request.detokenizer = IncrementalDecoder(self.tokenizer)
+        self._next_id += 1
+        return request
+
+    def _run_until_done(self, requests: list[Request], show: bool) -> None:
+        bar = tqdm(total=len(requests), desc="generate", disable=not show, dynamic_ncols=True)
+        started, produced, prefilled = time.perf_counter(), 0, 0
+        while not all(r.finished for r in requests):
+            batch = self.scheduler.schedule()
+            finished = self._postprocess(batch, self.runner.run(batch))
+            produced += sum(c.samples for c in batch.chunks)
+            prefilled += sum(len(c.token_ids) for c in batch.chunks if c.start < len(c.request.prompt_token_ids))
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix_str(f"in {prefilled / elapsed:.0f} tok/s, out {produced / elapsed:.0f} tok/s")
+            bar.update(sum(r in requests for r in finished))
+        bar.close()
+
+    def _postprocess(self, batch: Batch, sampled: Sampled) -> list[Request]:
+        finished, tokens = [], iter(zip(sampled.token_ids, sampled.logprobs))
+        for chunk in batch.chunks:
+            request = chunk.request
+            request.num_computed += len(chunk.token_ids)
+            if not chunk.samples:
+                continue
+            token, logprobs = next(tokens)
+            request.output_token_ids.append(token)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            reason = self._stop_reason(request, token)
+            if reason:
+                if reason == "length":
+                    request.text += request.detokenizer.finish()
+                self.scheduler.finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if (token in self.tokenizer.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        request.text += request.detokenizer.push(token)
+        if params.stop:
+            window = request.text[-(max(map(len, params.stop)) + 16):]
+            hits = [window.find(s) for s in params.stop if s in window]
+            if hits:
+                cut = len(request.text) - len(window) + min(hits)
+                request.text = request.text[:cut]
+                return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+
+def _is_token_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def _output(request: Request) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+        text=request.text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
+        logprobs=request.output_logprobs if request.params.logprobs is not None else None,
+        metrics={"preemptions": request.num_preemptions},
+    )
+
+
+def _refuse_unfinished_features(app) -> None:
+    """Switches whose features have not landed yet fail loudly instead of being ignored."""
+    if app.decoding.num_draft_tokens:
+        raise ValueError(f"decoding.num_draft_tokens={app.decoding.num_draft_tokens}: DSpark speculative decoding "
+                         f"is not implemented yet; use decoding=greedy or decoding=sample")
+    if app.engine.async_scheduling:
+        raise ValueError("engine.async_scheduling=true is not implemented yet; set it to false")
+    parallel = app.parallel
+    if (parallel.data_parallel, parallel.expert_parallel, parallel.context_parallel) != (1, 1, 1):
+        raise ValueError("attention DP, expert parallelism and context parallelism are not implemented yet; "
+                         "use parallel=single")
+
+
+def run_app(app) -> int:
+    """The ``python -m deepinfer`` generate task: read prompts, generate, print the results."""
+    if app.task != "generate":
+        raise ValueError(f"task={app.task!r} is not implemented yet; only task=generate exists")
+    prompts = _read_prompts(app)
+    llm = LLM.from_config(app)
+    if llm.random_weights:
+        print(f"NOTE: model {app.model.name!r} has random weights (no trained checkpoint is bundled yet), "
+              f"so the generated text is noise.")
+    outputs = llm.generate(prompts)
+    lines = []
+    for out in outputs:
+        lines.append(f"--- prompt {out.request_id}: {out.prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, "
+                     f"finish: {out.finish_reason}]")
+    print("\n".join(lines))
+    if app.output_file:
+        import json
+        from pathlib import Path
+
+        Path(app.output_file).write_text(json.dumps([out.__dict__ for out in outputs], indent=2))
+    return 0
+
+
+def _read_prompts(app) -> list[str]:
+    if app.prompts_file:
+        from pathlib import Path
+
+        prompts = [line for line in Path(app.prompts_file).read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"prompts_file={app.prompts_file!r} holds no prompts (one per line)")
+        return prompts
+    if app.prompt:
+        return [app.prompt]
+    raise ValueError('give prompt="..." or prompts_file=path (one prompt per line)')

@@ -1,0 +1,22 @@
+"""What ``LLM.generate`` returns for each request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One finished request: generated ``text`` and ``token_ids``, ``finish_reason`` ("stop" for
+    EOS, a stop token or stop string; "length" for max_tokens or max_model_len), optional
+    per-token ``logprobs`` ({token id: logprob}), and DSpark draft/accept counts."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,52 @@
+"""A request's life in the engine: its tokens, cache resources and stop state."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from deepinfer.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """``num_computed`` tokens of ``token_ids`` (prompt then outputs) have their KV in the cache.
+    A preempted request keeps its outputs and recomputes its KV when it runs again."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    state_slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    detokenizer: object | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to be run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,60 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters, validated on construction.
+
+    ``temperature`` 0 is greedy (it runs through the same sampler, at temperature 1e-5).
+    ``top_k`` <= 0 and ``top_p`` = 1 switch those filters off. ``stop`` strings end the text
+    (the stop string itself is not returned); ``stop_token_ids`` end it like EOS.
+    ``seed`` makes sampling reproducible: each draw is a pure function of (seed, position).
+    ``logprobs`` = N returns, per output token, the log-probabilities (of the processed
+    distribution) of the sampled token and the N most likely ones."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an int (<= 0 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_decoding(cls, decoding) -> "SamplingParams":
+        """Defaults of a ``decoding`` config group (temperature, top_p, top_k, max_tokens, seed, ignore_eos)."""
+        return cls(temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k,
+                   max_tokens=decoding.max_tokens, seed=decoding.seed, ignore_eos=decoding.ignore_eos)

@@ -1,0 +1,110 @@
+"""Continuous batching with chunked prefill and preemption by recompute."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer.engine.kv_manager import KVManager
+from deepinfer.engine.request import Request, Status
+
+
+@dataclass
+class Chunk:
+    """``token_ids`` of ``request`` starting at position ``start``; ``samples`` when the chunk
+    ends at the request's last known token, so the step produces its next token."""
+
+    request: Request
+    token_ids: list[int]
+    start: int
+    samples: bool
+
+
+@dataclass
+class Batch:
+    """One model step. ``decode``: every chunk is one token continuing a sequence (the
+    quantized-cache decode path)."""
+
+    chunks: list[Chunk]
+
+    @property
+    def decode(self) -> bool:
+        return all(len(c.token_ids) == 1 and c.start > 0 for c in self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    """Builds each step's batch under a token budget.
+
+    Running requests go first, oldest first (decodes and unfinished prefills); waiting requests
+    are admitted FIFO while the budget, ``max_num_seqs`` and the cache allow. When blocks run
+    out, the most recently admitted running request is preempted: its cache is freed and it
+    re-queues at the front, to recompute prompt and outputs later (no request is dropped)."""
+
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk_tokens: int):
+        self.kv = kv
+        self.max_num_seqs, self.token_budget, self.chunk_tokens = max_num_seqs, max_num_batched_tokens, prefill_chunk_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        budget, chunks = self.token_budget, []
+        for request in list(self.running):
+            if request.status is not Status.RUNNING or budget == 0:
+                continue
+            size = min(request.num_pending, budget, self.chunk_tokens)
+            if not self._reserve_or_preempt(request, request.num_computed + size):
+                continue
+            chunks.append(self._chunk(request, size))
+            budget -= size
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            size = min(request.num_pending, budget, self.chunk_tokens)
+            if not self.kv.can_admit(request.num_computed + size):
+                break
+            self.waiting.popleft()
+            self.kv.reserve(request, request.num_computed + size)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, size))
+            budget -= size
+        if not chunks and self.has_work:
+            raise RuntimeError("the scheduler could not fit any request in the KV cache; raise "
+                               "engine.num_kv_blocks or lower model.max_model_len")
+        return Batch(chunks)
+
+    def _chunk(self, request: Request, size: int) -> Chunk:
+        start = request.num_computed
+        return Chunk(request, request.token_ids[start:start + size], start, start + size == request.num_tokens)
+
+    def _reserve_or_preempt(self, request: Request, num_tokens: int) -> bool:
+        while not self.kv.reserve(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.release(request)
+        self.running.remove(request)
+        request.status, request.num_computed = Status.WAITING, 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark ``request`` finished and free its cache."""
+        request.status, request.finish_reason = Status.FINISHED, reason
+        self.kv.release(request)
+        self.running.remove(request)
