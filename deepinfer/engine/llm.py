@@ -83,6 +83,18 @@ class LLM:
         self._run_until_done(requests, show)
         return [_output(r) for r in requests]
 
+    def chat(self, conversations: list[dict] | Sequence[list[dict]], sampling_params=None,
+             use_tqdm: bool | None = None, thinking: bool = True) -> list[RequestOutput]:
+        """Generate replies to OpenAI-style message lists, rendered with the model's chat template
+        (official V4/V4.1 checkpoints, through deepseek-recipe; other models raise a clear error)."""
+        from deepinfer.tokenizer import render_chat
+
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        model_type = self.model.cfg.to_hf_dict()["model_type"]
+        prompts = [render_chat(list(c), model_type, self.tokenizer, thinking=thinking) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Request:
         """Queue one request (validated first); :meth:`step` advances every queued request."""
         request = self._make_request(0, prompt, params or SamplingParams.from_decoding(self.config.decoding))

@@ -118,3 +118,10 @@ def test_features_not_landed_yet_refuse_clearly():
         LLM("tiny", "reference", QUIET + ["decoding=dspark"])
     with pytest.raises(ValueError, match="batch_invariant"):
         LLM("tiny", "reference", QUIET + ["engine.batch_invariant=true"])
+
+
+def test_chat_on_a_model_without_a_template_says_so(alone):
+    from deepinfer.tokenizer import NoChatTemplateError
+
+    with pytest.raises(NoChatTemplateError, match="chat template"):
+        alone.chat([{"role": "user", "content": "hi"}])
