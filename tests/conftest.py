@@ -1,9 +1,12 @@
-import os
 
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(1)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run the tests marked slow")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,6 +14,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none on this machine"))
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(pytest.mark.skip(reason="slow (minutes); run with --runslow"))
 
 
 @pytest.fixture

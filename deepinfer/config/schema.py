@@ -123,6 +123,27 @@ class DecodingConfig:
                  self.confidence_temperature, "must be > 0")
 
 
+BOUNDED_REPLAY_MODES = ("off", "mask", "compact")
+"""``engine.bounded_replay.mode`` values."""
+
+
+@dataclass
+class BoundedReplayConfig:
+    """SWA bounded replay (YOCO prefill truncation): the YOCO consumer layers process and see only
+    the last ``keep_tokens`` tokens of each prompt. It approximates a full prefill; ``mask``
+    computes every row with the visibility ``compact`` has, and serves to check it."""
+
+    mode: str = "off"
+    """``off`` (full prefill), ``mask`` (every row, bounded visibility) or ``compact`` (kept rows only)."""
+    keep_tokens: int = 140
+    """Prompt tokens the consumer layers keep; at least the model's window + max_backtracking."""
+
+    def __post_init__(self) -> None:
+        _require(self.mode in BOUNDED_REPLAY_MODES, "engine.bounded_replay.mode", self.mode,
+                 f"use one of {list(BOUNDED_REPLAY_MODES)} (quote \"off\" in yaml files, where bare off means false)")
+        _require(self.keep_tokens >= 1, "engine.bounded_replay.keep_tokens", self.keep_tokens, "must be >= 1")
+
+
 @dataclass
 class EngineConfig:
     """Scheduler and cache sizes, and the engine's execution switches."""
@@ -143,6 +164,8 @@ class EngineConfig:
     """Make each request's logits bitwise independent of the rest of the batch."""
     async_scheduling: bool = False
     """Schedule step N+1 on the CPU while the device runs step N."""
+    bounded_replay: BoundedReplayConfig = field(default_factory=BoundedReplayConfig)
+    """SWA bounded replay of long prompts in the YOCO consumer layers."""
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens"):

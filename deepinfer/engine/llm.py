@@ -12,12 +12,15 @@ from tqdm.auto import tqdm
 from deepinfer.engine.kv_manager import KVManager
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
-from deepinfer.engine.runner import ModelRunner, Sampled
+from deepinfer.engine.runner import ModelRunner
+from deepinfer.decoding.dspark import DSpark
+from deepinfer.decoding.sampler import Emission, emit
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Batch, Scheduler
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
-from deepinfer.models.registry import build_model
+from deepinfer.models.deepseek_v41.bounded_replay import check_keep_tokens
+from deepinfer.models.registry import build_model, resolve_checkpoint
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -43,16 +46,16 @@ class LLM:
     def _setup(self, app) -> None:
         _refuse_unfinished_features(app)
         self.config = app
-        self.ops = OpTable(app.backend.name, app.backend.fallback, dict(app.backend.overrides))
-        if app.engine.batch_invariant and not self.ops.backend.capabilities.batch_invariant:
-            raise ValueError(f"engine.batch_invariant=true, but backend {app.backend.name!r} does not declare "
-                             f"batch invariance; run with engine.batch_invariant=false")
+        self.ops = OpTable(app.backend.name, app.backend.fallback, dict(app.backend.overrides),
+                           batch_invariant=app.engine.batch_invariant)
         device = torch.device(app.backend.device)
         self.model, self.random_weights = build_model(app.model, self.ops, device, app.engine.seed)
         cfg = self.model.cfg
+        if app.engine.bounded_replay.mode != "off":
+            check_keep_tokens(app.engine.bounded_replay.keep_tokens, cfg)
         self.max_model_len = app.model.max_model_len
-        self.tokenizer = load_tokenizer(app.model.checkpoint, cfg.vocab_size, cfg.bos_token_id,
-                                        cfg.eos_token_id, cfg.pad_token_id)
+        self.tokenizer = load_tokenizer(resolve_checkpoint(app.model.checkpoint), cfg.vocab_size,
+                                        cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
         per_seq = math.ceil(self.max_model_len / PAGE_TOKENS)
         num_blocks = app.engine.num_kv_blocks or 1 + app.engine.max_num_seqs * per_seq
         if num_blocks - 1 < per_seq:
@@ -61,7 +64,15 @@ class LLM:
         kv = KVManager(num_blocks, app.engine.max_num_seqs + 1)
         self.scheduler = Scheduler(kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens,
                                    app.engine.prefill_chunk_tokens)
-        self.runner = ModelRunner(self.model, self.ops, num_blocks, app.engine.max_num_seqs + 1, device)
+        decoding = app.decoding
+        self.runner = ModelRunner(self.model, self.ops, num_blocks, app.engine.max_num_seqs + 1, device,
+                                  write_draft_cache=decoding.num_draft_tokens > 0,
+                                  bounded_replay=app.engine.bounded_replay)
+        self.dspark = None
+        if decoding.num_draft_tokens:
+            self.dspark = DSpark(self.model, self.runner.caches, self.ops, decoding.num_draft_tokens, decoding.varlen,
+                                 decoding.confidence_temperature, self.max_model_len,
+                                 max_rows=app.engine.max_num_seqs * (decoding.num_draft_tokens + 1))
         self._seeds = random.Random(app.engine.seed)
         self._next_id = 0
 
@@ -102,9 +113,17 @@ class LLM:
         return request
 
     def step(self) -> list[Request]:
-        """One engine step: schedule, run the model, append tokens. Returns requests that finished."""
+        """One engine step: schedule, run the model, emit tokens (verifying drafts), then draft
+        for the next step. Returns the requests that finished."""
+        if self.dspark:
+            self.dspark.assign_verify_drafts(self.scheduler.running)
         batch = self.scheduler.schedule()
-        return self._postprocess(batch, self.runner.run(batch))
+        sampling = [c for c in batch.chunks if c.samples]
+        finished = self._postprocess(batch, emit(self.ops, sampling, self.runner.run(batch)))
+        if self.dspark:
+            self.dspark.propose([c.request for c in sampling if not c.request.finished])
+        self._last_batch = batch
+        return finished
 
     def _params_for(self, count, sampling_params):
         if sampling_params is None:
@@ -138,34 +157,54 @@ class LLM:
 
     def _run_until_done(self, requests: list[Request], show: bool) -> None:
         bar = tqdm(total=len(requests), desc="generate", disable=not show, dynamic_ncols=True)
-        started, produced, prefilled = time.perf_counter(), 0, 0
+        started, prefilled = time.perf_counter(), 0
+        produced = sum(len(r.output_token_ids) for r in requests)
         while not all(r.finished for r in requests):
-            batch = self.scheduler.schedule()
-            finished = self._postprocess(batch, self.runner.run(batch))
-            produced += sum(c.samples for c in batch.chunks)
+            finished = self.step()
+            batch = self._last_batch
             prefilled += sum(len(c.token_ids) for c in batch.chunks if c.start < len(c.request.prompt_token_ids))
             elapsed = max(time.perf_counter() - started, 1e-9)
-            bar.set_postfix_str(f"in {prefilled / elapsed:.0f} tok/s, out {produced / elapsed:.0f} tok/s")
+            out = sum(len(r.output_token_ids) for r in requests) - produced
+            status = f"in {prefilled / elapsed:.0f} tok/s, out {out / elapsed:.0f} tok/s"
+            if self.dspark:
+                steps = sum(r.num_verify_steps for r in requests)
+                accepted = sum(r.num_accepted for r in requests)
+                errors = [e for r in requests for e in r.calibration_errors]
+                status += (f", drafted {sum(r.num_drafted for r in requests)}, accepted {accepted} "
+                           f"({accepted / max(steps, 1):.2f}/step), calibration err "
+                           f"{sum(errors) / max(len(errors), 1):.2f}")
+            bar.set_postfix_str(status)
             bar.update(sum(r in requests for r in finished))
         bar.close()
 
-    def _postprocess(self, batch: Batch, sampled: Sampled) -> list[Request]:
-        finished, tokens = [], iter(zip(sampled.token_ids, sampled.logprobs))
+    def _postprocess(self, batch: Batch, emissions: list[Emission]) -> list[Request]:
+        """Advance each request: KV stays valid for its pending tokens and accepted drafts; emitted
+        tokens are appended one by one until a stop condition."""
+        finished, emitted = [], iter(emissions)
         for chunk in batch.chunks:
             request = chunk.request
-            request.num_computed += len(chunk.token_ids)
             if not chunk.samples:
+                request.num_computed += len(chunk.token_ids)
                 continue
-            token, logprobs = next(tokens)
-            request.output_token_ids.append(token)
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            reason = self._stop_reason(request, token)
-            if reason:
-                if reason == "length":
-                    request.text += request.detokenizer.finish()
-                self.scheduler.finish(request, reason)
-                finished.append(request)
+            emission = next(emitted)
+            request.num_computed += len(chunk.token_ids) - len(chunk.drafts) + emission.accepted
+            if emission.drafted:
+                request.num_drafted += emission.drafted
+                request.num_accepted += emission.accepted
+                request.num_verify_steps += 1
+                request.verify_log.append((emission.drafted, emission.accepted))
+                request.calibration_errors += emission.calibration_errors
+            for token, logprobs in zip(emission.tokens, emission.logprobs):
+                request.output_token_ids.append(token)
+                if logprobs is not None:
+                    request.output_logprobs.append(logprobs)
+                reason = self._stop_reason(request, token)
+                if reason:
+                    if reason == "length":
+                        request.text += request.detokenizer.finish()
+                    self.scheduler.finish(request, reason)
+                    finished.append(request)
+                    break
         return finished
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
@@ -194,15 +233,19 @@ def _output(request: Request) -> RequestOutput:
         request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
         text=request.text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
         logprobs=request.output_logprobs if request.params.logprobs is not None else None,
-        metrics={"preemptions": request.num_preemptions},
+        num_drafted=request.num_drafted, num_accepted=request.num_accepted, verify_log=list(request.verify_log),
+        metrics={
+            "preemptions": request.num_preemptions,
+            "verify_steps": request.num_verify_steps,
+            "mean_accepted_length": request.num_accepted / request.num_verify_steps if request.num_verify_steps else 0.0,
+            "calibration_error": (sum(request.calibration_errors) / len(request.calibration_errors)
+                                  if request.calibration_errors else 0.0),
+        },
     )
 
 
 def _refuse_unfinished_features(app) -> None:
     """Switches whose features have not landed yet fail loudly instead of being ignored."""
-    if app.decoding.num_draft_tokens:
-        raise ValueError(f"decoding.num_draft_tokens={app.decoding.num_draft_tokens}: DSpark speculative decoding "
-                         f"is not implemented yet; use decoding=greedy or decoding=sample")
     if app.engine.async_scheduling:
         raise ValueError("engine.async_scheduling=true is not implemented yet; set it to false")
     parallel = app.parallel
@@ -218,8 +261,8 @@ def run_app(app) -> int:
     prompts = _read_prompts(app)
     llm = LLM.from_config(app)
     if llm.random_weights:
-        print(f"NOTE: model {app.model.name!r} has random weights (no trained checkpoint is bundled yet), "
-              f"so the generated text is noise.")
+        print(f"NOTE: model {app.model.name!r} has random weights (no model.checkpoint), so the generated "
+              f"text is noise; model=tiny is the trained default.")
     outputs = llm.generate(prompts)
     lines = []
     for out in outputs:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 class RequestOutput:
     """One finished request: generated ``text`` and ``token_ids``, ``finish_reason`` ("stop" for
     EOS, a stop token or stop string; "length" for max_tokens or max_model_len), optional
-    per-token ``logprobs`` ({token id: logprob}), and DSpark draft/accept counts."""
+    per-token ``logprobs`` ({token id: logprob}), and DSpark counts: drafts verified, drafts
+    accepted, and per verify step ``(verified, accepted)`` in ``verify_log``."""
 
     request_id: int
     prompt: str | None
@@ -19,4 +20,5 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    verify_log: list[tuple[int, int]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)

@@ -16,7 +16,9 @@ class Status(enum.Enum):
 @dataclass
 class Request:
     """``num_computed`` tokens of ``token_ids`` (prompt then outputs) have their KV in the cache.
-    A preempted request keeps its outputs and recomputes its KV when it runs again."""
+    A preempted request keeps its outputs and recomputes its KV when it runs again. With DSpark,
+    ``drafts`` (with their distributions and confidences) wait for the next step, which verifies
+    ``verify_drafts``, a prefix of them."""
 
     request_id: int
     prompt: str | None
@@ -33,6 +35,15 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     detokenizer: object | None = None
+    drafts: list[int] = field(default_factory=list)
+    draft_logprobs: object | None = None
+    draft_confidences: list[float] = field(default_factory=list)
+    verify_drafts: list[int] = field(default_factory=list)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    calibration_errors: list[float] = field(default_factory=list)
+    verify_log: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

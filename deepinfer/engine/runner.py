@@ -1,73 +1,59 @@
-"""ModelRunner: turns a scheduled batch into one forward pass and one sampling call."""
+"""ModelRunner: turns a scheduled batch into one forward pass over the paged caches."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from deepinfer.engine.scheduler import Batch
 from deepinfer.hal.registry import OpTable
+from deepinfer.models.deepseek_v41.bounded_replay import replay_starts
 from deepinfer.models.forward_context import ForwardContext
 
 
-@dataclass
-class Sampled:
-    """Tokens drawn for the sampling chunks of a batch, in chunk order, with their top
-    log-probabilities when a request asked for them."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-
-
 class ModelRunner:
-    """Owns the model and its caches on one device."""
+    """Owns the model and its caches on one device. ``write_draft_cache``: every forward also
+    fills the DSpark draft layers' main caches. ``logits_trace``: set it to a dict (debugging,
+    invariance tests) and each step's logits rows are appended there under their request id.
+    ``bounded_replay`` (an ``engine.bounded_replay`` config): the kept suffix is counted from each
+    request's own prompt, so a request recomputed after preemption replays as it first did."""
 
-    def __init__(self, model, ops: OpTable, num_blocks: int, num_state_slots: int, device: torch.device):
+    def __init__(self, model, ops: OpTable, num_blocks: int, num_state_slots: int, device: torch.device,
+                 write_draft_cache: bool = False, bounded_replay=None):
         self.model, self.ops, self.device = model, ops, device
+        self.bounded_replay = bounded_replay
+        self.write_draft_cache = write_draft_cache
         self.caches = model.allocate_caches(num_blocks, num_state_slots)
+        self.logits_trace: dict[int, list[torch.Tensor]] | None = None
 
-    def run(self, batch: Batch) -> Sampled:
+    def run(self, batch: Batch) -> torch.Tensor:
+        """float32 logits of the rows that emit tokens: for each sampling chunk in order, one row
+        per verified draft plus its final row."""
         ctx = self._context(batch)
         with torch.no_grad():
             logits = self.model(ctx, self.caches)
-        return self._sample(batch, logits)
+        if self.logits_trace is not None:
+            row = 0
+            for chunk in (c for c in batch.chunks if c.samples):
+                rows = len(chunk.drafts) + 1
+                trace = self.logits_trace.setdefault(chunk.request.request_id, [])
+                trace.append(logits[row:row + rows].to("cpu", copy=True))
+                row += rows
+        return logits
 
     def _context(self, batch: Batch) -> ForwardContext:
         chunks = batch.chunks
-        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-        sampling = torch.tensor([c.samples for c in chunks], dtype=torch.bool)
         ctx = ForwardContext.for_sequences(
             [c.token_ids for c in chunks], [c.start for c in chunks], [c.request.state_slot for c in chunks],
             [c.request.blocks for c in chunks], decode=batch.decode, device=self.device)
-        ctx.logits_indices = ends[sampling].to(self.device)
+        rows, offset = [], 0
+        for c in chunks:
+            offset += len(c.token_ids)
+            if c.samples:
+                rows.extend(range(offset - len(c.drafts) - 1, offset))
+        ctx.logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
+        ctx.write_draft_cache = self.write_draft_cache
+        replay = self.bounded_replay
+        if replay is not None and replay.mode != "off":
+            prompt_lens = [len(c.request.prompt_token_ids) for c in chunks]
+            ctx.replay_start = replay_starts(prompt_lens, replay.keep_tokens, self.device)
+            ctx.replay_compact = replay.mode == "compact"
         return ctx
-
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> Sampled:
-        chunks = [c for c in batch.chunks if c.samples]
-        if not chunks:
-            return Sampled([], [])
-        params = [c.request.params for c in chunks]
-        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=logits.device)  # noqa: E731
-        token_ids, logprobs = self.ops.sample(
-            logits,
-            as_tensor([p.temperature for p in params], torch.float32),
-            as_tensor([p.top_p for p in params], torch.float32),
-            as_tensor([p.top_k for p in params], torch.int64),
-            as_tensor([_as_int64(c.request.seed) for c in chunks], torch.int64),
-            as_tensor([c.start + len(c.token_ids) for c in chunks], torch.int64),
-        )
-        ids = token_ids.tolist()
-        top = [_top_logprobs(logprobs[i], ids[i], p.logprobs) if p.logprobs is not None else None
-               for i, p in enumerate(params)]
-        return Sampled(ids, top)
-
-
-def _as_int64(seed: int) -> int:
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
-
-
-def _top_logprobs(row: torch.Tensor, chosen: int, count: int) -> dict[int, float]:
-    values, ids = row.topk(count) if count else (row[:0], torch.empty(0, dtype=torch.long))
-    out = {int(i): float(v) for i, v in zip(ids, values)}
-    out[chosen] = float(row[chosen])
-    return out

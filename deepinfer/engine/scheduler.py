@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepinfer.engine.kv_manager import KVManager
 from deepinfer.engine.request import Request, Status
@@ -11,12 +11,14 @@ from deepinfer.engine.request import Request, Status
 @dataclass
 class Chunk:
     """``token_ids`` of ``request`` starting at position ``start``; ``samples`` when the chunk
-    ends at the request's last known token, so the step produces its next token."""
+    ends at the request's last known token, so the step produces its next token. ``drafts`` are
+    the DSpark draft tokens appended for verification (the last ``len(drafts)`` token ids)."""
 
     request: Request
     token_ids: list[int]
     start: int
     samples: bool
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -28,7 +30,8 @@ class Batch:
 
     @property
     def decode(self) -> bool:
-        return all(len(c.token_ids) == 1 and c.start > 0 for c in self.chunks)
+        lengths = {len(c.token_ids) for c in self.chunks}
+        return len(lengths) == 1 and all(c.start > 0 and len(c.token_ids) == 1 + len(c.drafts) for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -63,10 +66,11 @@ class Scheduler:
             if request.status is not Status.RUNNING or budget == 0:
                 continue
             size = min(request.num_pending, budget, self.chunk_tokens)
-            if not self._reserve_or_preempt(request, request.num_computed + size):
+            drafts = request.verify_drafts[:budget - size] if request.num_pending == 1 else []
+            if not self._reserve_or_preempt(request, request.num_computed + size + len(drafts)):
                 continue
-            chunks.append(self._chunk(request, size))
-            budget -= size
+            chunks.append(self._chunk(request, size, drafts))
+            budget -= size + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             size = min(request.num_pending, budget, self.chunk_tokens)
@@ -83,9 +87,10 @@ class Scheduler:
                                "engine.num_kv_blocks or lower model.max_model_len")
         return Batch(chunks)
 
-    def _chunk(self, request: Request, size: int) -> Chunk:
+    def _chunk(self, request: Request, size: int, drafts: list[int] = ()) -> Chunk:
         start = request.num_computed
-        return Chunk(request, request.token_ids[start:start + size], start, start + size == request.num_tokens)
+        tokens = request.token_ids[start:start + size] + list(drafts)
+        return Chunk(request, tokens, start, start + size == request.num_tokens, list(drafts))
 
     def _reserve_or_preempt(self, request: Request, num_tokens: int) -> bool:
         while not self.kv.reserve(request, num_tokens):
@@ -99,6 +104,7 @@ class Scheduler:
         self.kv.release(request)
         self.running.remove(request)
         request.status, request.num_computed = Status.WAITING, 0
+        request.drafts, request.verify_drafts = [], []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -1,13 +1,13 @@
 """Hardware-abstraction layer: op contracts, backends and their selection."""
 from deepinfer.hal.backend import Backend, Capabilities
 from deepinfer.hal.registry import (
-    OpTable, OpUnavailableError, UnknownBackendError, available_backends, get_backend, register_backend,
-    unregister_backend,
+    BatchInvarianceError, OpTable, OpUnavailableError, UnknownBackendError, available_backends, get_backend,
+    register_backend, unregister_backend,
 )
 from deepinfer.hal.spec import SPECS, OpCase, OpSpec, Tolerance
 
 __all__ = [
-    "Backend", "Capabilities", "OpTable", "OpUnavailableError", "UnknownBackendError",
+    "Backend", "BatchInvarianceError", "Capabilities", "OpTable", "OpUnavailableError", "UnknownBackendError",
     "available_backends", "get_backend", "register_backend", "unregister_backend", "SPECS", "OpCase", "OpSpec", "Tolerance",
 ]
 

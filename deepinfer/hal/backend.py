@@ -1,6 +1,7 @@
 """Backend base class and the capabilities record every backend declares."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -12,9 +13,11 @@ class Capabilities:
     """What a backend can do, declared rather than sniffed.
 
     ``device_types``: torch device types it runs on. ``dtypes``: activation dtypes. ``fp8`` /
-    ``fp4``: native quantized formats. ``batch_invariant``: every op computes each row with a
-    reduction order independent of the batch. ``collectives``: torch.distributed backends its
-    EP ops use. ``notes``: plain-language caveats (e.g. "compiled, not run on hardware")."""
+    ``fp4``: native quantized formats. ``batch_invariant``: on request
+    (``implementations(batch_invariant=True)``) every op computes each row with a reduction
+    order independent of the batch, on every device type listed. ``collectives``:
+    torch.distributed backends its EP ops use. ``notes``: plain-language caveats (e.g.
+    "compiled, not run on hardware")."""
 
     device_types: frozenset[str]
     dtypes: frozenset[torch.dtype]
@@ -29,7 +32,9 @@ class Backend:
     """A set of op implementations for one kind of hardware.
 
     Subclasses set ``name`` (one lowercase token) and ``capabilities`` and return their ops from
-    :meth:`implementations`. They are found through the ``deepinfer.backends`` entry-point group."""
+    :meth:`implementations`. They are found through the ``deepinfer.backends`` entry-point group.
+    A backend declaring ``batch_invariant`` must accept ``implementations(batch_invariant=True)``
+    (checked when the subclass is defined)."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
@@ -41,9 +46,19 @@ class Backend:
             raise TypeError(f"backend class {cls.__qualname__} needs a lowercase identifier `name`, got {name!r}")
         if not isinstance(getattr(cls, "capabilities", None), Capabilities):
             raise TypeError(f"backend {name!r} must declare `capabilities = Capabilities(...)`")
+        if cls.capabilities.batch_invariant and \
+                "batch_invariant" not in inspect.signature(cls.implementations).parameters:
+            raise TypeError(f"backend {name!r} declares batch_invariant=True, so its implementations() must "
+                            f"take a `batch_invariant: bool = False` argument and honour it")
 
-    def implementations(self) -> dict[str, Callable]:
-        """Map op name -> callable with the op's reference signature."""
+    def implementations(self, batch_invariant: bool = False) -> dict[str, Callable]:
+        """Map op name -> callable with the op's reference signature.
+
+        ``batch_invariant=True`` is asked only of backends whose capabilities declare it (a
+        backend that does not may omit the argument). Every callable returned then computes each
+        row of its output with a reduction order fixed by the row alone: no split-K or split-KV
+        chosen from the batch shape, fixed tiles, the same numeric path for prefill and decode
+        tokens. Ops left out of that table are served by the configured fallback or refused."""
         raise NotImplementedError
 
     def unsupported_reasons(self) -> dict[str, str]:

@@ -21,6 +21,10 @@ class UnknownBackendError(ValueError):
     """No backend of that name is installed."""
 
 
+class BatchInvarianceError(ValueError):
+    """A batch-invariant op table was asked of a backend that does not declare batch invariance."""
+
+
 _REGISTERED: dict[str, type[Backend]] = {}
 _INSTANCES: dict[str, Backend] = {}
 
@@ -71,34 +75,55 @@ class OpTable:
 
     ``backend`` serves every op unless ``overrides`` names another backend for it. An op the
     chosen backend lacks runs on ``fallback`` (logged once) or raises :class:`OpUnavailableError`
-    when called."""
+    when called. ``batch_invariant=True`` takes every op from its backend's batch-invariant
+    table (``implementations(batch_invariant=True)``); each backend serving an op must declare
+    the capability, else :class:`BatchInvarianceError`."""
 
-    def __init__(self, backend: str, fallback: str | None = None, overrides: Mapping[str, str] | None = None):
+    def __init__(self, backend: str, fallback: str | None = None, overrides: Mapping[str, str] | None = None,
+                 batch_invariant: bool = False):
         import deepinfer.hal.ops  # noqa: F401  (declares every OpSpec)
 
         self.backend = get_backend(backend)
         self.fallback = get_backend(fallback) if fallback else None
         self.overrides = dict(overrides or {})
+        self.batch_invariant = batch_invariant
         unknown = sorted(set(self.overrides) - set(SPECS))
         if unknown:
             raise ValueError(f"backend.overrides names unknown ops {unknown}; known ops: {sorted(SPECS)}")
         self.sources: dict[str, str] = {}
+        self._tables: dict[str, dict[str, Callable]] = {}
         self._impls: dict[str, Callable] = {}
         for op in SPECS:
             self._impls[op] = self._resolve(op)
 
+    def _table(self, backend: Backend, op: str) -> dict[str, Callable]:
+        """``backend``'s implementations in this table's mode (asked once per backend)."""
+        if backend.name not in self._tables:
+            if not self.batch_invariant:
+                self._tables[backend.name] = backend.implementations()
+            elif backend.capabilities.batch_invariant:
+                self._tables[backend.name] = backend.implementations(batch_invariant=True)
+            else:
+                raise BatchInvarianceError(
+                    f"engine.batch_invariant=true, but backend {backend.name!r} (asked for op {op!r}) does not "
+                    f"declare batch invariance; run with engine.batch_invariant=false, or take the op from a "
+                    f"backend that declares it (backend.fallback / backend.overrides)")
+        return self._tables[backend.name]
+
     def _resolve(self, op: str) -> Callable:
         chosen = get_backend(self.overrides[op]) if op in self.overrides else self.backend
-        impl = chosen.implementations().get(op)
+        impl = self._table(chosen, op).get(op)
         if impl is not None:
             self.sources[op] = chosen.name
             return impl
         reason = chosen.unsupported_reasons().get(op, "not implemented")
-        if self.fallback is not None and op in self.fallback.implementations():
+        if self.batch_invariant and reason == "not implemented":
+            reason = "no batch-invariant version"
+        if self.fallback is not None and op in self._table(self.fallback, op):
             log.warning("op %s: backend %r lacks it (%s); falling back to %r as configured",
                         op, chosen.name, reason, self.fallback.name)
             self.sources[op] = self.fallback.name
-            return self.fallback.implementations()[op]
+            return self._table(self.fallback, op)[op]
         self.sources[op] = "unavailable"
 
         def refuse(*args, **kwargs):
@@ -116,4 +141,5 @@ class OpTable:
         raise AttributeError(f"no HAL op named {op!r}; known ops: {sorted(impls)}")
 
     def __repr__(self) -> str:
-        return f"OpTable(backend={self.backend.name!r}, fallback={getattr(self.fallback, 'name', None)!r})"
+        return (f"OpTable(backend={self.backend.name!r}, fallback={getattr(self.fallback, 'name', None)!r}, "
+                f"batch_invariant={self.batch_invariant})")

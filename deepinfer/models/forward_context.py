@@ -14,7 +14,13 @@ class ForwardContext:
     of tokens sequence ``b`` holds after this step; ``block_tables[b]`` lists its paged-cache
     blocks (-1 padding); ``state_slots[b]`` is its SWA-ring / compress-state slot.
     ``logits_indices`` selects the token rows whose logits are returned. ``decode`` asks for the
-    quantized-cache decode path (every sequence then has the same number of query tokens)."""
+    quantized-cache decode path (every sequence then has the same number of query tokens).
+    ``write_draft_cache``: the target forward also writes the DSpark draft layers' main keys.
+    ``draft_block`` > 0 marks a DSpark draft pass: each sequence's rows are one block that
+    attends bidirectionally to itself and to the ``window`` keys before it.
+    ``replay_start`` (SWA bounded replay; None: off) is ``int64 [B]``, the first position of
+    each sequence the YOCO consumer layers process and see; ``replay_compact`` computes only
+    those rows there (plus each chunk's last row) instead of masking (see ``bounded_replay``)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -24,7 +30,10 @@ class ForwardContext:
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
     decode: bool = False
-    capture_draft_features: bool = False
+    write_draft_cache: bool = False
+    draft_block: int = 0
+    replay_start: torch.Tensor | None = None
+    replay_compact: bool = False
 
     def __post_init__(self) -> None:
         lens = self.query_lens.long()

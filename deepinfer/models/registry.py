@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_ROOT = REPO_ROOT / "configs"
 ARCHITECTURES = ("deepseek_v41",)
 
 
@@ -28,6 +29,17 @@ def build_config(preset: dict[str, Any]):
     return DeepseekV41Config.from_dict(preset["config"])
 
 
+def resolve_checkpoint(checkpoint: str | Path | None) -> Path | None:
+    """The directory ``model.checkpoint`` names: absolute as given; a relative path from the current
+    directory when it exists there, else from the repository root (where ``models/`` ships)."""
+    if not checkpoint:
+        return None
+    path = Path(checkpoint).expanduser()
+    if path.is_absolute() or path.exists():
+        return path
+    return REPO_ROOT / path
+
+
 def build_model(model_cfg, ops, device: str = "cpu", seed: int = 0):
     """Instantiate the model a ``model`` config section describes, on ``device``.
 
@@ -42,7 +54,8 @@ def build_model(model_cfg, ops, device: str = "cpu", seed: int = 0):
         raise ValueError(f"unknown model architecture {model_cfg.arch!r}; known: {list(ARCHITECTURES)}")
     dtype = getattr(torch, model_cfg.dtype)
     if model_cfg.checkpoint:
-        model = load_pretrained(model_cfg.checkpoint, ops, dtype=dtype, max_model_len=model_cfg.max_model_len)
+        model = load_pretrained(resolve_checkpoint(model_cfg.checkpoint), ops, dtype=dtype,
+                                max_model_len=model_cfg.max_model_len)
         return model.to(device), False
     config = build_config({"arch": model_cfg.arch, "config": dict(model_cfg.config)})
     model = DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=model_cfg.max_model_len)

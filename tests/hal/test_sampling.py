@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.hal.ops.sampling import CASE_ACCEPT, CASE_RESAMPLE, CASE_SAMPLE, counter_uniform, sample
+from deepinfer.hal.ops.sampling import (
+    CASE_ACCEPT, CASE_RESAMPLE, CASE_SAMPLE, SEED_NAMESPACE_DRAFT, SEED_NAMESPACE_TARGET, counter_uniform, sample,
+)
 from deepinfer.hal.spec import SPECS
 from tests.hal.oracle import check_against_oracle
 
@@ -23,6 +25,9 @@ def counter_uniform_python(seed: int, counter: int) -> float:
 
 
 def _processed_logprobs(logits, temperature, top_p, top_k):
+    if temperature == 0:
+        first_max = int(np.argmax(logits))
+        return np.where(np.arange(logits.size) == first_max, 0.0, -np.inf)
     z = logits / max(temperature, 1e-5)
     keep = np.ones(z.size, dtype=bool)
     if 0 < top_k < z.size:
@@ -90,6 +95,15 @@ def test_greedy_is_argmax():
     tokens, logprobs = sample(**args)
     assert torch.equal(tokens, logits.argmax(dim=-1))
     assert torch.equal(logprobs.argmax(dim=-1), tokens)
+    assert bool((logprobs.exp().sum(dim=-1) == 1).all()), "a greedy row's distribution is exactly one-hot"
+
+
+def test_greedy_ties_take_the_first_maximal_token():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0]] * 8)
+    args = _args(logits, temperature=0.0)
+    args["seeds"] = torch.arange(8)
+    tokens, _ = sample(**args)
+    assert tokens.tolist() == [1] * 8
 
 
 def test_token_does_not_depend_on_the_rest_of_the_batch():
@@ -192,3 +206,44 @@ def test_bad_arguments_are_rejected(name, value, match):
 def test_unknown_case_is_rejected():
     with pytest.raises(ValueError, match="case must be 0 \\(sample\\), 1 \\(resample\\) or 2 \\(accept\\), got 3"):
         sample(**_args(torch.zeros(1, 4)), case=3)
+
+
+@pytest.mark.parametrize("case", [CASE_SAMPLE, CASE_RESAMPLE])
+def test_draft_namespace_adds_its_offset_to_the_seed_mod_2_64(case):
+    seeds = [0, 5, (1 << 63) - 3, MASK64 - 7, MASK64]
+    positions = torch.arange(len(seeds) * 40) * 131
+    row_seeds = [seeds[i % len(seeds)] for i in range(positions.numel())]
+    args = _args(torch.zeros(positions.numel(), 2), positions=positions)
+    args["seeds"] = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in row_seeds])
+    tokens, _ = sample(**args, case=case, namespace=SEED_NAMESPACE_DRAFT)
+    uniforms = [counter_uniform_python((s + 1_000_000_007) & MASK64, 3 * p + case)
+                for s, p in zip(row_seeds, positions.tolist())]
+    assert tokens.tolist() == [int(u >= 0.5) for u in uniforms]
+    target, _ = sample(**args, case=case)
+    assert torch.equal(target, sample(**args, case=case, namespace=SEED_NAMESPACE_TARGET)[0])
+    assert not torch.equal(target, tokens), "draft draws must not reuse the target draws"
+
+
+def test_bad_namespace_is_rejected():
+    with pytest.raises(ValueError, match="namespace must be an int in \\[0, 2\\*\\*64\\)"):
+        sample(**_args(torch.zeros(1, 4)), namespace=-1)
+
+
+def test_thresholds_and_ties_are_per_row_at_the_v41_vocab():
+    """Tied logits, top-k, top-p and greedy rows: each row's token and distribution are the same
+    alone, in the batch and in any order."""
+    gen = torch.Generator().manual_seed(8)
+    rows, vocab = 5, 129280
+    args = {"logits": torch.randint(0, 4, (rows, vocab), generator=gen).float(),
+            "temperature": torch.tensor([1.0, 0.7, 0.0, 1.3, 2.0]),
+            "top_p": torch.tensor([1.0, 0.9, 1.0, 0.5, 0.3]),
+            "top_k": torch.tensor([0, 1000, -1, 50, 3]),
+            "seeds": torch.randint(0, 1 << 62, (rows,), generator=gen),
+            "positions": torch.randint(0, 1 << 20, (rows,), generator=gen)}
+    tokens, logprobs = sample(**args)
+    order = torch.randperm(rows, generator=gen)
+    permuted, permuted_logprobs = sample(**{k: v[order] for k, v in args.items()})
+    assert torch.equal(permuted, tokens[order]) and torch.equal(permuted_logprobs, logprobs[order])
+    for i in range(rows):
+        alone, alone_logprobs = sample(**{k: v[i:i + 1] for k, v in args.items()})
+        assert alone.item() == tokens[i].item() and torch.equal(alone_logprobs[0], logprobs[i]), f"row {i}"

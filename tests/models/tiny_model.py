@@ -14,7 +14,7 @@ from deepinfer.models.registry import build_config, model_preset
 
 
 def tiny_config(**overrides) -> DeepseekV41Config:
-    preset = model_preset("tiny")
+    preset = model_preset("tiny_random")
     preset["config"].update(overrides)
     return build_config(preset)
 

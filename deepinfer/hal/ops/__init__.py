@@ -11,5 +11,6 @@ from deepinfer.hal.ops import (  # noqa: F401
     rope,
     routing,
     sampling,
+    speculative,
     swa_replay,
 )

@@ -43,20 +43,26 @@ def grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> torc
     if either is :class:`Quantized` (``x``: ``"fp8"`` data ``[M, K]``, scale ``[M, K/32]``;
     ``weight``: ``"fp8"`` data ``[E, N, K]`` or ``"mxfp4"`` data ``uint8 [E, N, K/2]``, scale
     ``[E, N, K/32]``)."""
-    x_shape = logical_shape(x, "x", ACTIVATION_FORMATS)
-    w_shape = logical_shape(weight, "weight", WEIGHT_FORMATS)
-    if len(x_shape) != 2 or len(w_shape) != 3 or w_shape[2] != x_shape[1]:
-        raise ValueError(f"grouped_gemm expects x [M, K] and weight [E, N, K]; got x {tuple(x_shape)}, "
-                         f"weight {tuple(w_shape)}")
-    sizes = _segment_sizes(group_sizes, num_experts=w_shape[0], num_rows=x_shape[0])
+    sizes = grouped_gemm_segments(x, weight, group_sizes)
     x_values = values(x)
-    out = torch.zeros(x_shape[0], w_shape[1], dtype=torch.float32, device=x_values.device)
+    out = torch.zeros(x_values.shape[0], logical_shape(weight, "weight", WEIGHT_FORMATS)[1], dtype=torch.float32,
+                      device=x_values.device)
     start = 0
     for expert, size in enumerate(sizes):
         if size:
             out[start:start + size] = x_values[start:start + size] @ values(expert_weight(weight, expert)).T
             start += size
     return out.to(result_dtype(x, weight))
+
+
+def grouped_gemm_segments(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> list[int]:
+    """Check :func:`grouped_gemm`'s operands; returns the per-expert row counts."""
+    x_shape = logical_shape(x, "x", ACTIVATION_FORMATS)
+    w_shape = logical_shape(weight, "weight", WEIGHT_FORMATS)
+    if len(x_shape) != 2 or len(w_shape) != 3 or w_shape[2] != x_shape[1]:
+        raise ValueError(f"grouped_gemm expects x [M, K] and weight [E, N, K]; got x {tuple(x_shape)}, "
+                         f"weight {tuple(w_shape)}")
+    return _segment_sizes(group_sizes, num_experts=w_shape[0], num_rows=x_shape[0])
 
 
 def logical_shape(operand: Operand, name: str, formats: tuple[str, ...]) -> torch.Size:
@@ -165,6 +171,8 @@ register(OpSpec(
         OpCase("tiny_fp8_mxfp4", _grouped_case((4, 2), 8, 128, "fp8", "mxfp4")),
         OpCase("empty_experts", _grouped_case((0, 3, 0, 0, 2, 0), 16, 64, "fp8", "mxfp4")),
         OpCase("no_rows", _grouped_case((0, 0), 16, 64)),
+        OpCase("empty_experts_bf16", _grouped_case((0, 3, 0, 0, 70, 0), 40, 64, dtype=torch.bfloat16),
+               dtype=torch.bfloat16),
         OpCase("v41_experts_bf16", _grouped_case((20, 0, 31, 13), 2048, 4096, dtype=torch.bfloat16),
                "real", torch.bfloat16),
         OpCase("v41_experts_fp8_mxfp4", _grouped_case((9, 27, 0, 28), 2048, 4096, "fp8", "mxfp4"), "real"),

@@ -22,20 +22,29 @@ def mla_sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     ``q [T, h, D]``, ``kv [S, D]`` (keys, also the values), ``indices int32 [T, K]`` rows of
     ``kv`` per query (``-1`` padding), ``sink float32 [h]``. Queries are processed in chunks so
     the gathered keys stay within ``GATHER_BUDGET`` values."""
+    check_prefill_args(q, kv, indices, sink)
+    rows_per_chunk = max(1, GATHER_BUDGET // max(1, indices.shape[1] * kv.shape[1]))
+    outs, lses = [], []
+    for start in range(0, max(1, q.shape[0]), rows_per_chunk):
+        chunk = slice(start, start + rows_per_chunk)
+        out, lse = sparse_attention(q[chunk], *gather_keys(kv, indices[chunk]), sink, scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check_prefill_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor) -> None:
+    """Raise a clear error unless the arguments fit :func:`mla_sparse_prefill`'s contract."""
     _check_query(q, 3)
     if kv.dim() != 2 or kv.shape[1] != q.shape[-1]:
         raise ValueError(f"kv must be [S, D={q.shape[-1]}], got {tuple(kv.shape)}")
     _check_indices(indices, "indices", q.shape[:-2], kv.shape[0])
     _check_sink(sink, q.shape[-2])
-    rows_per_chunk = max(1, GATHER_BUDGET // max(1, indices.shape[1] * kv.shape[1]))
-    outs, lses = [], []
-    for start in range(0, max(1, q.shape[0]), rows_per_chunk):
-        chunk = slice(start, start + rows_per_chunk)
-        keys = kv[indices[chunk].clamp(min=0).long()].float()
-        out, lse = sparse_attention(q[chunk], keys, indices[chunk] >= 0, sink, scale)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+
+
+def gather_keys(kv: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 keys ``[T, K, D]`` at ``indices [T, K]`` of ``kv [S, D]``, and their validity."""
+    return kv[indices.clamp(min=0).long()].float(), indices >= 0
 
 
 def mla_sparse_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
@@ -48,6 +57,17 @@ def mla_sparse_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     rows of ``cache`` (``uint8 [..., bytes]`` in ``cache_format``, viewed as ``[rows, bytes]``),
     ``-1`` padding. The optional ``extra_cache`` (``extra_format``, e.g. the FP4 compressed
     cache) with ``extra_indices [B, s_q, K2]`` adds keys; the softmax runs over the union."""
+    keys, valid = decode_keys(q, cache, indices, sink, cache_format, extra_cache, extra_indices, extra_format)
+    batch, s_q, heads, dim = q.shape
+    out, lse = sparse_attention(q.reshape(batch * s_q, heads, dim), keys, valid, sink, scale)
+    return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
+
+
+def decode_keys(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
+                cache_format: str = "fp8", extra_cache: torch.Tensor | None = None,
+                extra_indices: torch.Tensor | None = None, extra_format: str = "fp4"):
+    """Check :func:`mla_sparse_decode`'s arguments; returns each query's decoded float32 keys
+    ``[B * s_q, K (+ K2), D]`` (main, then extra) and their validity."""
     _check_query(q, 4)
     if (extra_cache is None) != (extra_indices is None):
         raise ValueError("extra_cache and extra_indices go together; got only "
@@ -57,9 +77,7 @@ def mla_sparse_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         extra_keys, extra_valid = _decoded_keys(extra_cache, extra_indices, extra_format, q, "extra_indices")
         keys, valid = torch.cat((keys, extra_keys), dim=1), torch.cat((valid, extra_valid), dim=1)
     _check_sink(sink, q.shape[2])
-    batch, s_q, heads, dim = q.shape
-    out, lse = sparse_attention(q.reshape(batch * s_q, heads, dim), keys, valid, sink, scale)
-    return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
+    return keys, valid
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
@@ -167,7 +185,11 @@ register(OpSpec(
         OpCase("tiny_empty_rows", _prefill_case(t=6, h=2, d=64, s=30, k=6, padded=2, empty_rows=(1, 4))),
         OpCase("tiny_bf16", _prefill_case(t=5, h=2, d=64, s=40, k=8, padded=3, dtype=torch.bfloat16),
                dtype=torch.bfloat16),
+        OpCase("tiny_bf16_empty_rows", _prefill_case(t=6, h=2, d=64, s=30, k=6, padded=2, empty_rows=(1, 4),
+                                                     dtype=torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41", _prefill_case(t=8, h=64, d=512, s=1024, k=128 + 512, padded=40), size="real"),
+        OpCase("v41_bf16", _prefill_case(t=8, h=64, d=512, s=1024, k=128 + 512, padded=40, dtype=torch.bfloat16),
+               size="real", dtype=torch.bfloat16),
     ),
 ))
 
@@ -182,7 +204,15 @@ register(OpSpec(
                                                duplicates=True)),
         OpCase("tiny_empty_rows", _decode_case(b=2, s_q=2, h=2, k=4, cache_format="fp8", extra_k=3, padded=1,
                                                empty_rows=True)),
+        OpCase("tiny_bf16_fp8_fp4", _decode_case(b=2, s_q=2, h=2, k=4, cache_format="fp8", extra_k=5, padded=1,
+                                                 empty_rows=True, dtype=torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("tiny_bf16_bf16_cache", _decode_case(b=2, s_q=1, h=2, k=6, cache_format="bf16", padded=2,
+                                                    dtype=torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41", _decode_case(b=2, s_q=2, h=64, k=128, cache_format="fp8", extra_k=512, padded=17),
                size="real"),
+        OpCase("v41_bf16", _decode_case(b=2, s_q=2, h=64, k=128, cache_format="fp8", extra_k=512, padded=17,
+                                        dtype=torch.bfloat16), size="real", dtype=torch.bfloat16),
+        OpCase("v41_bf16_h128", _decode_case(b=1, s_q=2, h=128, k=128, cache_format="fp8", extra_k=512, padded=17,
+                                             dtype=torch.bfloat16), size="real", dtype=torch.bfloat16),
     ),
 ))

@@ -45,5 +45,7 @@ register(OpSpec(
         OpCase("v41_hidden", _case(64, 4096, True), size="real"),
         OpCase("v41_latent", _case(128, 512, False), size="real"),
         OpCase("v41_q_lora", _case(32, 1280, False), size="real"),
+        OpCase("v41_hidden_bf16", _case(64, 4096, True, torch.bfloat16), size="real", dtype=torch.bfloat16),
+        OpCase("v41_latent_bf16", _case(128, 512, False, torch.bfloat16), size="real", dtype=torch.bfloat16),
     ),
 ))

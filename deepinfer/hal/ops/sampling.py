@@ -7,6 +7,8 @@ depend on what else is in the batch. ``case`` names the draw's namespace:
 * ``CASE_RESAMPLE = 1``: the residual resample after a speculative rejection;
 * ``CASE_ACCEPT = 2``: the acceptance uniform of speculative verification.
 
+Draft sampling draws in its own seed namespace: ``sample(..., namespace=SEED_NAMESPACE_DRAFT)``
+uses ``seed + 1_000_000_007`` (mod ``2**64``), so a draft draw never reuses a target draw.
 Seeds are uint64 values held in int64 tensors (values ``>= 2**63`` stored as ``value - 2**64``).
 """
 from __future__ import annotations
@@ -16,6 +18,9 @@ import torch
 from deepinfer.hal.spec import OpCase, OpSpec, register
 
 CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT = 0, 1, 2
+SEED_NAMESPACE_TARGET = 0
+SEED_NAMESPACE_DRAFT = 1_000_000_007
+"""Offsets added to a request's seed: target-model draws, and DSpark draft draws."""
 MIN_TEMPERATURE = 1e-5
 FIXED_POINT_ONE = 1 << 31
 
@@ -51,32 +56,53 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
     return _shift_right_logical(z, 11).double() / float(1 << 53)
 
 
+def namespaced_seeds(seeds: torch.Tensor, namespace: int) -> torch.Tensor:
+    """``seeds + namespace`` in wrapping uint64 arithmetic (held in int64): the seeds of a namespace."""
+    if not isinstance(namespace, int) or not 0 <= namespace < 1 << 64:
+        raise ValueError(f"namespace must be an int in [0, 2**64) (e.g. SEED_NAMESPACE_DRAFT), got {namespace!r}")
+    return seeds + _as_int64(namespace) if namespace else seeds
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-           seeds: torch.Tensor, positions: torch.Tensor, case: int = CASE_SAMPLE):
+           seeds: torch.Tensor, positions: torch.Tensor, case: int = CASE_SAMPLE,
+           namespace: int = SEED_NAMESPACE_TARGET):
     """Draw one token per row; returns ``(token_ids int64 [N], logprobs float32 [N, V])``.
 
     ``logits``: float ``[N, V]``; per row ``temperature`` (>= 0), ``top_p`` in ``(0, 1]``,
     ``top_k`` (int64; ``<= 0`` or ``>= V`` is off), ``seeds`` and ``positions`` (int64).
-    ``z = logits / max(temperature, 1e-5)``; top-k keeps ``z >=`` the k-th largest ``z`` (ties
+    ``z = logits / max(temperature, 1e-5)``; a row with temperature 0 (greedy) keeps only its
+    first maximal token, so greedy is exact and its distribution one-hot; top-k keeps ``z >=`` the k-th largest ``z`` (ties
     kept); top-p (``< 1``) then keeps, on ``softmax(z)`` over the kept tokens, every token whose
     probability is ``>=`` that of the token at which the descending cumulative sum first reaches
     ``top_p``. ``logprobs`` is ``log_softmax`` over the kept tokens, ``-inf`` elsewhere (the
     processed distribution). Draw: ``w = floor(exp(logprobs) * 2**31)`` (int64),
     ``r = floor(u * sum(w))`` with ``u = counter_uniform(seed, 3 * position + case)``; the token
     is the first whose inclusive integer cumsum of ``w`` exceeds ``r``, so tokens of weight 0 are
-    never drawn. (``sum(w) > 2**30``, so ``u < 1`` keeps ``r < sum(w)`` after float64 rounding.)"""
+    never drawn. (``sum(w) > 2**30``, so ``u < 1`` keeps ``r < sum(w)`` after float64 rounding.)
+    ``namespace`` is added to every seed first (:func:`namespaced_seeds`)."""
     _check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
+    seeds = namespaced_seeds(seeds, namespace)
     z = logits.float() / temperature.float().clamp_min(MIN_TEMPERATURE)[:, None]
     keep = _top_k_mask(z, top_k)
     keep &= _top_p_mask(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
+    greedy = temperature == 0
+    if bool(greedy.any()):
+        first_max = torch.nn.functional.one_hot(z.argmax(dim=-1), z.shape[1]).bool()
+        keep = torch.where(greedy[:, None], first_max, keep)
     logprobs = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
-    weights = torch.floor(logprobs.exp() * FIXED_POINT_ONE).long()
+    return fixed_point_draw(logprobs.exp(), seeds, positions, case), logprobs
+
+
+def fixed_point_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, case: int) -> torch.Tensor:
+    """One token per row of ``probs [N, V]`` (rows sum to 1): weights ``floor(p * 2**31)`` as
+    int64, ``r = floor(u * sum(w))`` with
+    ``u = counter_uniform(seed, 3 * position + case)``, and the first token whose inclusive
+    integer cumsum exceeds ``r``. Integer sums make the choice independent of float order."""
+    weights = torch.floor(probs * FIXED_POINT_ONE).long()
     cumulative = weights.cumsum(dim=-1)
-    total = cumulative[:, -1]
     uniform = counter_uniform(seeds, 3 * positions + case)
-    target = torch.floor(uniform * total.double()).long()
-    token_ids = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
-    return token_ids, logprobs
+    target = torch.floor(uniform * cumulative[:, -1].double()).long()
+    return torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
 
 
 def _top_k_mask(z: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -55,19 +55,24 @@ class Attention(nn.Module):
         self.scale = ATTENTION_DIM ** -0.5
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext, cache: LayerCache, cos_sin: torch.Tensor,
-                kv_source: torch.Tensor | None = None) -> torch.Tensor:
+                kv_source: torch.Tensor | None = None, kv_ctx: ForwardContext | None = None) -> torch.Tensor:
         """``hidden`` is the normed layer input; compressed KV is projected from ``kv_source``
-        (the YOCO shared hidden in consumer layers) when given."""
+        (the YOCO shared hidden in consumer layers) when given, for every token of ``kv_ctx``
+        (default ``ctx``; more rows than ``ctx`` under compact bounded replay). Consumer layers
+        see SWA keys only from ``ctx.replay_start`` on, when it is set."""
         ops, pos = self.ops, ctx.positions
+        bounded = kv_source is not None and ctx.replay_start is not None
+        visible = ctx.replay_start[ctx.seq_of_token] if bounded else None
         q_a = self.q_norm(self.wq_a(hidden))
         q = ops.apply_rope(self.wq_b(q_a).view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
         kv = ops.apply_rope(self.kv_norm(self.wkv(hidden)), pos, cos_sin)
         selected = None
         if self.ratio:
-            self._store_compressed(hidden if kv_source is None else kv_source, ctx, cache, cos_sin)
+            source, source_ctx = (hidden, ctx) if kv_source is None else (kv_source, kv_ctx or ctx)
+            self._store_compressed(source, source_ctx, cache, cos_sin)
             selected = self._select_compressed(q_a, hidden, ctx, cache, cos_sin)
         attend = self._attend_decode if ctx.decode else self._attend_prefill
-        out = attend(q, kv, selected, ctx, cache)
+        out = attend(q, kv, selected, ctx, cache, visible)
         out = ops.apply_rope(out, pos, cos_sin, conjugate=True)
         return self._project_out(out)
 
@@ -108,7 +113,7 @@ class Attention(nn.Module):
         visible = (ctx.positions + 1) // self.ratio
         return ops.indexer_topk(logits, first[ctx.seq_of_token], visible, self.cfg.index_topk)
 
-    def _attend_prefill(self, q, kv, selected, ctx, cache):
+    def _attend_prefill(self, q, kv, selected, ctx, cache, visible):
         ops, cfg = self.ops, self.cfg
         window, ring, fmt = cfg.sliding_window, cfg.swa_ring_size, cfg.swa_cache_format
         history_slots = ops.swa_history_slots(ctx.state_slots, ctx.chunk_start, window, ring)
@@ -118,7 +123,7 @@ class Attention(nn.Module):
         history_offset = seq * (window - 1)
         chunk_offset = history.shape[0] + ctx.query_start[seq]
         indices = ops.swa_prefill_indices(ctx.positions, ctx.chunk_start_of_token, history_offset,
-                                          chunk_offset, window)
+                                          chunk_offset, window, visible)
         buffers = [history, chunk]
         if selected is not None:
             key_slots, first = self._compressed_keys(ctx, cache)
@@ -132,12 +137,16 @@ class Attention(nn.Module):
         ops.kv_store(cache.swa_ring, slots, kv[recent], fmt)
         return out
 
-    def _attend_decode(self, q, kv, selected, ctx, cache):
+    def _attend_decode(self, q, kv, selected, ctx, cache, visible):
         ops, cfg = self.ops, self.cfg
         ring, fmt = cfg.swa_ring_size, cfg.swa_cache_format
         ops.kv_store(cache.swa_ring, ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring), kv, fmt)
         batch, s_q = ctx.num_seqs, ctx.decode_query_len
-        main = ops.swa_decode_indices(ctx.slot_of_token, ctx.positions, cfg.sliding_window, ring)
+        if ctx.draft_block:
+            key_end = ctx.context_lens[ctx.seq_of_token] - 1
+            main = ops.swa_decode_indices(ctx.slot_of_token, key_end, cfg.sliding_window + ctx.draft_block, ring)
+        else:
+            main = ops.swa_decode_indices(ctx.slot_of_token, ctx.positions, cfg.sliding_window, ring, visible)
         extra = {}
         if selected is not None:
             rows = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token.unsqueeze(1), selected)

@@ -1,13 +1,14 @@
-"""DSpark draft blocks (``mtp.{i}``) and the HC head, as modules with the official parameters.
+"""DSpark draft blocks (``mtp.{i}``) and the HC head, with the official parameters.
 
-The drafting algorithm (one parallel pass, Markov correction, confidence-scheduled verification)
-lands with the DSpark issue; until then :meth:`DraftBlock.forward` refuses clearly."""
+The model runs the draft layers in one parallel pass (``DeepseekV41ForCausalLM.draft_forward``);
+the sequential Markov-corrected sampling and verification live in ``deepinfer.decoding.dspark``."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from deepinfer.hal.registry import OpTable
+from deepinfer.models.deepseek_v41.block import Block
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.layers import Linear, RMSNorm
 
@@ -47,18 +48,14 @@ class ConfidenceHead(nn.Module):
         self.proj = Linear(hidden + rank, 1, ops, dtype)
 
 
-class DraftBlock(nn.Module):
-    """One DSpark draft layer: an SWA-only HC + MoE block, the projection of the target layers'
-    features (``main_proj``, ``main_norm``), Markov and confidence heads, final norm and HC head."""
+class DraftBlock(Block):
+    """One DSpark draft layer: an SWA-only HC + MoE block (its own, possibly smaller MoE), the
+    projection of the target layers' features into its main keys (``main_proj``, ``main_norm``),
+    and the heads the last draft layer applies: Markov, confidence, final norm and HC head."""
 
     def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype):
-        super().__init__()
-        from deepinfer.models.deepseek_v41.model import Block
-
         experts, top_k = cfg.draft_experts
-        block = Block(cfg, 0, ops, dtype, experts=experts, top_k=top_k)
-        for name, child in block.named_children():
-            self.add_module(name, child)
+        super().__init__(cfg, 0, ops, dtype, experts=experts, top_k=top_k)
         targets = max(1, len(cfg.dspark_target_layer_ids))
         self.main_proj = Linear(targets * cfg.hidden_size, cfg.hidden_size, ops, dtype)
         self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
@@ -66,6 +63,19 @@ class DraftBlock(nn.Module):
         self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.dspark_markov_rank, ops, dtype)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.hc_head = HyperHead(cfg, ops)
+        self.ops = ops
 
-    def forward(self, *args, **kwargs):
-        raise NotImplementedError("DSpark drafting is not implemented yet; run with decoding.num_draft_tokens=0")
+    def main_keys(self, features: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """This layer's main-cache keys from the target features at ``positions``."""
+        main = self.main_norm(self.main_proj(features))
+        return self.ops.apply_rope(self.attn.kv_norm(self.attn.wkv(main)), positions, cos_sin)
+
+    def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W1[previous], logit correction W2 @ W1[previous])`` of the bigram head."""
+        embedded = self.markov_head.embed.weight[previous]
+        return embedded, self.ops.linear(embedded, self.markov_head.head.weight).float()
+
+    def confidence(self, hidden: torch.Tensor, embedded: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``sigmoid(<[h ; W1[prev]], w> / T)``: the estimated chance the draft is accepted."""
+        score = self.confidence_head.proj(torch.cat((hidden, embedded.to(hidden.dtype)), dim=-1)).float()
+        return torch.sigmoid(score.squeeze(-1) / temperature)

@@ -7,12 +7,12 @@ from torch import nn
 from deepinfer.hal.ops.rope import YarnScaling, rope_cos_sin, rope_inv_freq
 from deepinfer.hal.registry import OpTable
 from deepinfer.hal.spec import Tolerance
-from deepinfer.models.deepseek_v41.attention import Attention
+from deepinfer.models.deepseek_v41.block import Block, YocoState
+from deepinfer.models.deepseek_v41.bounded_replay import enter_consumer_half
 from deepinfer.models.deepseek_v41.cache import LayerCache, ModelCaches
 from deepinfer.models.deepseek_v41.config import ROPE_DIM, DeepseekV41Config
 from deepinfer.models.deepseek_v41.draft import DraftBlock, HyperHead
-from deepinfer.models.deepseek_v41.mhc import HyperConnection, first_stream_mix
-from deepinfer.models.deepseek_v41.moe import MoE
+from deepinfer.models.deepseek_v41.mhc import first_stream_mix
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.layers import Linear, RMSNorm
 
@@ -29,46 +29,6 @@ class Embedding(nn.Module):
             raise ValueError(f"token ids must be in [0, {self.weight.shape[0]}), got range "
                              f"[{int(ids.min())}, {int(ids.max())}]")
         return self.weight[ids]
-
-
-class Block(nn.Module):
-    """One backbone layer: attention and MoE sublayers, each wrapped by a hyper-connection."""
-
-    def __init__(self, cfg: DeepseekV41Config, ratio: int, ops: OpTable, dtype: torch.dtype,
-                 experts: int | None = None, top_k: int | None = None):
-        super().__init__()
-        self.ratio = ratio
-        hc = dict(hidden=cfg.hidden_size, streams=cfg.hc_mult, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
-                  sinkhorn_iters=cfg.hc_sinkhorn_iters, ops=ops)
-        self.hc_attn = HyperConnection(**hc)
-        self.hc_ffn = HyperConnection(**hc)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.attn = Attention(cfg, ratio, ops, dtype)
-        self.ffn = MoE(cfg.hidden_size, experts or cfg.n_routed_experts, top_k or cfg.num_experts_per_tok,
-                       cfg.moe_intermediate_size, cfg.shared_width, cfg.routed_scaling_factor,
-                       cfg.swiglu_limit, ops, dtype)
-
-    def forward(self, residual, pre, ctx, cache, cos_sin, yoco):
-        """Returns ``(trunk, pre mix for the next sublayer)``; ``yoco`` carries the shared hidden."""
-        def attention(x):
-            hidden = self.attn_norm(x)
-            if yoco.starts_here:
-                yoco.shared_hidden = hidden
-            return self.attn(hidden, ctx, cache, cos_sin, kv_source=yoco.shared_hidden)
-
-        residual, attn_pre = self.hc_attn.run(residual, pre, attention)
-        next_pre = attn_pre if pre is not None else None
-        residual, ffn_pre = self.hc_ffn.run(residual, next_pre, lambda x: self.ffn(self.ffn_norm(x)))
-        return residual, (ffn_pre if pre is not None else None)
-
-
-class _Yoco:
-    """Per-forward YOCO state: the shared hidden, captured at the first consumer layer."""
-
-    def __init__(self):
-        self.shared_hidden = None
-        self.starts_here = False
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -109,14 +69,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         x = self.embed(ctx.input_ids)
         residual = x.unsqueeze(1).expand(-1, streams, -1).contiguous()
         pre = first_stream_mix(ctx.num_tokens, streams, x.device) if self.cfg.hc_shifted else None
-        yoco, features = _Yoco(), []
+        yoco, features = YocoState(), []
         for i, (layer, cache) in enumerate(zip(self.layers, caches.layers)):
             yoco.starts_here = i == self.cfg.n_prefill_layers
-            if ctx.capture_draft_features and i in self.cfg.dspark_target_layer_ids:
+            if yoco.starts_here and (ctx.replay_start is not None or ctx.replay_compact):
+                ctx, keep = enter_consumer_half(layer, residual, pre, ctx, yoco)
+                residual, pre, features = keep(residual), keep(pre), [keep(f) for f in features]
+            if ctx.write_draft_cache and i in self.cfg.dspark_target_layer_ids:
                 features.append(residual.mean(dim=1))
             cos_sin = self.rope_compressed if layer.ratio else self.rope_swa
             residual, pre = layer(residual, pre, ctx, cache, cos_sin, yoco)
-        ctx.draft_features = torch.cat(features, dim=-1) if features else None
+        if ctx.write_draft_cache:
+            self._write_draft_main_keys(torch.cat(features, dim=-1), ctx, caches)
         residual = residual[ctx.logits_indices]
         if pre is None:
             pre = self.hc_head.weights(residual)
@@ -126,6 +90,36 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.head(hidden).float()
 
 
+
+    def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
+        """Store every draft layer's main keys (from the mean-over-streams target features) in its
+        own SWA ring at the target tokens' positions."""
+        cfg, ring = self.cfg, self.cfg.swa_ring_size
+        if not self.mtp:
+            raise ValueError("write_draft_cache needs a model with DSpark draft layers (num_nextn_predict_layers > 0)")
+        recent = ctx.positions >= ctx.context_lens[ctx.seq_of_token] - ring
+        positions = ctx.positions[recent]
+        slots = self.ops.swa_ring_slots(ctx.slot_of_token[recent], positions, ring)
+        for block, cache in zip(self.mtp, caches.draft_layers):
+            keys = block.main_keys(features[recent], positions, self.rope_swa)
+            self.ops.kv_store(cache.swa_ring, slots, keys, cfg.swa_cache_format)
+
+    def draft_forward(self, ctx: ForwardContext, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        """One parallel DSpark pass over each sequence's block ``[golden, noise, ...]``.
+
+        ``ctx`` is a decode context with ``draft_block`` set to the block length. Returns float32
+        logits of every row (before the Markov correction) and the pre-norm hidden states that
+        the confidence head reads."""
+        if not ctx.draft_block or not ctx.decode:
+            raise ValueError("draft_forward needs a decode ForwardContext with draft_block set")
+        x = self.embed(ctx.input_ids)
+        residual = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        yoco = YocoState()
+        for block, cache in zip(self.mtp, caches.draft_layers):
+            residual, _ = block(residual, None, ctx, cache, self.rope_swa, yoco)
+        last = self.mtp[-1]
+        hidden = self.ops.mhc_pre(residual, last.hc_head.weights(residual))
+        return self.head(last.norm(hidden)).float(), hidden
 
 
 STEPWISE_TOLERANCE = Tolerance(atol=5e-4, rtol=5e-4)

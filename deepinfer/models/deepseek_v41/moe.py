@@ -60,9 +60,16 @@ class MoE(nn.Module):
         self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_experts(x, *self.route(x))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights float32 [T, k], expert ids int64 [T, k])`` of the gate."""
+        logits = self.ops.linear(x, self.gate.weight).float()
+        return self.ops.moe_gate(logits, self.gate.bias, self.top_k, self.routed_scale)
+
+    def apply_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts (weighted by ``weights``) plus the shared expert."""
         ops = self.ops
-        logits = ops.linear(x, self.gate.weight).float()
-        weights, ids = ops.moe_gate(logits, self.gate.bias, self.top_k, self.routed_scale)
         rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
         hidden = clamped_swiglu(ops.grouped_gemm(rows, self.experts.w1, group_sizes),
                                 ops.grouped_gemm(rows, self.experts.w3, group_sizes), self.limit)

@@ -1,0 +1,217 @@
+"""HAL-signature wrappers around the TileLang kernels: check layouts, prepare kernel inputs, pick
+tile sizes, and keep one compiled kernel per shape key (the first call for a shape compiles;
+TileLang's disk cache makes later processes fast). ``tilelang`` is imported on first use."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from deepinfer.hal.formats import Quantized, token_format
+from deepinfer.hal.ops.kv_cache import cache_rows
+
+_COMPILED: dict[tuple, Any] = {}
+HEAD_BLOCK = 64
+
+
+class UnsupportedInput(ValueError):
+    """The sm100 kernels do not cover these inputs (named in the message, with the alternative)."""
+
+
+def compiled(module: str, factory: str, *args, **kwargs):
+    """The kernel ``kernels.<module>.<factory>(*args, **kwargs)``, compiled for this GPU once."""
+    key = (module, factory, args, tuple(sorted(kwargs.items())))
+    if key not in _COMPILED:
+        import tilelang
+
+        from deepinfer_backends.sm100 import toolchain
+
+        jit = getattr(importlib.import_module(f"deepinfer_backends.sm100.kernels.{module}"), factory)
+        _COMPILED[key] = tilelang.compile(jit.get_tir(*args, **kwargs), target=toolchain.target(toolchain.device_arch()),
+                                          pass_configs=jit.pass_configs)
+    return _COMPILED[key]
+
+
+def _require(condition: bool, op: str, message: str) -> None:
+    if not condition:
+        raise UnsupportedInput(f"sm100 {op}: {message}; run this op on the reference backend instead "
+                               f"(+backend.overrides.{op}=reference)")
+
+
+def _cuda_bf16(op: str, name: str, t: torch.Tensor) -> None:
+    _require(isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == torch.bfloat16, op,
+             f"{name} must be a bfloat16 CUDA tensor, got "
+             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__} on "
+             f"{t.device if isinstance(t, torch.Tensor) else '-'}")
+
+
+def grouped_gemm(x, weight, group_sizes: torch.Tensor) -> torch.Tensor:
+    """bf16 ``y[seg e] = x[seg e] @ weight[e].T`` (HAL ``grouped_gemm``). ``group_sizes`` must sum
+    to ``M`` (not checked on the device: that would cost a host sync)."""
+    op = "grouped_gemm"
+    _require(not isinstance(x, Quantized) and not isinstance(weight, Quantized), op,
+             "FP8 / MXFP4 operands are not implemented yet (bf16 only)")
+    _cuda_bf16(op, "x", x)
+    _cuda_bf16(op, "weight", weight)
+    if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(f"grouped_gemm expects x [M, K] and weight [E, N, K]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if group_sizes.dtype != torch.int64 or tuple(group_sizes.shape) != (weight.shape[0],):
+        raise ValueError(f"group_sizes must be int64 [{weight.shape[0]}], got {group_sizes.dtype} "
+                         f"{tuple(group_sizes.shape)}")
+    _require(x.shape[1] % 8 == 0, op, f"K={x.shape[1]} must be a multiple of 8 (16-byte rows for TMA)")
+    from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
+
+    x, weight = x.contiguous(), weight.contiguous()
+    tiles = gemm_tiles(x.shape[0], *weight.shape)
+    y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        schedule = tile_schedule(group_sizes.to(x.device), x.shape[0], tiles["block_m"])
+        kernel = compiled("grouped_gemm", "grouped_gemm_bf16", *weight.shape, **tiles)
+        kernel(x, weight, schedule[0], schedule[1], schedule[2], y)
+    return y
+
+
+def gemm_tiles(rows: int, experts: int, n: int, k: int) -> dict[str, int]:
+    """Tile sizes: 64-row tiles when the average segment is short (decode), 128 otherwise."""
+    block_m = 64 if rows < 64 * experts else 128
+    block_n = 256 if n >= 256 and block_m == 128 else 128
+    return {"block_m": block_m, "block_n": block_n, "threads": 256 if block_m == 128 else 128}
+
+
+def _check_indices(op: str, name: str, indices: torch.Tensor, leading: tuple[int, ...]) -> None:
+    if indices.dtype != torch.int32 or tuple(indices.shape[:-1]) != leading or indices.dim() != len(leading) + 1:
+        raise ValueError(f"{op}: {name} must be int32 [{', '.join(map(str, leading))}, K], got {indices.dtype} "
+                         f"{tuple(indices.shape)}")
+
+
+def _pad_heads(q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [rows, h, D]`` and ``sink [h]`` padded to a multiple of the kernel's head block."""
+    heads = q.shape[1]
+    padded = -(-heads // HEAD_BLOCK) * HEAD_BLOCK
+    if padded == heads:
+        return q.contiguous(), sink.float().contiguous()
+    q_pad = q.new_zeros(q.shape[0], padded, q.shape[2])
+    q_pad[:, :heads] = q
+    sink_pad = sink.new_zeros(padded, dtype=torch.float32)
+    sink_pad[:heads] = sink
+    return q_pad, sink_pad
+
+
+def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float, main_format: str,
+               split_kv: bool):
+    """Run ``sparse_mla`` on flat rows ``q [rows, h, D]``; returns ``(out [rows, h, D], lse)``."""
+    rows, heads, dim = q.shape
+    q_pad, sink_pad = _pad_heads(q, sink)
+    padded = q_pad.shape[1]
+    main_keys, extra_keys = main_idx.shape[1], (extra_idx.shape[1] if extra is not None else 0)
+    if extra is None:
+        extra = torch.zeros(1, token_format("fp4").bytes_per_token, dtype=torch.uint8, device=q.device)
+        extra_idx = torch.full((rows, 1), -1, dtype=torch.int32, device=q.device)
+    splits = split_count(rows * padded // HEAD_BLOCK, -(-main_keys // 64), -(-extra_keys // 64), q.device) \
+        if split_kv else 1
+    config = (padded, dim, main_keys, extra_keys, float(scale), main_format)
+    out = torch.empty(rows, padded, dim, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(rows, padded, dtype=torch.float32, device=q.device)
+    if rows:
+        kernel = compiled("mla_sparse_decode", "sparse_mla", *config, splits=splits)
+        if splits == 1:
+            kernel(q_pad, main, main_idx.contiguous(), extra, extra_idx.contiguous(), sink_pad, out, lse)
+        else:
+            out_part = torch.empty(splits, rows, padded, dim, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(splits, rows, padded, dtype=torch.float32, device=q.device)
+            kernel(q_pad, main, main_idx.contiguous(), extra, extra_idx.contiguous(), sink_pad, out_part, lse_part)
+            compiled("mla_sparse_decode", "combine", padded, dim, splits)(out_part, lse_part, sink_pad, out, lse)
+    if padded == heads:
+        return out, lse
+    return out[:, :heads].contiguous(), lse[:, :heads].contiguous()
+
+
+def split_count(ctas: int, main_blocks: int, extra_blocks: int, device: torch.device) -> int:
+    """KV splits for ``ctas`` CTAs: the count (up to 16) that minimises waves x key blocks per
+    split, where each split takes an equal, block-padded slice of both key lists."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def cost(splits: int) -> int:
+        return -(-ctas * splits // sms) * (-(-main_blocks // splits) - (-extra_blocks // splits))
+
+    return min(range(1, 17), key=lambda splits: (cost(splits), splits))
+
+
+def mla_sparse_decode(q, cache, indices, sink, scale, cache_format="fp8", extra_cache=None, extra_indices=None,
+                      extra_format="fp4", split_kv: bool = True):
+    """HAL ``mla_sparse_decode`` on the tensor cores: bf16 ``q [B, s_q, h, 512]``, main cache ``fp8``
+    (528 B) or ``bf16`` rows, optional ``fp4`` (288 B) extra cache beside an fp8 main cache. ``split_kv=False`` keeps one
+    CTA per row (the batch-invariant order). Index values past the cache are treated as padding."""
+    op = "mla_sparse_decode"
+    _require(cache_format in ("fp8", "bf16"), op, f"main cache format {cache_format!r} is not implemented "
+             f"(fp8 and bf16 are)")
+    if (extra_cache is None) != (extra_indices is None):
+        raise ValueError(f"{op}: extra_cache and extra_indices go together")
+    _require(extra_cache is None or (extra_format == "fp4" and cache_format == "fp8"), op,
+             f"an extra cache in {extra_format!r} beside a {cache_format!r} main cache is not implemented "
+             f"(fp4 beside fp8 is)")
+    _cuda_bf16(op, "q", q)
+    if q.dim() != 4 or q.shape[-1] != 512:
+        raise ValueError(f"{op}: q must be [B, s_q, h, 512], got {tuple(q.shape)}")
+    batch, s_q, heads, dim = q.shape
+    rows = cache_rows(cache, token_format(cache_format))
+    main = rows.view(torch.bfloat16) if cache_format == "bf16" else rows
+    _check_indices(op, "indices", indices, (batch, s_q))
+    extra = None
+    if extra_cache is not None:
+        _check_indices(op, "extra_indices", extra_indices, (batch, s_q))
+        extra = cache_rows(extra_cache, token_format("fp4"))
+        extra_indices = extra_indices.reshape(batch * s_q, -1)
+    _check_sink(op, sink, heads)
+    out, lse = _attention(op, q.reshape(batch * s_q, heads, dim), main, indices.reshape(batch * s_q, -1), extra,
+                          extra_indices, sink, scale, cache_format, split_kv)
+    return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
+
+
+def mla_sparse_prefill(q, kv, indices, sink, scale, split_kv: bool = True):
+    """HAL ``mla_sparse_prefill`` on the tensor cores: bf16 ``q [T, h, D]``, ``kv [S, D]``
+    (D a multiple of 64, up to 512)."""
+    op = "mla_sparse_prefill"
+    _cuda_bf16(op, "q", q)
+    _cuda_bf16(op, "kv", kv)
+    if q.dim() != 3 or kv.dim() != 2 or kv.shape[1] != q.shape[2]:
+        raise ValueError(f"{op}: expects q [T, h, D] and kv [S, D]; got q {tuple(q.shape)}, kv {tuple(kv.shape)}")
+    _require(q.shape[2] % 64 == 0 and q.shape[2] <= 512, op, f"D={q.shape[2]} must be a multiple of 64 up to 512")
+    _check_indices(op, "indices", indices, (q.shape[0],))
+    _check_sink(op, sink, q.shape[1])
+    return _attention(op, q, kv.contiguous(), indices, None, None, sink, scale, "bf16", split_kv)
+
+
+def _check_sink(op: str, sink: torch.Tensor, heads: int) -> None:
+    if sink.shape != (heads,):
+        raise ValueError(f"{op}: sink must be float32 [h={heads}], got {tuple(sink.shape)}")
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """HAL ``rms_norm`` (+ residual): one CTA per row, float32 math, bf16 or float32 rows."""
+    op = "rms_norm"
+    _require(x.is_cuda and x.dim() >= 1, op, f"x must be a CUDA tensor, got {x.device}")
+    dim = x.shape[-1]
+    _require(dim % 32 == 0, op, f"the last dim ({dim}) must be a multiple of 32")
+    if weight.shape != (dim,):
+        raise ValueError(f"{op}: weight must be [{dim}], got {tuple(weight.shape)}")
+    from deepinfer_backends.sm100.kernels.rms_norm import tl_dtype
+
+    threads = next((t for t in (256, 128, 64) if dim % t == 0 and dim // t >= 4), 32)
+    flat = x.reshape(-1, dim).contiguous()
+    out = torch.empty_like(flat)
+    residual_dtype = None if residual is None else tl_dtype(residual.dtype)
+    kernel = compiled("rms_norm", "rms_norm", dim, float(eps), tl_dtype(x.dtype), residual_dtype, threads=threads)
+    if residual is None:
+        if flat.shape[0]:
+            kernel(flat, weight.float().contiguous(), out)
+        return out.reshape(x.shape)
+    if residual.shape != x.shape:
+        raise ValueError(f"{op}: residual must match x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    residual_flat = residual.reshape(-1, dim).contiguous()
+    residual_out = torch.empty_like(residual_flat)
+    if flat.shape[0]:
+        kernel(flat, residual_flat, weight.float().contiguous(), out, residual_out)
+    return out.reshape(x.shape), residual_out.reshape(x.shape)

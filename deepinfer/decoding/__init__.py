@@ -1,0 +1,1 @@
+"""Decoding policies: DSpark speculative decoding and its verification scheduling."""

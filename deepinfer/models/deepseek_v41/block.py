@@ -1,0 +1,60 @@
+"""One backbone layer (attention + MoE, each inside a hyper-connection) and the YOCO state."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.hal.registry import OpTable
+from deepinfer.models.deepseek_v41.attention import Attention
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.deepseek_v41.mhc import HyperConnection
+from deepinfer.models.deepseek_v41.moe import MoE
+from deepinfer.models.layers import RMSNorm
+
+
+class Block(nn.Module):
+    """One backbone layer: attention and MoE sublayers, each wrapped by a hyper-connection."""
+
+    def __init__(self, cfg: DeepseekV41Config, ratio: int, ops: OpTable, dtype: torch.dtype,
+                 experts: int | None = None, top_k: int | None = None):
+        super().__init__()
+        self.ratio = ratio
+        hc = dict(hidden=cfg.hidden_size, streams=cfg.hc_mult, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
+                  sinkhorn_iters=cfg.hc_sinkhorn_iters, ops=ops)
+        self.hc_attn = HyperConnection(**hc)
+        self.hc_ffn = HyperConnection(**hc)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.attn = Attention(cfg, ratio, ops, dtype)
+        self.ffn = MoE(cfg.hidden_size, experts or cfg.n_routed_experts, top_k or cfg.num_experts_per_tok,
+                       cfg.moe_intermediate_size, cfg.shared_width, cfg.routed_scaling_factor,
+                       cfg.swiglu_limit, ops, dtype)
+
+    def forward(self, residual, pre, ctx, cache, cos_sin, yoco):
+        """Returns ``(trunk, pre mix for the next sublayer)``; ``yoco`` carries the shared hidden."""
+        def attention(x):
+            hidden = self.attn_norm(x)
+            if yoco.starts_here and yoco.shared_hidden is None:
+                yoco.shared_hidden, yoco.shared_ctx = hidden, ctx
+            return self.attn(hidden, ctx, cache, cos_sin, kv_source=yoco.shared_hidden, kv_ctx=yoco.shared_ctx)
+
+        return self.run(residual, pre, attention, lambda x: self.ffn(self.ffn_norm(x)))
+
+    def run(self, residual, pre, attention, ffn):
+        """The hyper-connection wiring around two sublayer callables (``[T, H] -> [T, H]``, fed the
+        un-normed mixed input): ``attention`` (which applies ``attn_norm`` itself) and ``ffn``.
+        Returns ``(trunk, pre mix for the next sublayer)``; shared by inference and training."""
+        residual, attn_pre = self.hc_attn.run(residual, pre, attention)
+        next_pre = attn_pre if pre is not None else None
+        residual, ffn_pre = self.hc_ffn.run(residual, next_pre, ffn)
+        return residual, (ffn_pre if pre is not None else None)
+
+
+class YocoState:
+    """Per-forward YOCO state: the shared hidden, captured at the first consumer layer (or
+    before it, on the full token layout, by compact bounded replay), and the context of its rows."""
+
+    def __init__(self):
+        self.shared_hidden = None
+        self.shared_ctx = None
+        self.starts_here = False

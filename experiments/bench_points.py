@@ -1,0 +1,154 @@
+"""The V4.1 op shapes that ``bench_ops.py`` times, with the bytes and FLOPs each must move and do.
+
+Bytes count each input read once and each output written once (caches: only the selected rows);
+FLOPs count multiply-adds as two. Inputs are random and valid in their formats (no NaN codes),
+built directly on the GPU from a fresh generator per point (never the default one, which a failed
+CUDA-graph capture leaves unusable)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+WINDOW, TOPK, HIDDEN, INTERMEDIATE, TOP_EXPERTS = 128, 512, 4096, 2048, 6
+FP8_ROW, FP4_ROW = 528, 288
+
+
+@dataclass(frozen=True)
+class Point:
+    """One timed configuration: ``build(ops)`` allocates inputs and returns the call to time."""
+
+    op: str
+    shape: str
+    bytes: float
+    flops: float
+    build: Callable
+    quick: bool = True
+    with_reference: bool = False
+    dense_shape: tuple[int, int, int] | None = None
+    reps: int = 20
+    note: str = ""
+    gathered: float = 0.0
+    """Bytes the op's gathers read when rows repeat across queries (reads served by L2 or HBM)."""
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator("cuda").manual_seed(0)
+
+
+def _fp8_rows(g, count: int) -> torch.Tensor:
+    rows = torch.randint(0, 256, (count, FP8_ROW), dtype=torch.uint8, device="cuda", generator=g)
+    data = rows[:, :512]
+    data[(data & 0x7F) == 0x7F] -= 1  # e4m3fn NaN codes -> largest finite
+    rows[:, 512:] = torch.randint(120, 128, (count, 16), dtype=torch.uint8, device="cuda", generator=g)
+    return rows
+
+
+def _fp4_rows(g, count: int) -> torch.Tensor:
+    rows = torch.randint(0, 256, (count, FP4_ROW), dtype=torch.uint8, device="cuda", generator=g)
+    rows[:, 256:] = torch.randint(0x30, 0x40, (count, 32), dtype=torch.uint8, device="cuda", generator=g)  # e4m3 0.125..0.9
+    return rows
+
+
+def _per_row_indices(g, batch: int, keys: int, region: int) -> torch.Tensor:
+    """``int32 [batch, 1, keys]``: row ``b`` picks from its own ``region`` rows of the cache."""
+    local = torch.randint(0, region, (batch, 1, keys), device="cuda", generator=g)
+    return (local + torch.arange(batch, device="cuda")[:, None, None] * region).int()
+
+
+def mla_decode(heads: int, batch: int, context: int, **kw) -> Point:
+    extra_region = min(context // 4, (1 << 22) // batch)
+
+    def build(ops):
+        g = _gen()
+        args = dict(q=torch.randn(batch, 1, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g),
+                    cache=_fp8_rows(g, batch * 2 * WINDOW), indices=_per_row_indices(g, batch, WINDOW, 2 * WINDOW),
+                    extra_cache=_fp4_rows(g, batch * extra_region),
+                    extra_indices=_per_row_indices(g, batch, TOPK, extra_region),
+                    sink=torch.randn(heads, device="cuda", generator=g), scale=512 ** -0.5, cache_format="fp8",
+                    extra_format="fp4")
+        return lambda: ops.mla_sparse_decode(**args)
+
+    keys = WINDOW + TOPK
+    moved = batch * (WINDOW * FP8_ROW + TOPK * FP4_ROW + keys * 4 + 2 * heads * 512 * 2 + heads * 4)
+    return Point("mla_sparse_decode", f"h={heads} B={batch} ctx={context} keys={WINDOW}+{TOPK} fp8+fp4", moved,
+                 4.0 * batch * heads * keys * 512, build, **kw)
+
+
+def mla_prefill(heads: int, tokens: int, kv_rows: int = 1 << 16, **kw) -> Point:
+    keys = WINDOW + TOPK
+
+    def build(ops):
+        g = _gen()
+        args = dict(q=torch.randn(tokens, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g),
+                    kv=torch.randn(kv_rows, 512, device="cuda", dtype=torch.bfloat16, generator=g),
+                    indices=torch.randint(0, kv_rows, (tokens, keys), device="cuda", dtype=torch.int32, generator=g),
+                    sink=torch.randn(heads, device="cuda", generator=g), scale=512 ** -0.5)
+        return lambda: ops.mla_sparse_prefill(**args)
+
+    moved = tokens * (2 * heads * 512 * 2 + keys * 4 + heads * 4) + min(kv_rows, tokens * keys) * 1024
+    gathered = tokens * -(-heads // 64) * keys * 1024.0  # one gather per query row and 64-head block
+    return Point("mla_sparse_prefill", f"h={heads} T={tokens} keys={keys} bf16 kv", moved,
+                 4.0 * tokens * heads * keys * 512, build, reps=5, gathered=gathered, **kw)
+
+
+def grouped(experts: int, rows: int, n: int, k: int, label: str, **kw) -> Point:
+    def build(ops):
+        g = _gen()
+        sizes = torch.bincount(torch.randint(0, experts, (rows,), device="cuda", generator=g), minlength=experts)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
+        return lambda: ops.grouped_gemm(x, w, sizes)
+
+    touched = min(experts, rows)
+    moved = 2.0 * (rows * k + touched * n * k + rows * n)
+    return Point("grouped_gemm", f"{label} E={experts} M={rows} N={n} K={k}", moved, 2.0 * rows * n * k, build,
+                 dense_shape=(rows, n, k), reps=5, **kw)
+
+
+def rms(rows: int, dim: int, residual: bool, **kw) -> Point:
+    def build(ops):
+        g = _gen()
+        x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        weight = torch.randn(dim, device="cuda", generator=g)
+        res = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, generator=g) if residual else None
+        return lambda: ops.rms_norm(x, weight, 1e-6, res)
+
+    return Point("rms_norm", f"rows={rows} dim={dim}{' +residual' if residual else ''}",
+                 rows * dim * 2.0 * (4 if residual else 2), 0.0, build, **kw)
+
+
+def _ep(experts: int, tokens: int, ranks: int) -> tuple[int, int]:
+    """Experts and routed rows on one rank at expert parallelism ``ranks`` (balanced routing)."""
+    return experts // ranks, tokens * TOP_EXPERTS // ranks
+
+
+def _points() -> dict[str, Point]:
+    points = {}
+    for heads in (64, 128):
+        for batch in (1, 16, 64, 256):
+            for context in (4096, 65536):
+                ref = heads == 64 and batch == 64 and context == 4096
+                points[f"decode_h{heads}_b{batch}_c{context}"] = mla_decode(
+                    heads, batch, context, with_reference=ref, quick=context == 65536 or ref)
+        for tokens in (1024, 4096):
+            points[f"prefill_h{heads}_t{tokens}"] = mla_prefill(heads, tokens,
+                                                                with_reference=heads == 64 and tokens == 1024)
+    for experts in (384, 256):
+        for tokens, ranks in ((256, 1), (4096, 1), (256, 8), (4096, 8), (16384, 8)):
+            e, m = _ep(experts, tokens, ranks)
+            label = f"EP{ranks} T={tokens} w13"
+            points[f"moe_e{experts}_t{tokens}_ep{ranks}"] = grouped(
+                e, m, 2 * INTERMEDIATE, HIDDEN, label, quick=experts == 384,
+                with_reference=experts == 384 and tokens == 4096 and ranks == 8)
+        e, m = _ep(experts, 16384, 8)
+        points[f"moe_e{experts}_t16384_ep8_w2"] = grouped(e, m, HIDDEN, INTERMEDIATE, "EP8 T=16384 w2",
+                                                          quick=experts == 384)
+    points["rms_hidden_256"] = rms(256, HIDDEN, True)
+    points["rms_hidden_16384"] = rms(16384, HIDDEN, True, with_reference=True)
+    points["rms_latent_4096"] = rms(4096, 512, False)
+    return points
+
+
+POINTS = _points()

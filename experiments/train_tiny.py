@@ -1,0 +1,401 @@
+"""Train the embedded default model (`model=tiny`) and its DSpark drafter on the Python standard library.
+
+    python experiments/train_tiny.py [--minutes 55] [--out models/tiny] [--smoke]
+
+1. Corpus: the standard library's .py sources (``sysconfig.get_paths()["stdlib"]``, without
+   site-packages and test suites); every 25th file (sorted by path) is held out.
+2. Tokenizer: byte-level BPE trained with ``tokenizers`` on the training files; ids 0..3 are
+   <|bos|>, <|eos|>, <|pad|> and the DSpark noise token.
+3. Model (the ``config`` of ``configs/model/tiny.yaml``): every V4.1 layer kind at toy width, trained causally with
+   ``TrainingForward`` for ``--model-share`` of the time budget (AdamW, warm-up then cosine by
+   elapsed time; the last ``--qat-share`` of it rounds weights and KV as the checkpoint and the
+   caches store them). The gates' noaux_tc biases follow the expert loads.
+4. Drafter: the target frozen, the DSpark block trained for the rest of the budget to match the
+   target's next-token distributions at the block's positions, teacher-forced.
+5. Save (official layout + tokenizer.json), reload, and record in config.json the held-out loss
+   computed by the inference forward (the sample itself goes to heldout_sample.json); measure
+   DSpark acceptance through the engine at temperature 0 on held-out prompts. Curves and
+   numbers go to experiments/results/.
+
+The budget is wall-clock, so a busier machine trains for fewer steps; ``--smoke`` is a
+two-minute run into a scratch folder for checking the pipeline.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import random
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "experiments" / "results"
+SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|noise|>"]
+HELDOUT_FILE = "heldout_sample.json"
+SEQ_LEN = 128
+"""Training length; the preset's index_topk covers every compressed key at this length."""
+
+
+def architecture() -> dict:
+    """The trained architecture: the ``config`` block of ``configs/model/tiny.yaml``."""
+    from deepinfer.models.registry import model_preset
+
+    return model_preset("tiny")["config"]
+
+
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of the standard library, deterministic."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "tests", "idle_test", "__pycache__")
+    files = sorted(p for p in root.rglob("*.py") if not set(p.relative_to(root).parts) & set(skip))
+    held = files[::25]
+    return [f for f in files if f not in set(held)], held
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def train_tokenizer(files: list[Path], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator((read(f) for f in files), trainer)
+    return tokenizer
+
+
+def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
+    """Every file as <|bos|> text <|eos|>, concatenated."""
+    ids = []
+    for encoding in tokenizer.encode_batch([read(f) for f in files]):
+        ids.extend([0, *encoding.ids, 1])
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def heldout_windows(stream: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` evenly spaced windows of SEQ_LEN + 1 tokens (inputs and labels): the fixed held-out sample."""
+    starts = torch.linspace(0, len(stream) - SEQ_LEN - 1, count).long()
+    return torch.stack([stream[s:s + SEQ_LEN + 1] for s in starts])
+
+
+def batches(stream: torch.Tensor, batch: int, seed: int, device: str):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(stream) - SEQ_LEN - 1, (batch,), generator=gen)
+        yield torch.stack([stream[s:s + SEQ_LEN + 1] for s in starts]).to(device)
+
+
+def progress(started: float, seconds: float, step: int, max_steps: int | None) -> float:
+    """Fraction of a phase done: of its time budget, or of its step cap if that comes first."""
+    return max((time.time() - started) / seconds, step / max_steps if max_steps else 0.0)
+
+
+def learning_rate(peak: float, fraction: float, step: int, warmup: int) -> float:
+    return peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(fraction, 1.0))))
+
+
+class Log:
+    """Rows of the training curves, echoed to stdout."""
+
+    def __init__(self):
+        self.rows, self.started = [], time.time()
+
+    def add(self, **row):
+        row["elapsed_s"] = round(time.time() - self.started, 1)
+        self.rows.append(row)
+        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def train_model(trainer, stream, heldout, args, log: Log, seconds: float) -> None:
+    from torch.func import functional_call
+
+    from deepinfer.models.deepseek_v41.training import balance_gate_biases
+
+    model = trainer.model
+    params = [p for n, p in model.named_parameters() if not n.startswith("mtp.") and not n.endswith("gate.bias")]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    moes = [layer.ffn for layer in model.layers]
+    started, step = time.time(), 0
+    for batch in batches(stream, args.batch, args.seed, args.device):
+        fraction = progress(started, seconds, step, args.model_steps)
+        if fraction >= 1:
+            break
+        qat = fraction >= 1 - args.qat_share
+        trainer.round_kv = qat
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args.lr, fraction, step, args.warmup)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        out = functional_call(trainer, rounded_weights(model), (inputs,)) if qat else trainer(inputs)
+        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), labels.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        balance_gate_biases(moes, out.expert_ids, args.bias_rate)
+        if step % args.eval_every == 0:
+            log.add(phase="model", step=step, train_loss=loss.item(),
+                    heldout_loss=heldout_loss(trainer, heldout[:args.curve_windows]), qat=int(qat))
+        step += 1
+    for p in params:
+        p.requires_grad_(False)
+    with torch.no_grad():
+        for name, value in rounded_weights(model).items():
+            trainer.get_parameter(name).copy_(value)
+    log.add(phase="model", step=step, train_loss=loss.item(),
+            heldout_loss=heldout_loss(trainer, heldout[:args.curve_windows]), qat=1)
+
+
+def rounded_weights(model) -> dict:
+    """The weights as the checkpoint stores them (straight-through), under ``TrainingForward`` names."""
+    from deepinfer.models.deepseek_v41.training import checkpoint_rounded
+
+    return {f"model.{name}": value for name, value in checkpoint_rounded(model).items()}
+
+
+def heldout_loss(trainer, windows: torch.Tensor) -> float:
+    windows = windows.to(trainer.model.embed.weight.device)
+    with torch.no_grad():
+        out = trainer(windows[:, :-1])
+        return torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
+                                                 windows[:, 1:].reshape(-1)).item()
+
+
+def train_drafter(trainer, stream, args, log: Log, seconds: float) -> None:
+    from torch.func import functional_call
+
+    from deepinfer.models.deepseek_v41.training import draft_objective
+
+    model, cfg = trainer.model, trainer.model.cfg
+    block = cfg.dspark_block_size
+    params = [p for n, p in model.mtp.named_parameters() if not n.endswith("gate.bias")]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    started, step = time.time(), 0
+    trainer.round_kv = True
+    for batch in batches(stream, args.batch, args.seed + 1, args.device):
+        fraction = progress(started, seconds, step, args.draft_steps)
+        if fraction >= 1:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args.lr, fraction, step, args.warmup)
+        ids = batch[:, :-1]
+        with torch.no_grad():
+            target = trainer(ids)
+        anchors = torch.stack([torch.randperm(SEQ_LEN - block, generator=gen)[:args.anchors] + 1
+                               for _ in range(ids.shape[0])]).to(ids.device)
+        rows = anchors[..., None] + torch.arange(block, device=ids.device)
+        draft = (target.features, anchors, block, cfg.dspark_noise_token_id)
+        logits, hidden = functional_call(trainer, rounded_weights(model), (ids, draft))
+        vocab = target.logits.shape[-1]
+        target_logits = target.logits.gather(1, rows.reshape(ids.shape[0], -1, 1).expand(-1, -1, vocab))
+        previous = ids.gather(1, rows.reshape(ids.shape[0], -1)).view_as(rows)
+        objective = draft_objective(model, logits, hidden, previous, target_logits.view(*rows.shape, -1))
+        optimizer.zero_grad(set_to_none=True)
+        objective.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        if step % args.eval_every == 0:
+            log_draft(log, step, objective)
+        step += 1
+    for p in params:
+        p.requires_grad_(False)
+    log_draft(log, step, objective)
+
+
+def log_draft(log: Log, step: int, objective) -> None:
+    log.add(phase="drafter", step=step, distill=objective.distill.item(),
+            confidence_bce=objective.confidence_bce.item(), acceptance=objective.acceptance.mean().item(),
+            greedy_accepted_length=objective.greedy_accepted_length)
+
+
+def inference_heldout_loss(model, windows: torch.Tensor) -> float:
+    """Mean next-token loss of the windows by the inference forward (full prefill, all logits)."""
+    from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
+    from deepinfer.models.forward_context import ForwardContext
+
+    blocks = math.ceil(windows.shape[1] / PAGE_TOKENS)
+    caches = model.allocate_caches(1 + len(windows) * blocks, len(windows) + 1)
+    ctx = ForwardContext.for_sequences([w[:-1].tolist() for w in windows], [0] * len(windows),
+                                       list(range(1, len(windows) + 1)),
+                                       [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(windows))],
+                                       all_logits=True)
+    with torch.no_grad():
+        logits = model(ctx, caches)
+    return torch.nn.functional.cross_entropy(logits, windows[:, 1:].reshape(-1)).item()
+
+
+def measure_dspark(out_dir: Path, prompts: list[str], max_tokens: int) -> dict:
+    """Greedy generation with DSpark through the engine: acceptance and losslessness."""
+    from deepinfer import LLM, SamplingParams
+
+    base = [f"model.checkpoint={out_dir}", "engine.use_tqdm=false", f"engine.max_num_seqs={len(prompts)}"]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    plain = LLM("tiny", "reference", base).generate(prompts, params)
+    drafted = LLM("tiny", "reference", base + ["decoding=dspark"]).generate(prompts, params)
+    steps = sum(o.metrics["verify_steps"] for o in drafted)
+    accepted = sum(o.num_accepted for o in drafted)
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "verify_steps": steps,
+            "mean_accepted_length": accepted / max(steps, 1),
+            "tokens_per_verification": sum(len(o.token_ids) for o in drafted) / max(steps, 1),
+            "lossless": all(a.token_ids == b.token_ids for a, b in zip(plain, drafted)),
+            "sample_text": drafted[0].text}
+
+
+def heldout_prompts(files: list[Path], count: int) -> list[str]:
+    """The first line of ``count`` held-out files that start a def or class (fallback: any line)."""
+    lines = []
+    for f in files:
+        found = [ln for ln in read(f).splitlines() if ln.startswith(("def ", "class "))]
+        if found:
+            lines.append(found[0])
+        if len(lines) == count:
+            break
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    model = [r for r in rows if r["phase"] == "model"]
+    left.plot([r["elapsed_s"] / 60 for r in model], [r["train_loss"] for r in model], label="train")
+    left.plot([r["elapsed_s"] / 60 for r in model], [r["heldout_loss"] for r in model], label="held-out")
+    left.set_xlabel("minutes")
+    left.set_ylabel("next-token loss (nats)")
+    left.set_title("model")
+    left.legend()
+    draft = [r for r in rows if r["phase"] == "drafter"]
+    minutes = [r["elapsed_s"] / 60 for r in draft]
+    right.plot(minutes, [r["acceptance"] for r in draft], label="mean acceptance prob (T=1)")
+    right.plot(minutes, [r["greedy_accepted_length"] / 5 for r in draft], label="greedy accepted length / 5")
+    right.plot(minutes, [r["distill"] / 5 for r in draft], label="distillation loss / 5")
+    right.set_xlabel("minutes")
+    right.set_title("DSpark drafter (teacher-forced)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=55.0, help="wall-clock budget of both trainings")
+    parser.add_argument("--model-share", type=float, default=0.75)
+    parser.add_argument("--qat-share", type=float, default=0.2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--anchors", type=int, default=24, help="draft blocks per sequence per step")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--bias-rate", type=float, default=1e-3)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--heldout-windows", type=int, default=16, help="the held-out sample recorded in config.json")
+    parser.add_argument("--curve-windows", type=int, default=4, help="held-out windows of the curve points")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where training runs (evaluation runs on the CPU)")
+    parser.add_argument("--model-steps", type=int, default=None, help="cap on model steps (default: time only)")
+    parser.add_argument("--draft-steps", type=int, default=None, help="cap on drafter steps (default: time only)")
+    parser.add_argument("--out", default="models/tiny")
+    parser.add_argument("--tag", default="train_tiny")
+    parser.add_argument("--smoke", action="store_true", help="2 minutes into outputs/train_tiny_smoke")
+    args = parser.parse_args()
+    if args.smoke:
+        args.minutes, args.out, args.tag, args.eval_every = 2.0, "outputs/train_tiny_smoke", "train_tiny_smoke", 2
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    run(args)
+
+
+def run(args) -> None:
+    from deepinfer.hal import OpTable
+    from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+    from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from deepinfer.models.deepseek_v41.training import TrainingForward, init_training_weights
+    from deepinfer.models.deepseek_v41.weights import load_pretrained, save_pretrained
+
+    log = Log()
+    train_files, held_files = corpus_files()
+    arch = architecture()
+    tokenizer = train_tokenizer(train_files, arch["vocab_size"])
+    stream, held_stream = token_stream(tokenizer, train_files), token_stream(tokenizer, held_files)
+    heldout = heldout_windows(held_stream, args.heldout_windows)
+    print(f"corpus: {len(train_files)} training files ({len(stream)} tokens), {len(held_files)} held out "
+          f"({len(held_stream)} tokens); {time.time() - log.started:.0f} s", flush=True)
+    ops = OpTable("reference")
+    model = init_training_weights(DeepseekV41ForCausalLM(DeepseekV41Config(**arch), ops, max_model_len=1024),
+                                  args.seed)
+    trainer = TrainingForward(model.to(args.device), SEQ_LEN)
+    budget = args.minutes * 60 - (time.time() - log.started)
+    train_model(trainer, stream, heldout, args, log, budget * args.model_share)
+    train_drafter(trainer, stream, args, log, budget * (1 - args.model_share))
+
+    out_dir = (REPO / args.out).resolve()
+    save_pretrained(model.cpu(), out_dir)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    reloaded = load_pretrained(out_dir, ops, max_model_len=1024)
+    loss = inference_heldout_loss(reloaded, heldout)
+    record = {"script": "experiments/train_tiny.py", "minutes": args.minutes, "device": args.device, "seq_len": SEQ_LEN,
+              "heldout_loss": loss, "heldout_windows": args.heldout_windows,
+              "heldout_sample": "heldout_windows(): evenly spaced windows of SEQ_LEN + 1 tokens of the held-out "
+                                "files' token stream; loss by the inference forward (full prefill, all logits)"}
+    record_training(out_dir, record)
+    prompts = heldout_prompts(held_files, 8)
+    write_heldout_sample(out_dir, heldout, prompts)
+    dspark = measure_dspark(out_dir, prompts, max_tokens=48)
+    record_training(out_dir, {**record, "dspark_mean_accepted_length": dspark["mean_accepted_length"]})
+    write_results(args, log.rows, loss, dspark)
+
+
+def write_heldout_sample(out_dir: Path, windows: torch.Tensor, prompts: list[str]) -> None:
+    """The fixed held-out sample beside the checkpoint, so tests need no standard library of this version."""
+    sample = {"windows": windows.tolist(), "prompts": prompts}
+    (out_dir / HELDOUT_FILE).write_text(json.dumps(sample) + "\n")
+
+
+def record_training(out_dir: Path, record: dict) -> None:
+    """Store ``record`` under ``deepinfer_training`` in the checkpoint's config.json (loaders ignore it)."""
+    path = out_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["deepinfer_training"] = record
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_results(args, rows, loss: float, dspark: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{args.tag}.csv"
+    fields = sorted({k for r in rows for k in r}, key=lambda k: (k != "phase", k != "step", k))
+    with path.open("w", newline="") as f:
+        f.write(f"# python experiments/train_tiny.py --minutes {args.minutes}; final held-out loss (inference "
+                f"path) {loss:.4f}\n")
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = RESULTS / f"{args.tag}_dspark.csv"
+    with summary.open("w", newline="") as f:
+        f.write("# greedy (temperature 0) generation with DSpark, 5 drafts, on held-out prompts; "
+                "mean_accepted_length = accepted drafts per verification\n")
+        writer = csv.DictWriter(f, fieldnames=["heldout_loss", *dspark])
+        writer.writeheader()
+        writer.writerow({"heldout_loss": loss, **dspark})
+    plot(rows, path.with_suffix(".png"))
+    print(f"held-out loss (inference path) {loss:.4f}; DSpark {dspark}; wrote {path}, {summary}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

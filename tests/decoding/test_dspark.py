@@ -1,0 +1,144 @@
+import random
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.decoding.dspark import DSpark
+from deepinfer.decoding.verify_schedule import StepTimeCurve, choose_verify_lengths, cumulative_rates
+
+QUIET = ["engine.use_tqdm=false", "engine.max_num_seqs=8"]
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+
+def _prompts(count=5, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 40))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens():
+    llm = LLM("tiny_random", "reference", QUIET)
+    return [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["all_drafts", "varlen"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_with_dspark_equals_greedy_without(reference_tokens, k, varlen):
+    llm = LLM("tiny_random", "reference", QUIET + ["decoding=dspark", f"decoding.num_draft_tokens={k}",
+                                            f"decoding.varlen={str(varlen).lower()}", "decoding.temperature=0"])
+    outputs = llm.generate(_prompts(), GREEDY)
+    assert [o.token_ids for o in outputs] == reference_tokens
+    if not varlen:
+        assert all(o.num_drafted > 0 for o in outputs)
+    assert all(0 <= o.num_accepted <= o.num_drafted for o in outputs)
+
+
+def test_rejections_at_every_draft_position_roll_back_exactly(reference_tokens, monkeypatch):
+    """Drafts are the true continuation with one token corrupted, the corrupted position cycling
+    through 0..k-1: every step rolls back at a different depth, and outputs stay exact."""
+    prompts, k = _prompts(), 5
+    truth = {tuple(p): p + t for p, t in zip(prompts, reference_tokens)}
+    original = DSpark.propose
+    step = {"n": 0}
+
+    def corrupted(self, requests):
+        original(self, requests)
+        for request in requests:
+            if not request.drafts:
+                continue
+            full = truth[tuple(request.prompt_token_ids)]
+            start = len(request.token_ids)
+            drafts = [full[start + i] if start + i < len(full) else 3 for i in range(k)]
+            wrong = step["n"] % k
+            drafts[wrong] = (drafts[wrong] + 1) % 500 + 3
+            request.drafts = drafts
+            logprobs = torch.full((k, request.draft_logprobs.shape[1]), float("-inf"))
+            logprobs[torch.arange(k), torch.tensor(drafts)] = 0.0
+            request.draft_logprobs = logprobs
+            step["n"] += 1
+
+    monkeypatch.setattr(DSpark, "propose", corrupted)
+    llm = LLM("tiny_random", "reference", QUIET + ["decoding=dspark", f"decoding.num_draft_tokens={k}"])
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == reference_tokens
+    accepted = sum(o.num_accepted for o in outputs)
+    verify_steps = sum(o.num_drafted for o in outputs) // k
+    assert 0 < accepted < sum(o.num_drafted for o in outputs)
+    assert verify_steps > k, "every corruption depth must have been exercised"
+
+
+def test_sampled_outputs_are_reproducible_and_report_metrics():
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=3, ignore_eos=True)
+    llm = LLM("tiny_random", "reference", QUIET + ["decoding=dspark"])
+    first = llm.generate(_prompts(3, seed=1), params)
+    again = llm.generate(_prompts(3, seed=1), params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    for out in first:
+        assert out.num_drafted > 0 and len(out.token_ids) == 10
+        steps = out.metrics["verify_steps"]
+        assert steps and out.num_drafted <= 5 * steps
+        assert out.metrics["mean_accepted_length"] == pytest.approx(out.num_accepted / steps)
+        assert out.num_accepted + steps <= len(out.token_ids) - 1, "each verify step emits accepted drafts + 1"
+        assert 0.0 <= out.metrics["calibration_error"] <= 1.0
+
+
+def test_too_many_drafts_for_the_ring_are_refused():
+    with pytest.raises(ValueError, match="needs max_backtracking >= 7"):
+        LLM("tiny_random", "reference", QUIET + ["decoding=dspark", "decoding.num_draft_tokens=6"])
+
+
+def test_cumulative_rates_multiply_confidences():
+    assert cumulative_rates([0.5, 0.5, 0.8]) == pytest.approx([0.5, 0.25, 0.2])
+
+
+def test_verify_lengths_maximise_tokens_per_second_by_hand():
+    """Two requests; a step costs 1 s up to 4 rows, then 3 s. Rates: A [0.9, 0.8], B [0.1].
+    Totals: 2 rows -> 2/1; +A0 -> 2.9/1; +A1 -> 3.7/1 (4 rows, 1 s); +B0 -> 3.8/3. Best: A gets
+    2 drafts, B none."""
+    curve = StepTimeCurve([1, 4, 5], [1.0, 1.0, 3.0])
+    assert choose_verify_lengths([[0.9, 0.8], [0.1]], curve) == [2, 0]
+    flat = StepTimeCurve([1, 2], [1.0, 1.0])
+    assert choose_verify_lengths([[0.9, 0.8], [0.1]], flat) == [2, 1]
+    assert choose_verify_lengths([[0.2], [0.3]], StepTimeCurve([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0])) == [0, 0]
+
+
+def test_step_time_curve_interpolates_and_extrapolates():
+    curve = StepTimeCurve([1, 2, 4], [1.0, 2.0, 3.0])
+    assert curve(3) == pytest.approx(2.5) and curve(8) == pytest.approx(5.0) and curve(2) == 2.0
+
+
+def test_first_verified_token_follows_the_target_distribution_with_wrong_drafts(monkeypatch):
+    """Temperature 1, top-k 3: for every seed, a run without DSpark gives the exact processed
+    distribution q of the second token (its top-3 logprobs). With DSpark, drafts are drawn from a
+    deliberately wrong p over the same support; the verified token's rank under q must follow
+    the summed q (chi-square, 2 degrees of freedom)."""
+    n, prompt = 800, [17, 99, 230, 5, 411, 64, 300, 12]
+    overrides = QUIET[:1] + ["engine.max_num_seqs=64", "decoding.num_draft_tokens=1"]
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s, ignore_eos=True, logprobs=3) for s in range(n)]
+    plain = LLM("tiny_random", "reference", overrides[:2]).generate([prompt] * n, params)
+    target = {s: sorted(out.logprobs[1].items(), key=lambda kv: -kv[1])[:3] for s, out in enumerate(plain)}
+    wrong = torch.tensor([0.15, 0.25, 0.6])
+    original = DSpark.propose
+
+    def wrong_drafts(self, requests):
+        original(self, requests)
+        for request in requests:
+            support = [token for token, _ in target[request.seed]]
+            pick = int(torch.multinomial(wrong, 1, generator=torch.Generator().manual_seed(request.seed)))
+            logprobs = torch.full_like(request.draft_logprobs, float("-inf"))
+            logprobs[0, support] = wrong.log()
+            request.drafts, request.draft_logprobs = [support[pick]], logprobs
+
+    monkeypatch.setattr(DSpark, "propose", wrong_drafts)
+    drafted = LLM("tiny_random", "reference", overrides + ["decoding=dspark"]).generate([prompt] * n, params)
+    counts, expected = torch.zeros(3), torch.zeros(3)
+    for s, out in enumerate(drafted):
+        assert out.token_ids[0] == plain[s].token_ids[0], "the prefill token does not involve drafts"
+        ranked = [token for token, _ in target[s]]
+        counts[ranked.index(out.token_ids[1])] += 1
+        expected += torch.tensor([lp for _, lp in target[s]]).exp()
+    accepted = sum(o.num_accepted for o in drafted)
+    assert 0.2 * n < accepted < 0.95 * n, f"{accepted} of {n} drafts accepted: both paths must be exercised"
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 13.82, f"chi-square {chi2:.2f} (counts {counts.tolist()}, expected {expected.tolist()})"

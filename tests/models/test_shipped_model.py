@@ -1,0 +1,68 @@
+"""The embedded default model (models/tiny, trained by experiments/train_tiny.py)."""
+import json
+import math
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.hal import OpTable
+from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
+from deepinfer.models.deepseek_v41.weights import load_pretrained
+from deepinfer.models.forward_context import ForwardContext
+from deepinfer.models.registry import REPO_ROOT, model_preset, resolve_checkpoint
+
+CHECKPOINT = resolve_checkpoint(model_preset("tiny")["checkpoint"])
+QUIET = ["engine.use_tqdm=false"]
+GREEDY_PROMPT = "def main():"
+GREEDY_TEXT = '\n    """Create a string for the module.\n\n    The function is a string.\n\n    These are not be'
+"""What the shipped weights write greedily after GREEDY_PROMPT (24 tokens); update with the weights."""
+LOSS_TOLERANCE = 2e-3
+"""Nats. The recorded value was computed by the same float32 inference forward on the same
+windows, so only thread-count-dependent accumulation order separates the two; a different set
+of weights (random ones score about ln(vocab) = 7.6) is far outside it."""
+
+
+@pytest.fixture(scope="module")
+def sample():
+    return json.loads((CHECKPOINT / "heldout_sample.json").read_text())
+
+
+def test_the_tiny_preset_is_the_shipped_checkpoint():
+    assert CHECKPOINT.resolve() == REPO_ROOT / "models" / "tiny"
+    files = {p.name for p in CHECKPOINT.iterdir()}
+    assert {"config.json", "tokenizer.json"} <= files and any(f.endswith(".safetensors") for f in files)
+    assert sum(p.stat().st_size for p in CHECKPOINT.iterdir()) <= 30 * 2**20
+
+
+def test_heldout_loss_matches_the_recorded_value(sample):
+    """The inference forward over the fixed held-out windows gives the loss training recorded."""
+    recorded = json.loads((CHECKPOINT / "config.json").read_text())["deepinfer_training"]["heldout_loss"]
+    model = load_pretrained(CHECKPOINT, OpTable("reference"), max_model_len=1024)
+    windows = torch.tensor(sample["windows"])
+    blocks = math.ceil(windows.shape[1] / PAGE_TOKENS)
+    caches = model.allocate_caches(1 + len(windows) * blocks, len(windows) + 1)
+    ctx = ForwardContext.for_sequences([w[:-1].tolist() for w in windows], [0] * len(windows),
+                                       list(range(1, len(windows) + 1)),
+                                       [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(windows))],
+                                       all_logits=True)
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(ctx, caches), windows[:, 1:].reshape(-1)).item()
+    assert abs(loss - recorded) < LOSS_TOLERANCE, (loss, recorded)
+    assert loss < 0.7 * math.log(model.cfg.vocab_size)
+
+
+def test_greedy_output_is_fixed():
+    out = LLM("tiny", "reference", QUIET).generate([GREEDY_PROMPT], SamplingParams(temperature=0, max_tokens=24))[0]
+    assert out.text == GREEDY_TEXT
+
+
+@pytest.mark.xfail(strict=True, reason="the trial drafter in models/tiny accepts 0.76 drafts per verification; "
+                                       "the 2.0 target needs the full training run")
+def test_dspark_accepts_at_least_two_drafts_per_verification_on_heldout_prompts(sample):
+    prompts = sample["prompts"][:2]
+    llm = LLM("tiny", "reference", QUIET + ["decoding=dspark", f"engine.max_num_seqs={len(prompts)}"])
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    steps = sum(o.metrics["verify_steps"] for o in outputs)
+    mean_accepted = sum(o.num_accepted for o in outputs) / steps
+    assert mean_accepted >= 2.0, mean_accepted
