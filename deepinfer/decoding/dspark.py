@@ -7,12 +7,9 @@ import time
 import torch
 
 from deepinfer.decoding.verify_schedule import StepTimeCurve, choose_verify_lengths, cumulative_rates
+from deepinfer.hal.ops.sampling import SEED_NAMESPACE_DRAFT
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.forward_context import ForwardContext
-
-DRAFT_SEED_OFFSET = 1_000_000_007
-"""Draft tokens are drawn in their own RNG namespace: the request seed plus this offset."""
-
 
 class DSpark:
     """Proposes ``num_draft_tokens`` drafts per request with one parallel pass of the draft
@@ -85,13 +82,14 @@ class DSpark:
         temperature = as_tensor([p.temperature for p in params], torch.float32)
         top_p = as_tensor([p.top_p for p in params], torch.float32)
         top_k = as_tensor([p.top_k for p in params], torch.int64)
-        seeds = as_tensor([_as_int64((r.seed + DRAFT_SEED_OFFSET) % (1 << 64)) for r in ready], torch.int64)
+        seeds = as_tensor([_as_int64(r.seed) for r in ready], torch.int64)
         previous = as_tensor([r.token_ids[-1] for r in ready], torch.int64)
         tokens, logprobs, confidences = [], [], []
         for i in range(self.k):
             embedded, correction = head.markov(previous)
             positions = as_tensor([r.num_computed + 1 + i for r in ready], torch.int64)
-            ids, step_logprobs = self.ops.sample(logits[:, i] + correction, temperature, top_p, top_k, seeds, positions)
+            ids, step_logprobs = self.ops.sample(logits[:, i] + correction, temperature, top_p, top_k, seeds, positions,
+                                                 namespace=SEED_NAMESPACE_DRAFT)
             confidences.append(head.confidence(hidden[:, i], embedded, self.temperature))
             tokens.append(ids)
             logprobs.append(step_logprobs)
