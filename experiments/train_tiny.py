@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.models.deepseek_v41.weights import inference_loss
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results"
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|noise|>"]
@@ -221,22 +223,6 @@ def log_draft(log: Log, step: int, objective) -> None:
             greedy_accepted_length=objective.greedy_accepted_length)
 
 
-def inference_heldout_loss(model, windows: torch.Tensor) -> float:
-    """Mean next-token loss of the windows by the inference forward (full prefill, all logits)."""
-    from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
-    from deepinfer.models.forward_context import ForwardContext
-
-    blocks = math.ceil(windows.shape[1] / PAGE_TOKENS)
-    caches = model.allocate_caches(1 + len(windows) * blocks, len(windows) + 1)
-    ctx = ForwardContext.for_sequences([w[:-1].tolist() for w in windows], [0] * len(windows),
-                                       list(range(1, len(windows) + 1)),
-                                       [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(windows))],
-                                       all_logits=True)
-    with torch.no_grad():
-        logits = model(ctx, caches)
-    return torch.nn.functional.cross_entropy(logits, windows[:, 1:].reshape(-1)).item()
-
-
 def measure_dspark(out_dir: Path, prompts: list[str], max_tokens: int) -> dict:
     """Greedy generation with DSpark through the engine: acceptance and losslessness."""
     from deepinfer import LLM, SamplingParams
@@ -349,7 +335,7 @@ def run(args) -> None:
     save_pretrained(model.cpu(), out_dir)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     reloaded = load_pretrained(out_dir, ops, max_model_len=1024)
-    loss = inference_heldout_loss(reloaded, heldout)
+    loss = inference_loss(reloaded, heldout)
     record = {"script": "experiments/train_tiny.py", "minutes": args.minutes, "device": args.device, "seq_len": SEQ_LEN,
               "heldout_loss": loss, "heldout_windows": args.heldout_windows,
               "heldout_sample": "heldout_windows(): evenly spaced windows of SEQ_LEN + 1 tokens of the held-out "

@@ -7,9 +7,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.hal import OpTable
-from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
-from deepinfer.models.deepseek_v41.weights import load_pretrained
-from deepinfer.models.forward_context import ForwardContext
+from deepinfer.models.deepseek_v41.weights import inference_loss, load_pretrained
 from deepinfer.models.registry import REPO_ROOT, model_preset, resolve_checkpoint
 
 CHECKPOINT = resolve_checkpoint(model_preset("tiny")["checkpoint"])
@@ -40,14 +38,7 @@ def test_heldout_loss_matches_the_recorded_value(sample):
     recorded = json.loads((CHECKPOINT / "config.json").read_text())["deepinfer_training"]["heldout_loss"]
     model = load_pretrained(CHECKPOINT, OpTable("reference"), max_model_len=1024)
     windows = torch.tensor(sample["windows"])
-    blocks = math.ceil(windows.shape[1] / PAGE_TOKENS)
-    caches = model.allocate_caches(1 + len(windows) * blocks, len(windows) + 1)
-    ctx = ForwardContext.for_sequences([w[:-1].tolist() for w in windows], [0] * len(windows),
-                                       list(range(1, len(windows) + 1)),
-                                       [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(windows))],
-                                       all_logits=True)
-    with torch.no_grad():
-        loss = torch.nn.functional.cross_entropy(model(ctx, caches), windows[:, 1:].reshape(-1)).item()
+    loss = inference_loss(model, windows)
     assert abs(loss - recorded) < LOSS_TOLERANCE, (loss, recorded)
     assert loss < 0.7 * math.log(model.cfg.vocab_size)
 

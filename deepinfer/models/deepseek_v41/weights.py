@@ -106,3 +106,20 @@ def load_pretrained(directory: str | Path, ops: OpTable, dtype: torch.dtype = to
     _, tensors = load_checkpoint(directory, expected_shapes(model), dtype=dtype)
     load_official_state_dict(model, tensors)
     return model
+
+
+def inference_loss(model: DeepseekV41ForCausalLM, windows: torch.Tensor) -> float:
+    """Mean next-token cross-entropy of token ``windows [n, L+1]`` by the inference forward
+    (one full prefill per window over fresh paged caches, logits at every position)."""
+    from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
+    from deepinfer.models.forward_context import ForwardContext
+
+    blocks = math.ceil(windows.shape[1] / PAGE_TOKENS)
+    caches = model.allocate_caches(1 + len(windows) * blocks, len(windows) + 1)
+    ctx = ForwardContext.for_sequences([w[:-1].tolist() for w in windows], [0] * len(windows),
+                                       list(range(1, len(windows) + 1)),
+                                       [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(len(windows))],
+                                       all_logits=True)
+    with torch.no_grad():
+        logits = model(ctx, caches)
+    return torch.nn.functional.cross_entropy(logits, windows[:, 1:].reshape(-1)).item()
