@@ -92,7 +92,7 @@ def main() -> None:
                                                              app.engine.max_num_batched_tokens)
     for llm in llms.values():
         prefill(llm, list(range(3, 3 + 2 * keep)))
-    rows = []
+    rows, path = [], RESULTS / f"bounded_replay_{args.tag}.csv"
     for length in lengths:
         prompt = [random.Random(length).randrange(3, cfg.vocab_size) for _ in range(length)]
         result = {}
@@ -117,8 +117,7 @@ def main() -> None:
         })
         print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)
-    path = RESULTS / f"bounded_replay_{args.tag}.csv"
-    write_csv(rows, path, args.threads)
+        write_csv(rows, path, args.threads)  # after every length, so a cut-short sweep keeps its rows
     plot(rows, path.with_suffix(".png"), f"model={app.model.name}, {args.tag}")
 
 
@@ -126,12 +125,12 @@ def write_csv(rows, path: Path, threads: int) -> None:
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     with path.open("w", newline="") as f:
-        f.write(f"# {stamp}; {platform.node()} {platform.machine()} {threads} threads, torch {torch.__version__}; "
+        card = f" {torch.cuda.get_device_name()}," if torch.cuda.is_available() else ""
+        f.write(f"# {stamp}; {platform.node()} {platform.machine()} {threads} threads,{card} torch {torch.__version__}; "
                 f"command: python experiments/bounded_replay.py {' '.join(sys.argv[1:])}\n")
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {path}")
 
 
 def plot(rows, path: Path, title: str) -> None:

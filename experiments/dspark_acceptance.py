@@ -19,6 +19,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
 from deepinfer import LLM, SamplingParams
 from deepinfer.config.compose import compose
 
@@ -84,7 +86,8 @@ def write(rows, args, overrides) -> None:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     path = RESULTS / f"dspark_acceptance_{args.tag}.csv"
     with path.open("w", newline="") as f:
-        f.write(f"# {stamp}; {platform.node()} {platform.processor() or platform.machine()}; "
+        card = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+        f.write(f"# {stamp}; {platform.node()} {platform.processor() or platform.machine()}{card}, torch {torch.__version__}; "
                 f"command: python experiments/dspark_acceptance.py {' '.join(sys.argv[1:])}\n")
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

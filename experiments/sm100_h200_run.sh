@@ -4,18 +4,11 @@
 # sm100 parity grid (pytest, then the numbers) and the op benchmark. Logs and results go to $OUT.
 #   bash experiments/sm100_h200_run.sh [quick|full]
 set -u
-export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlcache
+export TILELANG_CACHE_DIR=/tmp/tlcache
 out=${OUT:-/tmp/out}
-mkdir -p /tmp/site /tmp/shim/deepinfer-0.1.0.dist-info "$out"
+mkdir -p "$out"
 start=$(date +%s)
-tar -xJf .carry/tilelang-cp312.tar.xz -C /tmp/site || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
-ln -sfn "$PWD/backends" /tmp/shim/deepinfer_backends
-printf 'Metadata-Version: 2.1\nName: deepinfer\nVersion: 0.1.0\n' >/tmp/shim/deepinfer-0.1.0.dist-info/METADATA
-sed -n '/^\[project.entry-points."deepinfer.backends"\]/,/^$/p' pyproject.toml \
-  | sed 's/^\[project.entry-points."deepinfer.backends"\]/[deepinfer.backends]/; s/"//g' \
-  >/tmp/shim/deepinfer-0.1.0.dist-info/entry_points.txt
-export PYTHONPATH=/tmp/site:/tmp/shim:$PWD
+TILELANG=1 source experiments/device_setup.sh
 echo "setup $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$out/card.txt"
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__)" | tee -a "$out/card.txt"

@@ -6,6 +6,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.decoding.dspark import DSpark
 from deepinfer.decoding.verify_schedule import StepTimeCurve, choose_verify_lengths, cumulative_rates
+from tests.decoding.forced_drafts import force_rejections
 
 QUIET = ["engine.use_tqdm=false", "engine.max_num_seqs=8"]
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
@@ -38,27 +39,7 @@ def test_rejections_at_every_draft_position_roll_back_exactly(reference_tokens, 
     """Drafts are the true continuation with one token corrupted, the corrupted position cycling
     through 0..k-1: every step rolls back at a different depth, and outputs stay exact."""
     prompts, k = _prompts(), 5
-    truth = {tuple(p): p + t for p, t in zip(prompts, reference_tokens)}
-    original = DSpark.propose
-    step = {"n": 0}
-
-    def corrupted(self, requests):
-        original(self, requests)
-        for request in requests:
-            if not request.drafts:
-                continue
-            full = truth[tuple(request.prompt_token_ids)]
-            start = len(request.token_ids)
-            drafts = [full[start + i] if start + i < len(full) else 3 for i in range(k)]
-            wrong = step["n"] % k
-            drafts[wrong] = (drafts[wrong] + 1) % 500 + 3
-            request.drafts = drafts
-            logprobs = torch.full((k, request.draft_logprobs.shape[1]), float("-inf"))
-            logprobs[torch.arange(k), torch.tensor(drafts)] = 0.0
-            request.draft_logprobs = logprobs
-            step["n"] += 1
-
-    monkeypatch.setattr(DSpark, "propose", corrupted)
+    force_rejections(monkeypatch, prompts, reference_tokens, k)
     llm = LLM("tiny_random", "reference", QUIET + ["decoding=dspark", f"decoding.num_draft_tokens={k}"])
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == reference_tokens

@@ -1,5 +1,6 @@
 """SWA bounded replay in the engine: config checks, mask == compact with continuous batching and
-chunked prefill, prompts within keep_tokens untouched, exact replay after preemption."""
+chunked prefill, prompts within keep_tokens untouched, exact replay after preemption and after
+DSpark rollbacks."""
 import random
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from deepinfer import LLM, SamplingParams
 from deepinfer.config.compose import compose
 from deepinfer.config.schema import ConfigError
+from tests.decoding.forced_drafts import force_rejections
 
 def _llm(mode: str, *overrides: str, chunk: int = 16) -> LLM:
     """Prefill chunks of ``chunk`` tokens, three chunks per step, keep_tokens 14 (window 8 + 6)."""
@@ -41,6 +43,20 @@ def test_a_request_recomputed_after_preemption_replays_exactly():
     assert tight.scheduler.num_preemptions > 0, "the cache budget did not force a preemption"
     roomy = _llm("compact", chunk=64).generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
+
+
+def test_dspark_rollbacks_at_every_depth_keep_compact_replay_exact(monkeypatch):
+    """keep_tokens 14 = window 8 + backtracking 6 leaves room for 5 drafts: with a rejection
+    forced at every draft depth in turn, greedy output equals compact replay without drafts."""
+    prompts, k = _prompts((14, 47, 100), seed=2), 5
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.token_ids for o in _llm("compact").generate(prompts, params)]
+    steps = force_rejections(monkeypatch, prompts, plain, k)
+    for mode in ("compact", "mask"):
+        outputs = _llm(mode, "decoding=dspark", f"decoding.num_draft_tokens={k}").generate(prompts, params)
+        assert [o.token_ids for o in outputs] == plain, mode
+        assert 0 < sum(o.num_accepted for o in outputs) < sum(o.num_drafted for o in outputs)
+    assert steps["n"] > k, "every rollback depth must have been exercised"
 
 
 def test_keep_tokens_below_window_plus_backtracking_is_refused():

@@ -26,8 +26,11 @@ def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     if q_format == "mxfp4" and q.shape[2] % 32:
         raise ValueError(f"q_format 'mxfp4' quantizes d in blocks of 32; d={q.shape[2]} is not a multiple")
     queries = cast_back(q, "mxfp4", 32) if q_format == "mxfp4" else q.float()
-    scores = torch.relu(torch.einsum("thd,sd->ths", queries, k.float()))
-    return torch.einsum("ths,th->ts", scores, weights.float())
+    keys, weights = k.float().t(), weights.float()
+    logits = torch.zeros(q.shape[0], k.shape[0], dtype=torch.float32, device=q.device)
+    for head in range(q.shape[1]):  # head by head: memory [T, S], not [T, nh, S]
+        logits.addcmul_(torch.relu(queries[:, head] @ keys), weights[:, head, None])
+    return logits
 
 
 def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
