@@ -59,6 +59,7 @@ INVARIANT_AS_IS = {
     "swa_decode_indices": "integer addressing",
     "swa_prefill_indices": "integer addressing",
     "swa_history_slots": "integer addressing",
+    "apply_token_bitmask": "per element: adds 0.0 or -inf",
 }
 """Ops whose reference already fixes each row's arithmetic, with the reason."""
 

@@ -145,6 +145,23 @@ class BoundedReplayConfig:
 
 
 @dataclass
+class StructuredConfig:
+    """Grammar compilation for structured outputs (``SamplingParams(structured=...)``)."""
+
+    compile_timeout_s: float = 20.0
+    """A request whose grammar has not compiled this long after it arrived fails alone."""
+    compile_threads: int = 2
+    """Worker threads compiling grammars (xgrammar, one thread each)."""
+    any_whitespace: bool = False
+    """JSON schemas allow any whitespace between tokens; false fixes the separators to ``", "``
+    and ``": "`` (no runaway whitespace)."""
+
+    def __post_init__(self) -> None:
+        _require(self.compile_timeout_s > 0, "engine.structured.compile_timeout_s", self.compile_timeout_s, "must be > 0")
+        _require(self.compile_threads >= 1, "engine.structured.compile_threads", self.compile_threads, "must be >= 1")
+
+
+@dataclass
 class EngineConfig:
     """Scheduler and cache sizes, and the engine's execution switches."""
 
@@ -166,6 +183,8 @@ class EngineConfig:
     """Schedule step N+1 on the CPU while the device runs step N."""
     bounded_replay: BoundedReplayConfig = field(default_factory=BoundedReplayConfig)
     """SWA bounded replay of long prompts in the YOCO consumer layers."""
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
+    """Grammar compilation for structured outputs."""
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens"):

@@ -21,14 +21,17 @@ class Emission:
     calibration_errors: list[float] = field(default_factory=list)
 
 
-def emit(ops: OpTable, chunks, logits: torch.Tensor) -> list[Emission]:
+def emit(ops: OpTable, chunks, logits: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Emission]:
     """``logits`` holds, for each sampling chunk in order, one row per verified draft plus the
     final row. Draws are keyed by (seed, position of the emitted token), so they do not depend
-    on the rest of the batch."""
+    on the rest of the batch. ``masks`` (grammar bitmasks and their rows) are applied first, so
+    sampling, verification and logprobs all see the constrained distribution."""
     rows = [(chunk, j) for chunk in chunks for j in range(len(chunk.drafts) + 1)]
     if not rows:
         return []
     device = logits.device
+    if masks is not None:
+        logits = ops.apply_token_bitmask(logits, masks[0].to(device), masks[1].to(device))
     params = [chunk.request.params for chunk, _ in rows]
     first_row = {id(chunk): chunk.start + len(chunk.token_ids) - len(chunk.drafts) for chunk in chunks}
     positions = torch.tensor([first_row[id(chunk)] + j for chunk, j in rows], dtype=torch.int64, device=device)

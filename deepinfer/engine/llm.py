@@ -1,6 +1,7 @@
 """The offline engine: ``LLM(...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import random
 import time
@@ -11,10 +12,11 @@ from tqdm.auto import tqdm
 
 from deepinfer.engine.kv_manager import KVManager
 from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.request import Request
+from deepinfer.engine.request import Request, Status
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.decoding.dspark import DSpark
 from deepinfer.decoding.sampler import Emission, emit
+from deepinfer.decoding.structured import GrammarService, step_bitmasks
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Batch, Scheduler
 from deepinfer.hal.registry import OpTable
@@ -75,6 +77,8 @@ class LLM:
                                  max_rows=app.engine.max_num_seqs * (decoding.num_draft_tokens + 1))
         self._seeds = random.Random(app.engine.seed)
         self._next_id = 0
+        self.grammars: GrammarService | None = None
+        self._awaiting_grammar: list[Request] = []
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -89,7 +93,7 @@ class LLM:
         params = self._params_for(len(prompts), sampling_params)
         requests = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         for request in requests:
-            self.scheduler.add(request)
+            self._enqueue(request)
         show = self.config.engine.use_tqdm if use_tqdm is None else use_tqdm
         self._run_until_done(requests, show)
         return [_output(r) for r in requests]
@@ -109,21 +113,62 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Request:
         """Queue one request (validated first); :meth:`step` advances every queued request."""
         request = self._make_request(0, prompt, params or SamplingParams.from_decoding(self.config.decoding))
-        self.scheduler.add(request)
+        self._enqueue(request)
         return request
 
     def step(self) -> list[Request]:
-        """One engine step: schedule, run the model, emit tokens (verifying drafts), then draft
-        for the next step. Returns the requests that finished."""
+        """One engine step: admit requests whose grammar compiled, schedule, run the model, emit
+        tokens (grammar masks applied, drafts verified), then draft for the next step. With
+        nothing to run it waits for the first grammar to compile. Returns the requests that
+        finished."""
+        finished = self._admit_compiled_grammars()
+        if not self.scheduler.has_work:
+            self._last_batch = Batch([])
+            if self._awaiting_grammar:
+                deadline = min(r.grammar.deadline for r in self._awaiting_grammar)
+                concurrent.futures.wait([r.grammar.future for r in self._awaiting_grammar],
+                                        timeout=max(0.0, deadline - time.monotonic()),
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            return finished
         if self.dspark:
             self.dspark.assign_verify_drafts(self.scheduler.running)
         batch = self.scheduler.schedule()
         sampling = [c for c in batch.chunks if c.samples]
-        finished = self._postprocess(batch, emit(self.ops, sampling, self.runner.run(batch)))
+        masks = step_bitmasks(sampling, self.model.cfg.vocab_size)
+        finished += self._postprocess(batch, emit(self.ops, sampling, self.runner.run(batch), masks))
         if self.dspark:
             self.dspark.propose([c.request for c in sampling if not c.request.finished])
         self._last_batch = batch
         return finished
+
+    def _enqueue(self, request: Request) -> None:
+        """To the scheduler, or, while its grammar compiles, to the grammar waiting list."""
+        if request.grammar is not None:
+            self._awaiting_grammar.append(request)
+        else:
+            self.scheduler.add(request)
+
+    def _admit_compiled_grammars(self) -> list[Request]:
+        """Schedule the waiting requests whose matcher is ready; fail those whose grammar did not
+        compile (or not in time). Returns the failed ones."""
+        failed, waiting = [], []
+        for request in self._awaiting_grammar:
+            if not self.grammars.poll(request.grammar):
+                waiting.append(request)
+            elif request.grammar.error is not None:
+                request.status, request.finish_reason, request.error = Status.FINISHED, "error", request.grammar.error
+                failed.append(request)
+            else:
+                self.scheduler.add(request)
+        self._awaiting_grammar = waiting
+        return failed
+
+    def _grammar_service(self) -> GrammarService:
+        if self.grammars is None:
+            structured = self.config.engine.structured
+            self.grammars = GrammarService(self.tokenizer, self.model.cfg.vocab_size, structured.compile_timeout_s,
+                                           structured.compile_threads, structured.any_whitespace)
+        return self.grammars
 
     def _params_for(self, count, sampling_params):
         if sampling_params is None:
@@ -152,6 +197,8 @@ class LLM:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         request = Request(self._next_id, text, ids, params, seed)
         request.detokenizer = IncrementalDecoder(self.tokenizer)
+        if params.structured is not None:
+            request.grammar = self._grammar_service().request(params.structured)
         self._next_id += 1
         return request
 
@@ -198,14 +245,26 @@ class LLM:
                 request.output_token_ids.append(token)
                 if logprobs is not None:
                     request.output_logprobs.append(logprobs)
-                reason = self._stop_reason(request, token)
+                reason = self._grammar_reason(request, token) or self._stop_reason(request, token)
                 if reason:
-                    if reason == "length":
+                    if reason == "length" or request.grammar is not None:
                         request.text += request.detokenizer.finish()
                     self.scheduler.finish(request, reason)
                     finished.append(request)
                     break
         return finished
+
+    def _grammar_reason(self, request: Request, token: int) -> str | None:
+        """Advance a constrained request's matcher: "stop" once the grammar has ended (its stop
+        token accepted, whatever ``ignore_eos`` says), "error" if it refuses ``token``."""
+        if request.grammar is None:
+            return None
+        matcher = request.grammar.matcher
+        if not matcher.accept_token(token):
+            request.error = (f"structured output: the grammar refused emitted token {token} (its mask was not "
+                             f"applied to that row); the request stopped there")
+            return "error"
+        return "stop" if matcher.is_terminated() else None
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
@@ -234,6 +293,7 @@ def _output(request: Request) -> RequestOutput:
         text=request.text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
         logprobs=request.output_logprobs if request.params.logprobs is not None else None,
         num_drafted=request.num_drafted, num_accepted=request.num_accepted, verify_log=list(request.verify_log),
+        error=request.error,
         metrics={
             "preemptions": request.num_preemptions,
             "verify_steps": request.num_verify_steps,

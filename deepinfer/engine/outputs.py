@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestOutput:
     """One finished request: generated ``text`` and ``token_ids``, ``finish_reason`` ("stop" for
-    EOS, a stop token or stop string; "length" for max_tokens or max_model_len), optional
+    EOS, a stop token, a stop string or a completed grammar; "length" for max_tokens or
+    max_model_len; "error" when the request could not run, with ``error`` saying why), optional
     per-token ``logprobs`` ({token id: logprob}), and DSpark counts: drafts verified, drafts
     accepted, and per verify step ``(verified, accepted)`` in ``verify_log``."""
 
@@ -22,3 +23,4 @@ class RequestOutput:
     num_accepted: int = 0
     verify_log: list[tuple[int, int]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None

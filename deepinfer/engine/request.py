@@ -18,7 +18,8 @@ class Request:
     """``num_computed`` tokens of ``token_ids`` (prompt then outputs) have their KV in the cache.
     A preempted request keeps its outputs and recomputes its KV when it runs again. With DSpark,
     ``drafts`` (with their distributions and confidences) wait for the next step, which verifies
-    ``verify_drafts``, a prefix of them."""
+    ``verify_drafts``, a prefix of them. ``grammar`` (structured outputs) holds the compile state
+    and matcher; ``error`` says why a request finished with reason "error"."""
 
     request_id: int
     prompt: str | None
@@ -44,6 +45,8 @@ class Request:
     num_verify_steps: int = 0
     calibration_errors: list[float] = field(default_factory=list)
     verify_log: list[tuple[int, int]] = field(default_factory=list)
+    grammar: object | None = None
+    error: str | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.decoding.structured import check_structured
+
 MAX_LOGPROBS = 20
 
 
@@ -15,7 +17,13 @@ class SamplingParams:
     (the stop string itself is not returned); ``stop_token_ids`` end it like EOS.
     ``seed`` makes sampling reproducible: each draw is a pure function of (seed, position).
     ``logprobs`` = N returns, per output token, the log-probabilities (of the processed
-    distribution) of the sampled token and the N most likely ones."""
+    distribution) of the sampled token and the N most likely ones.
+    ``structured`` constrains the output to a grammar: ``{"type": "json", "schema": dict | str}``
+    (``schema`` None or absent: any JSON), ``{"type": "regex", "schema": str}`` or
+    ``{"type": "ebnf", "schema": str}`` (xgrammar's EBNF, with a ``root`` rule). Generation stops
+    when the grammar is complete (its stop token is emitted, even with ``ignore_eos``). A grammar
+    that does not compile fails its request alone (``finish_reason`` "error", message in
+    ``RequestOutput.error``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -26,8 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
+        self.structured = check_structured(self.structured)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -13,4 +13,5 @@ from deepinfer.hal.ops import (  # noqa: F401
     sampling,
     speculative,
     swa_replay,
+    token_bitmask,
 )

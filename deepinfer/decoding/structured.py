@@ -1,0 +1,241 @@
+"""Structured outputs: JSON schema, regex and EBNF grammars through xgrammar.
+
+Grammars compile on worker threads with a cache (:class:`GrammarService`); a request waits for
+its matcher without holding up the others, and a grammar that fails to compile, or does not
+compile within the timeout, fails that request alone. Each step, :func:`step_bitmasks` fills the
+allowed-token masks of every constrained request: its next row, then, for each DSpark draft the
+grammar accepts, the row after it (the probed drafts are rolled back). A draft the grammar
+rejects has probability 0 in its row's masked distribution, so verification rejects it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer.hal.ops.token_bitmask import bitmask_words
+from deepinfer.tokenizer import ByteTokenizer, Tokenizer, TokenizerBase
+
+STRUCTURED_TYPES = ("json", "regex", "ebnf")
+EXTRA = "structured"
+TEXT_MARKERS = ("<think>", "</think>")
+"""Added tokens that stay writable text inside a grammar; so does every token holding "DSML"."""
+CACHE_ENTRIES = 4096
+"""Compiled grammars kept per engine (the oldest finished one goes first)."""
+LOOSE_STRING_CHAR, JSON_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def check_structured(value: Any) -> dict | None:
+    """The validated form of ``SamplingParams.structured``: ``{"type": ..., "schema": ...}``.
+
+    ``json``: ``schema`` a JSON schema as a dict or a string, or absent / None for any JSON;
+    ``regex`` and ``ebnf``: ``schema`` a non-empty string (EBNF in xgrammar's GBNF dialect,
+    with a ``root`` rule). The grammar itself is checked when it compiles, per request."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in STRUCTURED_TYPES:
+        raise ValueError(f"structured must be a dict with 'type' one of {list(STRUCTURED_TYPES)} and a 'schema'; "
+                         f"got {value!r}")
+    unknown = sorted(set(value) - {"type", "schema"})
+    if unknown:
+        raise ValueError(f"structured has unknown keys {unknown}; it takes 'type' and 'schema'")
+    kind, schema = value["type"], value.get("schema")
+    if kind == "json":
+        if not (schema is None or isinstance(schema, (dict, str))):
+            raise ValueError(f"structured JSON schema must be a dict, a JSON string, or None for any JSON; "
+                             f"got {type(schema).__name__}")
+        if isinstance(schema, dict):
+            try:
+                schema = json.dumps(schema, sort_keys=True)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"structured JSON schema is not JSON-serialisable: {err}") from err
+    elif not isinstance(schema, str) or not schema:
+        raise ValueError(f"structured {kind} needs 'schema' as a non-empty string; got {schema!r}")
+    return {"type": kind, "schema": schema}
+
+
+def raw_token_bytes(tokenizer: TokenizerBase, vocab_size: int) -> list[bytes]:
+    """The bytes each id ``0..vocab_size-1`` writes, with ``b""`` for ids that must never appear
+    inside a grammar: control tokens (BOS, EOS, PAD, role and tool markers, every added token
+    except :data:`TEXT_MARKERS` and the DSML markers) and ids outside the tokenizer."""
+    out = [b""] * vocab_size
+    if isinstance(tokenizer, ByteTokenizer):
+        for byte in range(256):
+            if byte + 3 < vocab_size:
+                out[byte + 3] = bytes([byte])
+    elif isinstance(tokenizer, Tokenizer):
+        spec = json.loads(tokenizer.backend.to_str())
+        decoder = (spec.get("decoder") or {}).get("type")
+        if decoder != "ByteLevel":
+            raise ValueError(f"structured outputs support byte-level BPE tokenizers (and the byte tokenizer); this "
+                             f"tokenizer.json's decoder is {decoder!r}")
+        alphabet, added = _byte_level_alphabet(), {a["id"]: a["content"] for a in spec.get("added_tokens", [])}
+        for piece, token in spec["model"]["vocab"].items():
+            if token < vocab_size and token not in added:
+                out[token] = bytes(alphabet[c] for c in piece)
+        for token, text in added.items():
+            if token < vocab_size:
+                out[token] = text.encode() if text in TEXT_MARKERS or "DSML" in text else b""
+    else:
+        raise ValueError(f"structured outputs need a Tokenizer or ByteTokenizer, got {type(tokenizer).__name__}")
+    for token in tokenizer.special_token_ids:
+        if token < vocab_size:
+            out[token] = b""
+    return out
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins: char -> byte (bytes that print as themselves keep
+    their code point; the rest take 256, 257, ... in byte order)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte], extra = chr(256 + extra), extra + 1
+    return {c: b for b, c in chars.items()}
+
+
+class GrammarError(RuntimeError):
+    """A grammar that cannot be used: it failed to compile, or did not compile in time."""
+
+
+@dataclass
+class RequestGrammar:
+    """One request's grammar: the compile future until it is ready, then its matcher."""
+
+    spec: dict
+    future: Future
+    deadline: float
+    matcher: Any = None
+    error: str | None = None
+
+
+class GrammarService:
+    """xgrammar compilation for one engine: ``threads`` workers, a cache keyed by grammar, a
+    per-request ``timeout_s``, and matchers (xgrammar's roll back without limit). JSON
+    schemas are strict (no properties beyond those listed); ``any_whitespace`` False fixes their
+    separators; any JSON (no schema) is xgrammar's built-in JSON grammar (an object or array).
+
+    ``import xgrammar`` takes seconds, so it happens on the first worker, not in the engine."""
+
+    def __init__(self, tokenizer: TokenizerBase, vocab_size: int, timeout_s: float, threads: int,
+                 any_whitespace: bool = False):
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ImportError(f"structured outputs use xgrammar, which is not installed; install it with: "
+                              f"pip install 'deepinfer[{EXTRA}]'")
+        self.vocab_size, self.timeout_s = vocab_size, timeout_s
+        self.any_whitespace = any_whitespace
+        self.stop_ids = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
+        self._raw = raw_token_bytes(tokenizer, vocab_size)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="deepinfer-grammar")
+        self._lock, self._compiler_lock = threading.Lock(), threading.Lock()
+        self._compiler = None
+        self._cache: dict[tuple[str, str | None], Future] = {}
+
+    def request(self, spec: dict) -> RequestGrammar:
+        """Start (or reuse) the compilation of ``spec`` (from :func:`check_structured`)."""
+        key = (spec["type"], spec["schema"])
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                if len(self._cache) >= CACHE_ENTRIES:
+                    self._cache.pop(next((k for k, f in self._cache.items() if f.done()), None), None)
+                future = self._cache[key] = self._pool.submit(self._compile, spec)
+        return RequestGrammar(spec, future, time.monotonic() + self.timeout_s)
+
+    def poll(self, grammar: RequestGrammar) -> bool:
+        """True once ``grammar`` is settled: its matcher is ready, or ``grammar.error`` says why not."""
+        if grammar.matcher is not None or grammar.error is not None:
+            return True
+        if grammar.future.done():
+            error = grammar.future.exception()
+            if error is not None:
+                grammar.error = f"structured output: invalid {grammar.spec['type']} grammar: {_clean(error)}"
+            else:
+                import xgrammar
+
+                grammar.matcher = xgrammar.GrammarMatcher(grammar.future.result())
+            return True
+        if time.monotonic() >= grammar.deadline:
+            grammar.error = (f"structured output: the {grammar.spec['type']} grammar did not compile within "
+                             f"engine.structured.compile_timeout_s={self.timeout_s:g} s; simplify it or raise the timeout")
+            return True
+        return False
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: dict):
+        compiler = self._xgrammar_compiler()
+        kind, schema = spec["type"], spec["schema"]
+        if kind == "json":
+            if schema is None:
+                return compiler.compile_builtin_json_grammar()
+            return compiler.compile_grammar(json_schema_ebnf(schema, self.any_whitespace))
+        if kind == "regex":
+            return compiler.compile_regex(schema)
+        return compiler.compile_grammar(schema)
+
+    def _xgrammar_compiler(self):
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo(self._raw, xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
+                                              stop_token_ids=self.stop_ids)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+
+def json_schema_ebnf(schema: str, any_whitespace: bool) -> str:
+    """xgrammar's EBNF for a strict JSON schema, with the string characters of length-bounded
+    strings narrowed to what JSON allows: xgrammar 0.2.8 writes ``[^"\\\r\n]`` for them, which
+    admits raw control characters (U+0000..U+001F) that ``json.loads`` rejects."""
+    import xgrammar
+
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True))
+    return ebnf.replace(LOOSE_STRING_CHAR, JSON_STRING_CHAR)
+
+
+def _clean(error: BaseException) -> str:
+    """xgrammar's message without its timestamp, source location and check expression."""
+    text = str(error).strip()
+    return _XGRAMMAR_PREFIX.sub("", text).strip() or type(error).__name__
+
+
+def step_bitmasks(chunks, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Masks for the constrained rows of a step: ``(bitmask int32 [M, ceil(V/32)], rows int64 [M])``
+    over the logits rows of ``chunks`` (one per verified draft plus the final row, in order), or
+    None when no request is constrained. Matchers end where they started."""
+    constrained = [c for c in chunks if c.request.grammar is not None]
+    if not constrained:
+        return None
+    bitmask = torch.full((sum(len(c.drafts) + 1 for c in constrained), bitmask_words(vocab_size)), -1,
+                         dtype=torch.int32)
+    rows, row = [], 0
+    for chunk in chunks:
+        matcher = chunk.request.grammar.matcher if chunk.request.grammar is not None else None
+        if matcher is not None:
+            matcher.fill_next_token_bitmask(bitmask, len(rows))
+            rows.append(row)
+            probed = 0
+            for j, draft in enumerate(chunk.drafts):
+                if not matcher.accept_token(draft):
+                    break
+                probed += 1
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, len(rows))
+                rows.append(row + j + 1)
+            if probed:
+                matcher.rollback(probed)
+        row += len(chunk.drafts) + 1
+    return bitmask[:len(rows)], torch.tensor(rows, dtype=torch.int64)

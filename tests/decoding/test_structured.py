@@ -1,0 +1,142 @@
+"""Structured outputs through the engine: every sampled output is valid for its grammar, DSpark
+does not change greedy outputs, and a bad or slow grammar fails only its own request."""
+import json
+import re
+import time
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.decoding import structured  # noqa: E402
+from tests.decoding.grammars import EBNF, JSON_SCHEMAS, REGEXES, valid_json  # noqa: E402
+
+SEEDS = (0, 1, 2)
+ENGINE = ["engine.use_tqdm=false", "engine.max_num_seqs=72", "engine.max_num_batched_tokens=2048",
+          "model.max_model_len=512"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny_random", "reference", ENGINE)
+
+
+def _params(kind: str, schema, seed: int, temperature: float = 1.0, max_tokens: int = 160) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                          structured={"type": kind, "schema": schema})
+
+
+def _sample_all(llm, kind: str, grammars) -> list:
+    params = [_params(kind, g, seed) for g in grammars for seed in SEEDS]
+    return llm.generate(["{"] * len(params), params)
+
+
+def _assert_all_valid(outputs, grammars, is_valid):
+    for i, out in enumerate(outputs):
+        grammar = grammars[i // len(SEEDS)]
+        assert out.finish_reason == "stop", (grammar, out.finish_reason, out.text, out.error)
+        assert is_valid(out.text, grammar), (grammar, out.text)
+
+
+def test_sampled_json_outputs_parse_and_validate_against_their_schemas(llm):
+    assert len(JSON_SCHEMAS) >= 20
+    schemas = [s if i % 2 else json.dumps(s) for i, s in enumerate(JSON_SCHEMAS)]  # dicts and strings
+    _assert_all_valid(_sample_all(llm, "json", schemas), schemas, lambda text, schema: valid_json(text, schema))
+
+
+def test_sampled_regex_outputs_match_their_patterns(llm):
+    assert len(REGEXES) >= 20
+    _assert_all_valid(_sample_all(llm, "regex", REGEXES), REGEXES,
+                      lambda text, pattern: re.fullmatch(pattern, text) is not None)
+
+
+def test_sampled_ebnf_outputs_parse_with_their_independent_checkers(llm):
+    assert len(EBNF) >= 20
+    grammars = [g for g, _ in EBNF]
+    checks = dict(EBNF)
+    _assert_all_valid(_sample_all(llm, "ebnf", grammars), grammars, lambda text, g: checks[g](text))
+
+
+def test_any_json_option_yields_json():
+    """Any JSON has unbounded strings, which a random-weights model never closes: use the trained
+    tiny model, which does."""
+    trained = LLM("tiny", "reference", ["engine.use_tqdm=false"])
+    outputs = trained.generate(["config = "] * 6, [SamplingParams(temperature=1.0, max_tokens=200, seed=s,
+                                                                  structured={"type": "json"}) for s in range(6)])
+    for out in outputs:
+        assert out.finish_reason == "stop", (out.text, out.finish_reason)
+        assert isinstance(json.loads(out.text), (dict, list))
+
+
+def test_grammar_end_stops_generation_even_with_ignore_eos(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=100, seed=5, ignore_eos=True,
+                            structured={"type": "regex", "schema": "(yes|no)"})
+    out = llm.generate("?", params)[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
+    assert out.token_ids[-1] in llm.tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["all_drafts", "varlen"])
+def test_greedy_structured_outputs_are_the_same_with_dspark(varlen):
+    """Drafts come from the unconstrained drafter, so many violate the grammar and are rejected
+    by verification; the accepted ones and the final tokens equal plain greedy decoding."""
+    cases = ([("json", s) for s in JSON_SCHEMAS[:8]] + [("regex", r) for r in REGEXES[:8]]
+             + [("ebnf", g) for g, _ in EBNF[:8]])
+    params = [_params(kind, g, seed=0, temperature=0.0, max_tokens=48) for kind, g in cases]
+    prompts = [[3 + i, 40, 41] for i in range(len(cases))]
+    plain = LLM("tiny_random", "reference", ENGINE).generate(prompts, params)
+    drafted = LLM("tiny_random", "reference", ENGINE + ["decoding=dspark", f"decoding.varlen={str(varlen).lower()}"]
+                  ).generate(prompts, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert sum(o.num_drafted for o in drafted) > 0
+
+
+@pytest.mark.parametrize("kind,schema,message", [
+    ("json", '{"type": "strin"}', r'invalid json grammar: Unsupported type "strin"'),
+    ("json", "{not json", r"invalid json grammar: .*(parse|JSON)"),
+    ("json", {"type": "integer", "minimum": 5, "maximum": 2}, r"invalid json grammar: .*minimum greater than maximum"),
+    ("regex", "a(b", r"invalid regex grammar: .*parenthesis is not closed"),
+    ("ebnf", "root ::= foo", r'invalid ebnf grammar: .*Rule "foo" is not defined'),
+])
+def test_an_invalid_grammar_fails_its_request_alone(llm, kind, schema, message):
+    good = [_params("regex", r"\d{3}", seed=s) for s in range(2)]
+    outputs = llm.generate(["a", "b", "c"], [good[0], _params(kind, schema, seed=0), good[1]])
+    bad = outputs[1]
+    assert bad.finish_reason == "error" and bad.token_ids == [] and re.search(message, bad.error), bad.error
+    assert "[" not in bad.error.split(":")[0], "xgrammar's timestamp prefix must be stripped"
+    for out in (outputs[0], outputs[2]):
+        assert out.finish_reason == "stop" and re.fullmatch(r"\d{3}", out.text) and out.error is None
+
+
+def test_a_grammar_that_compiles_too_slowly_times_out_alone(monkeypatch):
+    llm = LLM("tiny_random", "reference", ENGINE + ["engine.structured.compile_timeout_s=0.3"])
+    compile_grammar = structured.GrammarService._compile
+
+    def slow_for_one(self, spec):
+        if spec["schema"] == "slow":
+            time.sleep(2.0)
+            spec = {"type": "regex", "schema": "x"}
+        return compile_grammar(self, spec)
+
+    monkeypatch.setattr(structured.GrammarService, "_compile", slow_for_one)
+    plain = SamplingParams(temperature=1.0, max_tokens=5, seed=1, ignore_eos=True)
+    outputs = llm.generate(["a", "b", "c"], [_params("regex", "slow", seed=0), plain, _params("regex", "[ab]{2}", 2)])
+    assert outputs[0].finish_reason == "error"
+    assert "did not compile within engine.structured.compile_timeout_s=0.3 s" in outputs[0].error
+    assert outputs[1].finish_reason == "length" and len(outputs[1].token_ids) == 5
+    assert outputs[2].finish_reason == "stop" and re.fullmatch("[ab]{2}", outputs[2].text)
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"type": "yaml", "schema": "x"}, r"'type' one of \['json', 'regex', 'ebnf'\]"),
+    ("json", r"must be a dict"),
+    ({"type": "json", "schema": {}, "strict": True}, r"unknown keys \['strict'\]"),
+    ({"type": "json", "schema": 3}, r"must be a dict, a JSON string, or None for any JSON; got int"),
+    ({"type": "json", "schema": {"x": {1, 2}}}, r"not JSON-serialisable"),
+    ({"type": "regex", "schema": ""}, r"structured regex needs 'schema' as a non-empty string"),
+    ({"type": "ebnf"}, r"structured ebnf needs 'schema' as a non-empty string"),
+])
+def test_malformed_structured_params_are_refused_when_built(value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(structured=value)
