@@ -65,7 +65,7 @@ class LLM:
                              f"{self.max_model_len} ({per_seq} blocks of {PAGE_TOKENS} plus the padding block)")
         kv = KVManager(num_blocks, app.engine.max_num_seqs + 1)
         self.scheduler = Scheduler(kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens,
-                                   app.engine.prefill_chunk_tokens)
+                                   app.engine.prefill_chunk_tokens, whole_verify=app.engine.batch_invariant)
         decoding = app.decoding
         self.runner = ModelRunner(self.model, self.ops, num_blocks, app.engine.max_num_seqs + 1, device,
                                   write_draft_cache=decoding.num_draft_tokens > 0,
@@ -308,6 +308,12 @@ def _refuse_unfinished_features(app) -> None:
     """Switches whose features have not landed yet fail loudly instead of being ignored."""
     if app.engine.async_scheduling:
         raise ValueError("engine.async_scheduling=true is not implemented yet; set it to false")
+    if app.engine.batch_invariant and app.decoding.num_draft_tokens and app.decoding.varlen:
+        raise ValueError("engine.batch_invariant=true needs a fixed verify length with DSpark: confidence-scheduled "
+                         "verification picks lengths from the whole batch; set decoding.varlen=false")
+    if app.engine.batch_invariant and app.engine.max_num_batched_tokens < app.decoding.num_draft_tokens + 1:
+        raise ValueError(f"engine.batch_invariant=true verifies all {app.decoding.num_draft_tokens} drafts of a request "
+                         f"in one step: engine.max_num_batched_tokens must be >= {app.decoding.num_draft_tokens + 1}")
     parallel = app.parallel
     if (parallel.data_parallel, parallel.expert_parallel, parallel.context_parallel) != (1, 1, 1):
         raise ValueError("attention DP, expert parallelism and context parallelism are not implemented yet; "

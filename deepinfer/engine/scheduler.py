@@ -44,10 +44,15 @@ class Scheduler:
     Running requests go first, oldest first (decodes and unfinished prefills); waiting requests
     are admitted FIFO while the budget, ``max_num_seqs`` and the cache allow. When blocks run
     out, the most recently admitted running request is preempted: its cache is freed and it
-    re-queues at the front, to recompute prompt and outputs later (no request is dropped)."""
+    re-queues at the front, to recompute prompt and outputs later (no request is dropped).
+    ``whole_verify`` (batch invariance): a request whose drafts do not all fit in the token
+    budget waits for a later step instead of verifying fewer, so what it verifies never depends
+    on the rest of the batch."""
 
-    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk_tokens: int):
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk_tokens: int,
+                 whole_verify: bool = False):
         self.kv = kv
+        self.whole_verify = whole_verify
         self.max_num_seqs, self.token_budget, self.chunk_tokens = max_num_seqs, max_num_batched_tokens, prefill_chunk_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -67,6 +72,8 @@ class Scheduler:
                 continue
             size = min(request.num_pending, budget, self.chunk_tokens)
             drafts = request.verify_drafts[:budget - size] if request.num_pending == 1 else []
+            if self.whole_verify and len(drafts) < len(request.verify_drafts) and request.num_pending == 1:
+                continue  # verifies all its drafts in a later step rather than fewer now
             if not self._reserve_or_preempt(request, request.num_computed + size + len(drafts)):
                 continue
             chunks.append(self._chunk(request, size, drafts))

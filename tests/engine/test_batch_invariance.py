@@ -1,8 +1,9 @@
 """Batch-invariant inference end to end (issue 9): 64 seeded prompts at temperature 1, each
 generated alone and inside 10 random batch compositions (group sizes, orders, partners, prefill
 chunk sizes, token budgets). With ``engine.batch_invariant=true`` every step's logits are
-bitwise those of the prompt alone and the tokens are identical; with it off (slow test) the
-differences are counted and reported."""
+bitwise those of the prompt alone and the tokens are identical, also with DSpark drafting and
+verifying (fixed verify length); with it off (slow test) the differences are counted and
+reported."""
 import random
 
 import pytest
@@ -14,6 +15,8 @@ from tests.hal.test_batch_invariance import PlainBackend
 
 MODEL, QUIET = "tiny_random", ["engine.use_tqdm=false"]
 PROMPTS, COMPOSITIONS, MAX_TOKENS = 64, 10, 4
+DSPARK_MAX_TOKENS = 8
+"""Room for several verify steps of up to 5 drafts, so token budgets cut some of them."""
 
 
 @pytest.fixture
@@ -26,13 +29,13 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _workload():
+def _workload(max_tokens: int = MAX_TOKENS):
     """Prompts, their seeded sampling parameters, and compositions: (engine overrides, groups of
     prompt indices generated together)."""
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 16))] for _ in range(PROMPTS)]
     params = [SamplingParams(temperature=1.0, top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([-1, 40]),
-                             seed=rng.getrandbits(64), max_tokens=MAX_TOKENS, ignore_eos=True)
+                             seed=rng.getrandbits(64), max_tokens=max_tokens, ignore_eos=True)
               for _ in range(PROMPTS)]
     compositions = []
     for _ in range(COMPOSITIONS):
@@ -55,10 +58,10 @@ def _generate(llm: LLM, prompts, params, indices) -> dict[int, tuple[list[int], 
     return {i: (out.token_ids, llm.runner.logits_trace[out.request_id]) for i, out in zip(indices, outputs)}
 
 
-def _alone_and_batched(batch_invariant: bool, device: str):
+def _alone_and_batched(batch_invariant: bool, device: str, decoding: tuple[str, ...] = ()):
     """Each prompt's run alone, and every (prompt index, batched run) of the compositions."""
-    mode = [f"engine.batch_invariant={str(batch_invariant).lower()}", f"backend.device={device}"]
-    prompts, params, compositions = _workload()
+    mode = [f"engine.batch_invariant={str(batch_invariant).lower()}", f"backend.device={device}", *decoding]
+    prompts, params, compositions = _workload(DSPARK_MAX_TOKENS if decoding else MAX_TOKENS)
     alone_llm = LLM(MODEL, "reference", QUIET + mode)
     alone = {}
     for i in range(PROMPTS):
@@ -80,13 +83,24 @@ def _differing_steps(run, alone_run) -> list[int]:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+DSPARK = ("decoding=dspark", "decoding.varlen=false")
+
+
+@pytest.mark.parametrize("decoding", [(), DSPARK], ids=["plain", "dspark"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_logits_and_tokens_do_not_depend_on_the_batch(one_thread, device):
-    alone, batched = _alone_and_batched(batch_invariant=True, device=device)
+def test_logits_and_tokens_do_not_depend_on_the_batch(one_thread, device, decoding):
+    alone, batched = _alone_and_batched(batch_invariant=True, device=device, decoding=decoding)
     for i, run in batched:
         assert run[0] == alone[i][0], f"prompt {i}: tokens {run[0]} batched, {alone[i][0]} alone"
-        assert len(run[1]) == MAX_TOKENS and not _differing_steps(run, alone[i]), \
+        assert not _differing_steps(run, alone[i]) and len(run[1]) == len(alone[i][1]), \
             f"prompt {i}: logits differ from the prompt alone at steps {_differing_steps(run, alone[i])}"
+        rows = sum(len(step) for step in run[1])
+        assert len(run[1]) == MAX_TOKENS if not decoding else rows > len(run[1]), "DSpark verified no drafts"
+
+
+def test_batch_invariance_with_confidence_scheduled_verification_is_refused():
+    with pytest.raises(ValueError, match="needs a fixed verify length with DSpark.*set decoding.varlen=false"):
+        LLM(MODEL, "reference", QUIET + ["engine.batch_invariant=true", *DSPARK[:1], "decoding.varlen=true"])
 
 
 @pytest.mark.slow
