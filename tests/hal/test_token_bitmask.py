@@ -36,8 +36,8 @@ def test_real_size_masks_match_an_unpacked_oracle():
     assert torch.equal(got, want)
 
 
-def test_the_device_path_matches_the_cpu_path(monkeypatch):
-    """GPUs take the shift-based path; run it here on the CPU against the numpy one."""
+def test_the_big_endian_path_matches_the_byte_table_path(monkeypatch):
+    """Big-endian hosts shift bits out of whole words instead of reading bytes."""
     gen = torch.Generator().manual_seed(3)
     logits, bitmask = torch.randn(7, 1000, generator=gen), random_bitmask(7, 1000, 0.3, gen)
     want = apply_token_bitmask(logits.clone(), bitmask)

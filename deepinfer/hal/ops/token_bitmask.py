@@ -1,17 +1,17 @@
 """Grammar masks: a packed bitmask of allowed tokens applied to logits before sampling."""
 from __future__ import annotations
 
+import functools
 import sys
 
-import numpy as np
 import torch
 
 from deepinfer.hal.spec import OpCase, OpSpec, Tolerance, register
 
 NEG_INF_BITS = -8388608
 """0xFF800000 as int32: the bit pattern of float32 -inf."""
-COLUMN_BLOCK = 8192
-"""Tokens unpacked per pass on the CPU (the working set stays in cache)."""
+SPARSE_SHARE = 8
+"""A row whose words needing work are at most 1/SPARSE_SHARE of all is handled token by token."""
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -25,40 +25,88 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     ``logits`` float32 ``[N, V]``; ``bitmask`` int32 ``[M, ceil(V / 32)]`` where bit ``t % 32``
     (least significant first) of word ``t // 32`` set means token ``t`` is allowed (xgrammar's
     layout); ``rows`` int64 ``[M]``, distinct, names the logits row of each mask (default: mask
-    ``i`` is row ``i``, ``M == N``). The op adds ``0.0`` or ``-inf``, so allowed logits keep
-    their value (a ``-0.0`` may become ``+0.0``)."""
+    ``i`` is row ``i``, ``M == N``). Allowed logits keep their value, except that a dense row
+    (below) may turn ``-0.0`` into ``+0.0``.
+
+    Grammar masks are mostly extreme, so the work follows the mask: a row with few disallowed
+    tokens (at most 1/8 of its words not all-ones) writes ``-inf`` at those tokens only; a row
+    with few allowed tokens keeps those values and fills the rest; any other row adds ``0.0`` or
+    ``-inf`` to every logit."""
     _check(logits, bitmask, rows)
     if not bitmask.shape[0]:
         return logits
-    if rows is not None and 2 * rows.numel() >= logits.shape[0]:  # mostly masked: every row, no gather
-        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
-        full[rows.to(bitmask.device)] = bitmask
-        bitmask, rows = full, None
-    target = logits if rows is None else logits[rows]
-    if logits.device.type == "cpu" and sys.byteorder == "little":
-        _mask_cpu(target, bitmask)
-    else:
-        _mask_shifts(target, bitmask)
-    if rows is not None:
-        logits[rows] = target
+    device = logits.device
+    bitmask = bitmask.to(device)
+    rows = torch.arange(bitmask.shape[0], device=device) if rows is None else rows.to(device)
+    has_banned, has_allowed = bitmask != -1, bitmask != 0
+    words = bitmask.shape[1]
+    few_banned = has_banned.sum(1) * SPARSE_SHARE <= words
+    few_allowed = ~few_banned & (has_allowed.sum(1) * SPARSE_SHARE <= words)
+    dense = ~(few_banned | few_allowed)
+    if bool(few_banned.any()):
+        mask_rows, tokens = _tokens_with_bit(bitmask, has_banned & few_banned[:, None], 0, logits.shape[1])
+        logits[rows[mask_rows], tokens] = float("-inf")
+    if bool(few_allowed.any()):
+        mask_rows, tokens = _tokens_with_bit(bitmask, has_allowed & few_allowed[:, None], 1, logits.shape[1])
+        kept = logits[rows[mask_rows], tokens]
+        for row in rows[few_allowed].tolist():  # row by row: contiguous fills beat index_fill_
+            logits[row].fill_(float("-inf"))
+        logits[rows[mask_rows], tokens] = kept
+    if bool(dense.any()):
+        _mask_dense(logits, bitmask[dense], rows[dense])
     return logits
 
 
+def _tokens_with_bit(bitmask: torch.Tensor, words: torch.Tensor, bit: int, vocab: int):
+    """``(mask row, token)`` of every token below ``vocab`` whose bit is ``bit``, looking only at
+    the words selected by the bool ``words [M, W]``."""
+    mask_rows, word = torch.nonzero(words, as_tuple=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[mask_rows, word][:, None] >> shifts) & 1
+    tokens = word[:, None] * 32 + shifts
+    pick = (bits == bit) & (tokens < vocab)
+    return mask_rows[:, None].expand_as(tokens)[pick], tokens[pick]
+
+
+def _mask_dense(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Every logit of ``rows`` gets 0.0 or -inf added. When they are most of the rows, all rows
+    take part (the others all-allowed) and no row is gathered."""
+    if 2 * rows.numel() >= logits.shape[0]:
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
+        full[rows] = bitmask
+        _add_mask(logits, full)
+    else:
+        target = logits[rows]
+        _add_mask(target, bitmask)
+        logits[rows] = target
+
+
+def _add_mask(target: torch.Tensor, bitmask: torch.Tensor) -> None:
+    if sys.byteorder == "little":
+        _mask_bytes(target, bitmask)
+    else:
+        _mask_shifts(target, bitmask)
+
+
 def _mask_shifts(target: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Any device: shift each word's 32 bits out, turn 1/0 into 0.0/-inf bit patterns, add."""
+    """Big-endian hosts: shift each word's 32 bits out, turn 1/0 into 0.0/-inf bit patterns, add."""
     shifts = torch.arange(32, dtype=torch.int32, device=target.device)
     bits = (bitmask.to(target.device)[..., None] >> shifts) & 1
     target.add_(((bits - 1) & NEG_INF_BITS).view(torch.float32).flatten(1)[:, :target.shape[1]])
 
 
-def _mask_cpu(target: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Column blocks: unpack the bits (numpy), turn 1/0 into 0.0/-inf bit patterns, add."""
-    packed, vocab = bitmask.contiguous().numpy().view(np.uint8), target.shape[1]
-    for start in range(0, vocab, COLUMN_BLOCK):
-        end = min(start + COLUMN_BLOCK, vocab)
-        bits = np.unpackbits(packed[:, start // 8:(end + 7) // 8], axis=1, bitorder="little")[:, :end - start]
-        additive = torch.from_numpy(bits).to(torch.int32).sub_(1).bitwise_and_(NEG_INF_BITS).view(torch.float32)
-        target[:, start:end].add_(additive)
+def _mask_bytes(target: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Little-endian words read as bytes; each byte looks up its 8 additive values (0.0 or -inf,
+    least significant bit first) in a 256 x 8 table; one add."""
+    table = _byte_table(target.device)
+    additive = torch.nn.functional.embedding(bitmask.to(target.device).view(torch.uint8).long(), table)
+    target.add_(additive.flatten(1)[:, :target.shape[1]])
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_table(device: torch.device) -> torch.Tensor:
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf")).to(device)
 
 
 def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
@@ -81,9 +129,11 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | Non
         raise ValueError(f"rows must be distinct logits rows in [0, {logits.shape[0]}); got {rows.tolist()}")
 
 
-def random_bitmask(rows: int, vocab: int, allowed: float, gen: torch.Generator) -> torch.Tensor:
-    """An int32 bitmask with each token allowed with probability ``allowed``."""
-    keep = torch.rand(rows, bitmask_words(vocab) * 32, generator=gen) < allowed
+def random_bitmask(rows: int, vocab: int, allowed: float | tuple[float, ...], gen: torch.Generator) -> torch.Tensor:
+    """An int32 bitmask with each token allowed with probability ``allowed`` (or, per row,
+    ``allowed[row % len(allowed)]``)."""
+    share = torch.tensor([allowed] if isinstance(allowed, float) else list(allowed))
+    keep = torch.rand(rows, bitmask_words(vocab) * 32, generator=gen) < share[torch.arange(rows) % len(share), None]
     words = (keep.view(rows, -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
@@ -108,8 +158,11 @@ register(OpSpec(
         OpCase("tiny_rows", _case(9, 77, [7, 0, 3], 0.3)),
         OpCase("tiny_most_rows", _case(6, 200, [5, 0, 2, 3], 0.4)),
         OpCase("tiny_sparse", _case(4, 2048, None, 0.01)),
+        OpCase("tiny_extremes", _case(8, 3000, None, (0.0005, 0.9995, 0.5, 1.0, 0.0))),
+        OpCase("tiny_extremes_rows", _case(9, 3000, [8, 1, 4, 0, 6], (0.9999, 0.001, 0.3))),
         OpCase("v41_batch16", _case(16, 129280, None, 0.5), size="real"),
         OpCase("v41_drafts", _case(48, 129280, list(range(0, 48, 2)), 0.9), size="real"),
+        OpCase("v41_grammar_like", _case(64, 129280, None, (0.00005, 0.9999, 0.0002, 0.99995)), size="real"),
     ),
     tolerances={torch.float32: Tolerance(0.0, 0.0)},
 ))
