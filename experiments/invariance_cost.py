@@ -5,9 +5,10 @@ steps are timed; the two modes alternate, repeat after repeat, so both see the s
 load, and each mode's best repeat is kept; slowdown is the extra time per token (off / on - 1).
 Extra arguments are Hydra overrides of the engine config (e.g. ``backend.device=cuda``).
 
-    python experiments/invariance_cost.py [--batch-sizes 1 8 32] [--steps 16] [--repeats 3] [overrides...]
+    python experiments/invariance_cost.py [--batch-sizes 1 8 32] [--steps 16] [--repeats 3] [--tag T] [overrides...]
 
-Prints a table and writes ``experiments/results/invariance_cost_<device>.csv``.
+With ``decoding=dspark decoding.varlen=false`` a step emits several tokens; the rate counts
+tokens. Prints a table and writes ``experiments/results/invariance_cost_<device>[_<tag>].csv``.
 """
 from __future__ import annotations
 
@@ -39,11 +40,11 @@ def decode_tokens_per_second(llm: LLM, batch: int, steps: int, seed: int) -> flo
         llm.step()
     _synchronize(llm)
     started = time.perf_counter()
-    for _ in range(steps):
+    while not all(r.finished for r in requests):  # ``steps`` steps, or fewer with DSpark drafts
         llm.step()
     _synchronize(llm)
     elapsed = time.perf_counter() - started
-    if not all(r.finished and len(r.output_token_ids) == steps + 1 for r in requests):
+    if not all(len(r.output_token_ids) == steps + 1 for r in requests):
         raise RuntimeError("the decode steps did not run every request to its last token")
     return batch * steps / elapsed
 
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--model", default="tiny_random")
+    parser.add_argument("--tag", default="", help="suffix of the CSV name, e.g. dspark")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. backend.device=cuda")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
         rows.append(dict(batch=batch, decode_tok_s_off=round(off, 2), decode_tok_s_on=round(on, 2),
                          slowdown_pct=round(slowdown, 1)))
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"invariance_cost_{device.type}.csv"
+    path = RESULTS / f"invariance_cost_{device.type}{'_' + args.tag if args.tag else ''}.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*stamp, *rows[0]])
         writer.writeheader()

@@ -6,9 +6,9 @@ M>=4), and some vectorized functions (softplus, sigmoid, silu, exp2) compute a t
 a scalar path that rounds differently, so a row's result also depends on where it lands; on an
 H200 the GEMMs, the attention and the indexer change with the batch as well. All of it vanishes
 when every kernel sees the same shapes: the ops here run their reference on tiles of exactly
-:data:`ROW_TILE` rows (the last tile padded by repeating its last row), each copied into a fresh
-contiguous buffer, so the kernel, its blocking, its tail and its memory alignment are the same
-whatever else is in the batch. Key columns whose count depends on the batch (the indexer's
+:func:`row_tile` rows (32 on a CPU, 256 on an accelerator; the last tile padded by repeating
+its last row), each copied into a fresh contiguous buffer, so the kernel, its blocking, its tail
+and its memory alignment are the same whatever else is in the batch. Key columns whose count depends on the batch (the indexer's
 compressed keys) are tiled the same way by :data:`KEY_TILE`. Attention runs token by token in
 the same tile shape for prefill and decode, so a token's output does not depend on the path.
 
@@ -28,7 +28,11 @@ from deepinfer.hal.ops.grouped_gemm import expert_weight, grouped_gemm_segments,
 from deepinfer.hal.spec import SPECS
 
 ROW_TILE = 32
-"""Rows per kernel call. A multiple of 32, so a tile of any row width never leaves a vector tail."""
+"""Rows per kernel call on a CPU. A multiple of 32, so a tile of any row width never leaves a
+vector tail."""
+ACCELERATOR_ROW_TILE = 256
+"""Rows per kernel call on an accelerator, where a call costs a launch and padded rows are
+nearly free: a decode batch with DSpark drafts (up to 256 rows) is one tile."""
 KEY_TILE = 128
 """Indexer key columns per kernel call."""
 
@@ -66,8 +70,13 @@ INVARIANT_AS_IS = {
 Rows = torch.Tensor | Quantized
 
 
+def row_tile(device: torch.device) -> int:
+    """The fixed tile height on ``device`` (never a function of the batch)."""
+    return ROW_TILE if device.type == "cpu" else ACCELERATOR_ROW_TILE
+
+
 def row_tiled(reference: Callable, rows: tuple[str, ...]) -> Callable:
-    """``reference`` run on :data:`ROW_TILE`-row tiles of its ``rows`` arguments, outputs joined.
+    """``reference`` run on :func:`row_tile`-row tiles of its ``rows`` arguments, outputs joined.
 
     Outputs (a tensor or a tuple of tensors) must be row-aligned with the inputs. Calls with no
     rows or malformed row arguments go to ``reference`` unchanged (it answers or refuses)."""
@@ -79,12 +88,12 @@ def row_tiled(reference: Callable, rows: tuple[str, ...]) -> Callable:
         count = _row_count([arguments.get(name) for name in rows])
         if not count:
             return reference(*args, **kwargs)
-        outputs = []
-        for start in range(0, count, ROW_TILE):
+        outputs, size = [], row_tile(_device(next(arguments[n] for n in rows if arguments.get(n) is not None)))
+        for start in range(0, count, size):
             tile = dict(arguments)
             for name in rows:
                 if arguments.get(name) is not None:
-                    tile[name] = _tile(arguments[name], start, ROW_TILE)
+                    tile[name] = _tile(arguments[name], start, size)
             outputs.append(reference(**tile))
         return _join(outputs, count)
 
@@ -116,8 +125,9 @@ def mla_sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     mla.check_prefill_args(q, kv, indices, sink)
     if not q.shape[0]:
         return mla.mla_sparse_prefill(q, kv, indices, sink, scale)
-    tiles = [_attention(q[start:start + ROW_TILE], *mla.gather_keys(kv, indices[start:start + ROW_TILE]), sink, scale)
-             for start in range(0, q.shape[0], ROW_TILE)]
+    size = row_tile(q.device)
+    tiles = [_attention(q[start:start + size], *mla.gather_keys(kv, indices[start:start + size]), sink, scale)
+             for start in range(0, q.shape[0], size)]
     return _join(tiles, q.shape[0])
 
 
@@ -184,6 +194,10 @@ def _tile(value: Rows, start: int, size: int) -> Rows:
 @functools.lru_cache(maxsize=1024)
 def _tile_rows(start: int, size: int, count: int, device: torch.device) -> torch.Tensor:
     return torch.arange(start, start + size, device=device).clamp_(max=count - 1)
+
+
+def _device(value: Rows) -> torch.device:
+    return (value.data if isinstance(value, Quantized) else value).device
 
 
 def _slice(value: Rows, start: int, stop: int) -> Rows:
