@@ -20,12 +20,20 @@ def bitmask_float64(logits, bitmask, rows=None):
     return out
 
 
+@pytest.fixture(params=["compiled", "eager"])
+def path(request, monkeypatch):
+    """On the CPU the op runs a torch.compile kernel; the eager path serves where that fails."""
+    if request.param == "eager":
+        monkeypatch.setattr(token_bitmask, "_COMPILE_FAILED", True)
+    return request.param
+
+
 @pytest.mark.parametrize("case", [c.name for c in SPECS["apply_token_bitmask"].cases if c.size == "tiny"])
-def test_apply_token_bitmask_matches_the_bit_layout(case):
+def test_apply_token_bitmask_matches_the_bit_layout(case, path):
     check_against_oracle("apply_token_bitmask", case, bitmask_float64)
 
 
-def test_real_size_masks_match_an_unpacked_oracle():
+def test_real_size_masks_match_an_unpacked_oracle(path):
     """16 x 129280 (V4 vocab): the same bits unpacked by shifts in int64, no numpy bit tricks."""
     gen = torch.Generator().manual_seed(1)
     logits, bitmask = torch.randn(16, 129280, generator=gen), random_bitmask(16, 129280, 0.5, gen)
@@ -37,7 +45,8 @@ def test_real_size_masks_match_an_unpacked_oracle():
 
 
 def test_the_big_endian_path_matches_the_byte_table_path(monkeypatch):
-    """Big-endian hosts shift bits out of whole words instead of reading bytes."""
+    """Big-endian hosts shift bits out of whole words instead of reading bytes (eagerly)."""
+    monkeypatch.setattr(token_bitmask, "_COMPILE_FAILED", True)
     gen = torch.Generator().manual_seed(3)
     logits, bitmask = torch.randn(7, 1000, generator=gen), random_bitmask(7, 1000, 0.3, gen)
     want = apply_token_bitmask(logits.clone(), bitmask)
@@ -45,7 +54,7 @@ def test_the_big_endian_path_matches_the_byte_table_path(monkeypatch):
     assert torch.equal(apply_token_bitmask(logits.clone(), bitmask), want)
 
 
-def test_masking_is_in_place_leaves_allowed_logits_bit_identical_and_other_rows_alone():
+def test_masking_is_in_place_leaves_allowed_logits_bit_identical_and_other_rows_alone(path):
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(6, 70, generator=gen)
     original = logits.clone()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import sys
 
 import torch
@@ -10,6 +12,10 @@ from deepinfer.hal.spec import OpCase, OpSpec, Tolerance, register
 
 NEG_INF_BITS = -8388608
 """0xFF800000 as int32: the bit pattern of float32 -inf."""
+NO_COMPILE_ENV = "DEEPINFER_NO_COMPILE"
+"""Set it to skip ``torch.compile`` (the eager path is used)."""
+logger = logging.getLogger(__name__)
+_COMPILE_FAILED = False
 SPARSE_SHARE = 8
 """A row whose words needing work are at most 1/SPARSE_SHARE of all is handled token by token."""
 
@@ -28,13 +34,22 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     ``i`` is row ``i``, ``M == N``). Allowed logits keep their value, except that a dense row
     (below) may turn ``-0.0`` into ``+0.0``.
 
-    Grammar masks are mostly extreme, so the work follows the mask: a row with few disallowed
+    On a CPU the op runs as one fused loop compiled by ``torch.compile`` (the first call compiles
+    for seconds; a failed compile is logged once and the eager path below takes over). Eagerly,
+    grammar masks being mostly extreme, the work follows the mask: a row with few disallowed
     tokens (at most 1/8 of its words not all-ones) writes ``-inf`` at those tokens only; a row
     with few allowed tokens keeps those values and fills the rest; any other row adds ``0.0`` or
     ``-inf`` to every logit."""
     _check(logits, bitmask, rows)
     if not bitmask.shape[0]:
         return logits
+    if logits.device.type == "cpu" and not _COMPILE_FAILED and _compiled_kernel() is not None:
+        full = bitmask
+        if rows is not None:  # the other rows all-allowed
+            full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+            full[rows] = bitmask
+        if _run_compiled(logits, full):
+            return logits
     device = logits.device
     bitmask = bitmask.to(device)
     rows = torch.arange(bitmask.shape[0], device=device) if rows is None else rows.to(device)
@@ -55,6 +70,34 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     if bool(dense.any()):
         _mask_dense(logits, bitmask[dense], rows[dense])
     return logits
+
+
+def _masked_fill(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """What the compiled kernel computes: unpack every bit, fill the disallowed logits."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[1]].bool()
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_kernel():
+    """``torch.compile`` of :func:`_masked_fill` (dynamic shapes), or None when it cannot exist."""
+    if not hasattr(torch, "compile") or os.environ.get(NO_COMPILE_ENV):
+        return None
+    return torch.compile(_masked_fill, dynamic=True)
+
+
+def _run_compiled(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    """Run the compiled kernel; False (and the eager path from now on) if compiling fails."""
+    global _COMPILE_FAILED
+    try:
+        _compiled_kernel()(logits, bitmask)
+        return True
+    except Exception as err:  # no C++ compiler, an inductor bug: the eager path is exact too
+        _COMPILE_FAILED = True
+        logger.warning("apply_token_bitmask: torch.compile failed (%s: %s); using the eager path",
+                       type(err).__name__, err)
+        return False
 
 
 def _tokens_with_bit(bitmask: torch.Tensor, words: torch.Tensor, bit: int, vocab: int):
