@@ -103,10 +103,6 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-class GrammarError(RuntimeError):
-    """A grammar that cannot be used: it failed to compile, or did not compile in time."""
-
-
 @dataclass
 class RequestGrammar:
     """One request's grammar: the compile future until it is ready, then its matcher."""

@@ -245,9 +245,10 @@ class LLM:
                 request.output_token_ids.append(token)
                 if logprobs is not None:
                     request.output_logprobs.append(logprobs)
-                reason = self._grammar_reason(request, token) or self._stop_reason(request, token)
+                grammar_end = self._grammar_reason(request, token)
+                reason = grammar_end or self._stop_reason(request, token)
                 if reason:
-                    if reason == "length" or request.grammar is not None:
+                    if reason == "length" or grammar_end:
                         request.text += request.detokenizer.finish()
                     self.scheduler.finish(request, reason)
                     finished.append(request)
