@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import platform
 import random
 import sys
@@ -32,12 +33,20 @@ def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(count)]
 
 
-def run(overrides: list[str], batch: int, max_tokens: int, temperature: float, draft: bool):
+def heldout_prompts(llm: LLM, count: int) -> list[str]:
+    """The held-out prompts shipped with the checkpoint (``heldout_sample.json``), cycled."""
+    from deepinfer.models.registry import resolve_checkpoint
+
+    sample = json.loads((Path(resolve_checkpoint(llm.config.model.checkpoint)) / "heldout_sample.json").read_text())
+    return [sample["prompts"][i % len(sample["prompts"])] for i in range(count)]
+
+
+def run(overrides: list[str], batch: int, max_tokens: int, temperature: float, draft: bool, heldout: bool):
     extra = ["decoding=dspark"] if draft else ["decoding=greedy"]
     app = compose(overrides + extra + [f"engine.max_num_seqs={max(batch, 1)}", "engine.use_tqdm=false"])
     llm = LLM.from_config(app)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=1)
-    batch_prompts = prompts(batch, llm.model.cfg.vocab_size)
+    batch_prompts = heldout_prompts(llm, batch) if heldout else prompts(batch, llm.model.cfg.vocab_size)
     llm.generate(batch_prompts[:1], SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
     started = time.perf_counter()
     outputs = llm.generate(batch_prompts, params)
@@ -60,11 +69,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--heldout", action="store_true",
+                        help="prompts from the checkpoint's heldout_sample.json instead of random token ids")
     args, overrides = parser.parse_known_args()
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        plain, plain_s, _ = run(overrides, batch, args.max_tokens, args.temperature, draft=False)
-        drafted, draft_s, k = run(overrides, batch, args.max_tokens, args.temperature, draft=True)
+        plain, plain_s, _ = run(overrides, batch, args.max_tokens, args.temperature, False, args.heldout)
+        drafted, draft_s, k = run(overrides, batch, args.max_tokens, args.temperature, True, args.heldout)
         tokens = sum(len(o.token_ids) for o in drafted)
         forwards = sum(len(o.token_ids) - o.num_accepted for o in drafted)
         steps = sum(o.metrics["verify_steps"] for o in drafted)
