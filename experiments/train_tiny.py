@@ -1,6 +1,8 @@
 """Train the embedded default model (`model=tiny`) and its DSpark drafter on the Python standard library.
 
-    python experiments/train_tiny.py [--minutes 55] [--out models/tiny] [--smoke]
+    python experiments/train_tiny.py [--minutes 55] [--threads 1] [--out models/tiny] [--smoke] [hydra overrides]
+
+Hydra overrides change the architecture as on the CLI (``model.config.hidden_size=192``).
 
 1. Corpus: the standard library's .py sources (``sysconfig.get_paths()["stdlib"]``, without
    site-packages and test suites); every 25th file (sorted by path) is held out.
@@ -10,8 +12,13 @@
    ``TrainingForward`` for ``--model-share`` of the time budget (AdamW, warm-up then cosine by
    elapsed time; the last ``--qat-share`` of it rounds weights and KV as the checkpoint and the
    caches store them). The gates' noaux_tc biases follow the expert loads.
-4. Drafter: the target frozen, the DSpark block trained for the rest of the budget to match the
-   target's next-token distributions at the block's positions, teacher-forced.
+4. Drafter, for the rest of the budget: the target (saved) writes ``--greedy-sequences`` sequences
+   itself through the engine (<|bos|> and a random training line, continued greedily to SEQ_LEN
+   tokens); with the target frozen the DSpark block is distilled on them, teacher-forced, toward
+   the target's distributions (at ``--distill-temperature``), from anchors in the generated part.
+   At temperature 0 a draft is accepted iff it is the target's argmax after the target's own
+   tokens, which is what these sequences hold. ``--target-from DIR`` keeps DIR's target and
+   tokenizer and trains only the drafter.
 5. Save (official layout + tokenizer.json), reload, and record in config.json the held-out loss
    computed by the inference forward (the sample itself goes to heldout_sample.json); measure
    DSpark acceptance through the engine at temperature 0 on held-out prompts. Curves and
@@ -26,7 +33,10 @@ import argparse
 import csv
 import json
 import math
+import os
+import platform
 import random
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -43,11 +53,12 @@ SEQ_LEN = 128
 """Training length; the preset's index_topk covers every compressed key at this length."""
 
 
-def architecture() -> dict:
-    """The trained architecture: the ``config`` block of ``configs/model/tiny.yaml``."""
-    from deepinfer.models.registry import model_preset
+def architecture(overrides: list[str] = ()) -> dict:
+    """The trained architecture: the ``config`` block of ``configs/model/tiny.yaml``, composed
+    with Hydra ``overrides`` as the CLI would (e.g. ``model.config.hidden_size=192``)."""
+    from deepinfer.config.compose import compose
 
-    return model_preset("tiny")["config"]
+    return dict(compose(["model=tiny", *overrides]).model.config)
 
 
 def corpus_files() -> tuple[list[Path], list[Path]]:
@@ -173,38 +184,61 @@ def heldout_loss(trainer, windows: torch.Tensor) -> float:
                                                  windows[:, 1:].reshape(-1)).item()
 
 
-def train_drafter(trainer, stream, args, log: Log, seconds: float) -> None:
+def greedy_corpus(out_dir: Path, tokenizer, files: list[Path], count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` sequences of SEQ_LEN tokens that the saved target writes itself: <|bos|> and a
+    random source line of ``files`` (at most 24 tokens), continued greedily through the engine
+    to SEQ_LEN tokens. Returns (ids ``[count, SEQ_LEN]``, prompt lengths ``[count]``)."""
+    from deepinfer import LLM, SamplingParams
+
+    rng = random.Random(seed)
+    lines = [ln.rstrip() for f in files for ln in read(f).splitlines() if ln.strip()]
+    prompts = [[0, *tokenizer.encode(rng.choice(lines)).ids][:24] for _ in range(count)]
+    llm = LLM("tiny", "reference", [f"model.checkpoint={out_dir}", "engine.use_tqdm=false",
+                                    f"engine.max_num_seqs={min(count, 64)}"])
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=SEQ_LEN - len(p), ignore_eos=True)
+                                     for p in prompts])
+    ids = torch.tensor([p + o.token_ids for p, o in zip(prompts, outputs)])
+    return ids, torch.tensor([len(p) for p in prompts])
+
+
+def train_drafter(trainer, corpus: tuple[torch.Tensor, torch.Tensor], args, log: Log, seconds: float) -> None:
+    """Distil the frozen target into the DSpark block on the target's own greedy sequences, the
+    inputs at temperature 0: a draft there is accepted iff it is the target's argmax given the
+    target's earlier tokens. Anchors lie in the generated part, where the engine drafts."""
     from torch.func import functional_call
 
     from deepinfer.models.deepseek_v41.training import draft_objective
 
     model, cfg = trainer.model, trainer.model.cfg
     block = cfg.dspark_block_size
+    ids, prompt_lens = corpus
+    trainer.round_kv = True
+    with torch.no_grad():
+        passes = [trainer(chunk.to(args.device)) for chunk in ids.split(16)]
+    features = torch.cat([p.features for p in passes])
+    target_logits = torch.cat([p.logits.to(torch.bfloat16) for p in passes])
+    del passes
     params = [p for n, p in model.mtp.named_parameters() if not n.endswith("gate.bias")]
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    optimizer = torch.optim.AdamW(params, lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed + 1)
     started, step = time.time(), 0
-    trainer.round_kv = True
-    for batch in batches(stream, args.batch, args.seed + 1, args.device):
-        fraction = progress(started, seconds, step, args.draft_steps)
-        if fraction >= 1:
-            break
+    while (fraction := progress(started, seconds, step, args.draft_steps)) < 1:
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(args.lr, fraction, step, args.warmup)
-        ids = batch[:, :-1]
-        with torch.no_grad():
-            target = trainer(ids)
-        anchors = torch.stack([torch.randperm(SEQ_LEN - block, generator=gen)[:args.anchors] + 1
-                               for _ in range(ids.shape[0])]).to(ids.device)
-        rows = anchors[..., None] + torch.arange(block, device=ids.device)
-        draft = (target.features, anchors, block, cfg.dspark_noise_token_id)
-        logits, hidden = functional_call(trainer, rounded_weights(model), (ids, draft))
-        vocab = target.logits.shape[-1]
-        target_logits = target.logits.gather(1, rows.reshape(ids.shape[0], -1, 1).expand(-1, -1, vocab))
-        previous = ids.gather(1, rows.reshape(ids.shape[0], -1)).view_as(rows)
-        objective = draft_objective(model, logits, hidden, previous, target_logits.view(*rows.shape, -1))
+            group["lr"] = learning_rate(args.draft_lr, fraction, step, args.warmup)
+        rows_of = torch.randint(0, len(ids), (args.batch,), generator=gen)
+        low = prompt_lens[rows_of, None]
+        anchors = (low + torch.rand(args.batch, args.anchors, generator=gen) * (SEQ_LEN - block + 1 - low)).long()
+        batch, anchors = ids[rows_of].to(args.device), anchors.to(args.device)
+        rows = anchors[..., None] + torch.arange(block, device=batch.device)
+        draft = (features[rows_of], anchors, block, cfg.dspark_noise_token_id)
+        logits, hidden = functional_call(trainer, rounded_weights(model), (batch, draft))
+        flat = rows.reshape(args.batch, -1)
+        targets = target_logits[rows_of].gather(1, flat[..., None].expand(-1, -1, target_logits.shape[-1]))
+        previous = batch.gather(1, flat).view_as(rows)
+        objective = draft_objective(model, logits, hidden, previous, targets.float().view(*rows.shape, -1),
+                                    args.distill_temperature)
         optimizer.zero_grad(set_to_none=True)
         objective.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -231,11 +265,13 @@ def measure_dspark(out_dir: Path, prompts: list[str], max_tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     plain = LLM("tiny", "reference", base).generate(prompts, params)
     drafted = LLM("tiny", "reference", base + ["decoding=dspark"]).generate(prompts, params)
-    steps = sum(o.metrics["verify_steps"] for o in drafted)
-    accepted = sum(o.num_accepted for o in drafted)
-    return {"prompts": len(prompts), "max_tokens": max_tokens, "verify_steps": steps,
-            "mean_accepted_length": accepted / max(steps, 1),
-            "tokens_per_verification": sum(len(o.token_ids) for o in drafted) / max(steps, 1),
+    log = [entry for o in drafted for entry in o.verify_log]
+    accepted = sum(a for _, a in log) / max(len(log), 1)
+    by_position = [sum(a >= i for v, a in log if v >= i) / max(sum(v >= i for v, _ in log), 1)
+                   for i in range(1, max((v for v, _ in log), default=0) + 1)]
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "verify_steps": len(log),
+            "mean_accepted_length": accepted, "tokens_per_verification": accepted + 1,
+            "share_accepting_at_least_i": ";".join(f"{r:.3f}" for r in by_position),
             "lossless": all(a.token_ids == b.token_ids for a, b in zip(plain, drafted)),
             "sample_text": drafted[0].text}
 
@@ -272,7 +308,7 @@ def plot(rows: list[dict], path: Path) -> None:
     right.plot(minutes, [r["greedy_accepted_length"] / 5 for r in draft], label="greedy accepted length / 5")
     right.plot(minutes, [r["distill"] / 5 for r in draft], label="distillation loss / 5")
     right.set_xlabel("minutes")
-    right.set_title("DSpark drafter (teacher-forced)")
+    right.set_title("DSpark drafter (teacher-forced on the target's greedy sequences)")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -281,11 +317,19 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=55.0, help="wall-clock budget of both trainings")
-    parser.add_argument("--model-share", type=float, default=0.75)
+    parser.add_argument("--model-share", type=float, default=0.65,
+                        help="share of the budget for the target; the rest writes the greedy corpus and trains the drafter")
     parser.add_argument("--qat-share", type=float, default=0.2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--anchors", type=int, default=24, help="draft blocks per sequence per step")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--draft-lr", type=float, default=3e-3)
+    parser.add_argument("--distill-temperature", type=float, default=0.25,
+                        help="temperature of the target distribution the drafter is distilled toward")
+    parser.add_argument("--greedy-sequences", type=int, default=384,
+                        help="target-written sequences the drafter is distilled on")
+    parser.add_argument("--target-from", default=None,
+                        help="checkpoint folder whose target (and tokenizer) to keep: train only the drafter")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--bias-rate", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=5)
@@ -299,9 +343,10 @@ def main() -> None:
     parser.add_argument("--out", default="models/tiny")
     parser.add_argument("--tag", default="train_tiny")
     parser.add_argument("--smoke", action="store_true", help="2 minutes into outputs/train_tiny_smoke")
-    args = parser.parse_args()
+    args, args.overrides = parser.parse_known_args()
     if args.smoke:
         args.minutes, args.out, args.tag, args.eval_every = 2.0, "outputs/train_tiny_smoke", "train_tiny_smoke", 2
+        args.greedy_sequences = 8
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -315,25 +360,36 @@ def run(args) -> None:
     from deepinfer.models.deepseek_v41.training import TrainingForward, init_training_weights
     from deepinfer.models.deepseek_v41.weights import load_pretrained, save_pretrained
 
+    from tokenizers import Tokenizer
+
     log = Log()
     train_files, held_files = corpus_files()
-    arch = architecture()
-    tokenizer = train_tokenizer(train_files, arch["vocab_size"])
+    arch = architecture(args.overrides)
+    ops = OpTable("reference")
+    if args.target_from:
+        tokenizer = Tokenizer.from_file(str(REPO / args.target_from / "tokenizer.json"))
+    else:
+        tokenizer = train_tokenizer(train_files, arch["vocab_size"])
     stream, held_stream = token_stream(tokenizer, train_files), token_stream(tokenizer, held_files)
     heldout = heldout_windows(held_stream, args.heldout_windows)
     print(f"corpus: {len(train_files)} training files ({len(stream)} tokens), {len(held_files)} held out "
           f"({len(held_stream)} tokens); {time.time() - log.started:.0f} s", flush=True)
-    ops = OpTable("reference")
-    model = init_training_weights(DeepseekV41ForCausalLM(DeepseekV41Config(**arch), ops, max_model_len=1024),
-                                  args.seed)
-    trainer = TrainingForward(model.to(args.device), SEQ_LEN)
-    budget = args.minutes * 60 - (time.time() - log.started)
-    train_model(trainer, stream, heldout, args, log, budget * args.model_share)
-    train_drafter(trainer, stream, args, log, budget * (1 - args.model_share))
-
     out_dir = (REPO / args.out).resolve()
+    if args.target_from:
+        model = load_pretrained(REPO / args.target_from, ops, max_model_len=1024)
+        trainer = TrainingForward(model.to(args.device), SEQ_LEN)
+    else:
+        model = init_training_weights(DeepseekV41ForCausalLM(DeepseekV41Config(**arch), ops, max_model_len=1024),
+                                      args.seed)
+        trainer = TrainingForward(model.to(args.device), SEQ_LEN)
+        budget = args.minutes * 60 - (time.time() - log.started)
+        train_model(trainer, stream, heldout, args, log, budget * args.model_share)
     save_pretrained(model.cpu(), out_dir)
     tokenizer.save(str(out_dir / "tokenizer.json"))
+    corpus = greedy_corpus(out_dir, tokenizer, train_files, args.greedy_sequences, args.seed)
+    print(f"greedy corpus: {len(corpus[0])} sequences; {time.time() - log.started:.0f} s", flush=True)
+    train_drafter(trainer, corpus, args, log, args.minutes * 60 - (time.time() - log.started))
+    save_pretrained(model.cpu(), out_dir)
     reloaded = load_pretrained(out_dir, ops, max_model_len=1024)
     loss = inference_loss(reloaded, heldout)
     record = {"script": "experiments/train_tiny.py", "minutes": args.minutes, "device": args.device, "seq_len": SEQ_LEN,
@@ -344,7 +400,11 @@ def run(args) -> None:
     prompts = heldout_prompts(held_files, 8)
     write_heldout_sample(out_dir, heldout, prompts)
     dspark = measure_dspark(out_dir, prompts, max_tokens=48)
-    record_training(out_dir, {**record, "dspark_mean_accepted_length": dspark["mean_accepted_length"]})
+    record_training(out_dir, {**record, "dspark_mean_accepted_length": dspark["mean_accepted_length"],
+                              "dspark_tokens_per_verification": dspark["tokens_per_verification"],
+                              "dspark_measure": "greedy, 5 drafts, the 8 prompts of heldout_sample.json, 48 tokens each, "
+                                                "through the engine; mean_accepted_length = accepted drafts per "
+                                                "verification, tokens_per_verification = that + 1"})
     write_results(args, log.rows, loss, dspark)
 
 
@@ -365,17 +425,23 @@ def record_training(out_dir: Path, record: dict) -> None:
 def write_results(args, rows, loss: float, dspark: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{args.tag}.csv"
+    command = (f"# {time.strftime('%Y-%m-%d')}, {platform.machine()} {platform.processor() or platform.system()} "
+               f"with {os.cpu_count()} cores, torch threads {args.threads}, Python {platform.python_version()} "
+               f"standard library: python experiments/train_tiny.py {' '.join(sys.argv[1:])}\n")
     fields = sorted({k for r in rows for k in r}, key=lambda k: (k != "phase", k != "step", k))
     with path.open("w", newline="") as f:
-        f.write(f"# python experiments/train_tiny.py --minutes {args.minutes}; final held-out loss (inference "
-                f"path) {loss:.4f}\n")
+        f.write(command)
+        f.write(f"# final held-out loss (inference path) {loss:.4f}\n")
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
     summary = RESULTS / f"{args.tag}_dspark.csv"
     with summary.open("w", newline="") as f:
-        f.write("# greedy (temperature 0) generation with DSpark, 5 drafts, on held-out prompts; "
-                "mean_accepted_length = accepted drafts per verification\n")
+        f.write(command)
+        f.write("# greedy (temperature 0) generation with DSpark, 5 drafts, on held-out prompts, through the engine; "
+                "mean_accepted_length = accepted drafts per verification; tokens_per_verification = that + 1 "
+                "(the target's own token); share_accepting_at_least_i = share of verifications accepting >= i "
+                "drafts, i = 1..5\n")
         writer = csv.DictWriter(f, fieldnames=["heldout_loss", *dspark])
         writer.writeheader()
         writer.writerow({"heldout_loss": loss, **dspark})

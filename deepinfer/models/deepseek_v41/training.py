@@ -293,14 +293,16 @@ class DraftObjective:
 
 
 def draft_objective(model: DeepseekV41ForCausalLM, logits: torch.Tensor, hidden: torch.Tensor,
-                    previous: torch.Tensor, target_logits: torch.Tensor) -> DraftObjective:
+                    previous: torch.Tensor, target_logits: torch.Tensor,
+                    distill_temperature: float = 1.0) -> DraftObjective:
     """Loss of draft rows ``[B, A, k, ...]`` against the target's distributions at the same
     positions (``target_logits [B, A, k, V]``, detached), teacher-forced: ``previous [B, A, k]``
     are the true tokens before each row (the golden token for row 0), which feed the Markov
     correction and the confidence head as at inference.
 
     ``distill``: cross-entropy of the Markov-corrected draft distribution ``p`` against the
-    target distribution ``q``; ``confidence_bce``: BCE of the confidence toward the exact
+    target distribution at ``distill_temperature`` (below 1 it leans toward the argmax, which
+    is all greedy verification accepts); ``confidence_bce``: BCE of the confidence toward the exact
     acceptance probability ``sum_v min(p(v), q(v))``; ``acceptance [k]``: that probability per
     draft position; ``greedy_accepted_length``: mean accepted drafts per block under greedy
     verification (argmax p == argmax q, prefix-closed)."""
@@ -308,8 +310,10 @@ def draft_objective(model: DeepseekV41ForCausalLM, logits: torch.Tensor, hidden:
     embedded, correction = head.markov(previous.reshape(-1))
     corrected = logits.reshape(-1, logits.shape[-1]) + correction
     log_p = torch.log_softmax(corrected, dim=-1)
-    q = torch.softmax(target_logits.reshape(-1, target_logits.shape[-1]).float(), dim=-1)
-    distill = -(q * log_p).sum(dim=-1).mean()
+    flat_target = target_logits.reshape(-1, target_logits.shape[-1]).float()
+    q = torch.softmax(flat_target, dim=-1)
+    q_distill = torch.softmax(flat_target / distill_temperature, dim=-1)
+    distill = -(q_distill * log_p).sum(dim=-1).mean()
     accept = torch.minimum(log_p.detach().exp(), q).sum(dim=-1).clamp(0.0, 1.0)
     confidence = head.confidence(hidden.reshape(-1, hidden.shape[-1]), embedded, 1.0)
     bce = nn.functional.binary_cross_entropy(confidence.clamp(1e-6, 1 - 1e-6), accept)
