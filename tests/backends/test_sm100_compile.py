@@ -58,9 +58,9 @@ def test_wrappers_refuse_inputs_they_do_not_cover():
 
 
 def test_tile_schedule_covers_each_segment_once():
+    pytest.importorskip("tilelang")  # the kernel module imports it
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
 
-    pytest.importorskip("tilelang")  # the kernel module imports it
     sizes = torch.tensor([0, 3, 0, 130, 64, 0])
     expert, first, end = tile_schedule(sizes, int(sizes.sum()), block_m=64).tolist()
     tiles = [(e, f, min(f + 64, n)) for e, f, n in zip(expert, first, end) if e < len(sizes)]
