@@ -9,12 +9,11 @@ import torch
 
 from deepinfer.hal.backend import Backend, Capabilities
 
-IMPLEMENTED = ("grouped_gemm", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
+IMPLEMENTED = ("grouped_gemm", "indexer_logits", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
     "linear": "no TileLang kernel yet (dense GEMM goes through grouped_gemm with one expert later); "
               "set backend.fallback=reference",
-    "indexer_logits": _NOT_YET,
     "kv_store": "no fused norm/rope/quantize/store kernel yet; " + _NOT_YET,
 }
 

@@ -215,3 +215,33 @@ def rms_norm(x, weight, eps, residual=None):
     if flat.shape[0]:
         kernel(flat, residual_flat, weight.float().contiguous(), out, residual_out)
     return out.reshape(x.shape), residual_out.reshape(x.shape)
+
+
+def indexer_logits(q, k, weights, q_format="mxfp4"):
+    """HAL ``indexer_logits``: q cast through MXFP4 here (exact in bf16), then one tensor-core
+    GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect)."""
+    op = "indexer_logits"
+    _require(q.is_cuda and k.is_cuda, op, f"q and k must be CUDA tensors, got {q.device} and {k.device}")
+    _require(q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16, op,
+             f"q and k must be bfloat16 (tensor-core inputs), got {q.dtype} and {k.dtype}")
+    from deepinfer.hal.ops.indexer import Q_FORMATS
+    from deepinfer.hal.formats import cast_back
+
+    if q_format not in Q_FORMATS or q.ndim != 3 or k.ndim != 2 or k.shape[1] != q.shape[2] \
+            or weights.shape != q.shape[:2] or (q_format == "mxfp4" and q.shape[2] % 32):
+        from deepinfer.hal.ops.indexer import indexer_logits as reference
+
+        return reference(q, k, weights, q_format)  # raises the HAL's own message
+    tokens, heads, dim = q.shape
+    queries = cast_back(q, "mxfp4", 32).to(torch.bfloat16) if q_format == "mxfp4" else q
+    heads_pad, dim_pad = -(-heads // 64) * 64, -(-dim // 32) * 32
+    q_in = torch.zeros(tokens, heads_pad, dim_pad, dtype=torch.bfloat16, device=q.device)
+    q_in[:, :heads, :dim] = queries
+    k_in = torch.zeros(k.shape[0], dim_pad, dtype=torch.bfloat16, device=k.device)
+    k_in[:, :dim] = k
+    w_in = torch.zeros(tokens, heads_pad, dtype=torch.float32, device=q.device)
+    w_in[:, :heads] = weights.float()
+    logits = torch.empty(tokens, k.shape[0], dtype=torch.float32, device=q.device)
+    if tokens and k.shape[0]:
+        compiled("indexer_logits", "indexer_logits", heads_pad, dim_pad)(q_in, k_in, w_in, logits)
+    return logits

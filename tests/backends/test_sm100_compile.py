@@ -27,7 +27,7 @@ def test_importing_the_backend_does_not_import_tilelang():
 def test_every_op_is_implemented_or_declined_with_a_reason():
     backend = get_backend("sm100")
     implemented, declined = set(backend.implementations()), backend.unsupported_reasons()
-    assert implemented == {"grouped_gemm", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm"}
+    assert implemented == {"grouped_gemm", "indexer_logits", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm"}
     assert implemented.isdisjoint(declined)
     assert implemented | set(declined) == set(SPECS)
     assert all("reference" in reason for reason in declined.values())
@@ -79,6 +79,7 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "mla_sparse_prefill": ("mla_sparse_decode", "sparse_mla", (64, 64, 8, 0, 64 ** -0.5, "bf16"), {}, True),
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
     "rms_norm_small": ("rms_norm", "rms_norm", (96, 1e-6, "float", None), {"threads": 32}, False),
+    "indexer_logits": ("indexer_logits", "indexer_logits", (64, 128), {}, True),
 }
 
 
@@ -100,7 +101,7 @@ def test_kernel_lowers_for_hopper(name):
 
 
 @needs_tilelang
-@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode", "rms_norm"])
+@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode", "rms_norm", "indexer_logits"])
 def test_kernel_compiles_for_hopper_on_wgmma(name):
     """nvcc and ptxas accept the generated code for sm_90a, and the matrix kernels' PTX holds
     wgmma (the Hopper tensor-core path), not the older mma.sync or scalar FMA only."""

@@ -68,10 +68,10 @@ def _check_windows(logits, starts, lengths, k) -> None:
                          f"columns of logits (non-negative starts and lengths)")
 
 
-def _logits_case(tokens, heads, dim, keys, q_format="mxfp4"):
+def _logits_case(tokens, heads, dim, keys, q_format="mxfp4", dtype=torch.float32):
     def make(gen: torch.Generator, device: torch.device):
-        return {"q": torch.randn(tokens, heads, dim, generator=gen).to(device),
-                "k": torch.randn(keys, dim, generator=gen).to(device),
+        return {"q": torch.randn(tokens, heads, dim, generator=gen).to(device, dtype),
+                "k": torch.randn(keys, dim, generator=gen).to(device, dtype),
                 "weights": (heads ** -0.5 * torch.randn(tokens, heads, generator=gen)).to(device),
                 "q_format": q_format}
     return make
@@ -102,6 +102,9 @@ register(OpSpec(
         OpCase("tiny_two_blocks", _logits_case(4, 3, 64, 7)),
         OpCase("tiny_unquantized_q", _logits_case(3, 2, 16, 6, q_format=None)),
         OpCase("v41_prefill", _logits_case(16, 64, 128, 2048), "real"),
+        OpCase("tiny_bf16", _logits_case(5, 3, 64, 200, dtype=torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("v41_prefill_bf16", _logits_case(16, 64, 128, 2048, dtype=torch.bfloat16), "real",
+               dtype=torch.bfloat16),
     ),
 ))
 
