@@ -219,11 +219,15 @@ def rms_norm(x, weight, eps, residual=None):
 
 def indexer_logits(q, k, weights, q_format="mxfp4"):
     """HAL ``indexer_logits``: q cast through MXFP4 here (exact in bf16), then one tensor-core
-    GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect)."""
+    GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect).
+
+    The GEMM reads bf16: float32 keys are rounded to bf16, which is exact for the model's keys
+    (decoded from the FP4 index cache: e2m1 times a power of two), as are MXFP4-cast queries."""
     op = "indexer_logits"
     _require(q.is_cuda and k.is_cuda, op, f"q and k must be CUDA tensors, got {q.device} and {k.device}")
-    _require(q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16, op,
-             f"q and k must be bfloat16 (tensor-core inputs), got {q.dtype} and {k.dtype}")
+    floats = (torch.bfloat16, torch.float32)
+    _require(q.dtype in floats and k.dtype in floats, op, f"q and k must be bfloat16 or float32, got {q.dtype} "
+                                                          f"and {k.dtype}")
     from deepinfer.hal.ops.indexer import Q_FORMATS
     from deepinfer.hal.formats import cast_back
 
