@@ -47,18 +47,22 @@ V4_VOCAB = 129280
 
 
 class Timer:
-    """Wraps a callable and sums the seconds spent in it."""
+    """Wraps a callable and keeps the seconds of each call (the median ignores a one-off
+    torch.compile recompile for a new shape)."""
 
     def __init__(self, fn):
-        self.fn, self.seconds, self.calls = fn, 0.0, 0
+        self.fn, self.seconds = fn, []
 
     def __call__(self, *args, **kwargs):
         started = time.perf_counter()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - started
-            self.calls += 1
+            self.seconds.append(time.perf_counter() - started)
+
+    @property
+    def median_ms(self) -> float:
+        return 1e3 * statistics.median(self.seconds) if self.seconds else 0.0
 
 
 def engine_row(overrides: list[str], batch: int, max_tokens: int) -> dict:
@@ -84,9 +88,7 @@ def engine_row(overrides: list[str], batch: int, max_tokens: int) -> dict:
             llm_module.step_bitmasks, llm.ops._impls["apply_token_bitmask"] = fill.fn, apply.fn
         result[f"{name}_step_ms"] = 1e3 * statistics.median(steps)
         if structured:
-            count = max(fill.calls, 1)
-            result["mask_fill_ms"] = 1e3 * fill.seconds / count
-            result["mask_apply_ms"] = 1e3 * apply.seconds / max(apply.calls, 1)
+            result["mask_fill_ms"], result["mask_apply_ms"] = fill.median_ms, apply.median_ms
     result["mask_share_pct"] = 100 * (result["mask_fill_ms"] + result["mask_apply_ms"]) / result["structured_step_ms"]
     return result
 
