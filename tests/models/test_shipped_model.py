@@ -13,7 +13,7 @@ from deepinfer.models.registry import REPO_ROOT, model_preset, resolve_checkpoin
 CHECKPOINT = resolve_checkpoint(model_preset("tiny")["checkpoint"])
 QUIET = ["engine.use_tqdm=false"]
 GREEDY_PROMPT = "def main():"
-GREEDY_TEXT = '\n    """Create a string for the module.\n\n    The function is a string.\n\n    These are not be'
+GREEDY_TEXT = "\n                    # Addression, we can't be a newline\n                # the current line.  There is"
 """What the shipped weights write greedily after GREEDY_PROMPT (24 tokens); update with the weights."""
 LOSS_TOLERANCE = 2e-3
 """Nats. The recorded value was computed by the same float32 inference forward on the same
@@ -48,12 +48,22 @@ def test_greedy_output_is_fixed():
     assert out.text == GREEDY_TEXT
 
 
-@pytest.mark.xfail(strict=True, reason="the trial drafter in models/tiny accepts 0.76 drafts per verification; "
-                                       "the 2.0 target needs the full training run")
-def test_dspark_accepts_at_least_two_drafts_per_verification_on_heldout_prompts(sample):
-    prompts = sample["prompts"][:2]
+@pytest.fixture(scope="module")
+def dspark_log(sample):
+    """(verified, accepted) of every verification of greedy DSpark generation (5 drafts) over the
+    held-out prompts, 48 tokens each: the measurement experiments/train_tiny.py records."""
+    prompts = sample["prompts"]
     llm = LLM("tiny", "reference", QUIET + ["decoding=dspark", f"engine.max_num_seqs={len(prompts)}"])
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    steps = sum(o.metrics["verify_steps"] for o in outputs)
-    mean_accepted = sum(o.num_accepted for o in outputs) / steps
-    assert mean_accepted >= 2.0, mean_accepted
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    return [entry for o in outputs for entry in o.verify_log]
+
+
+def test_dspark_writes_at_least_two_tokens_per_verification_on_heldout_prompts(dspark_log):
+    """Tokens per verification = accepted drafts + the target's own token (EAGLE's tau)."""
+    tokens_per_verification = sum(accepted + 1 for _, accepted in dspark_log) / len(dspark_log)
+    assert tokens_per_verification >= 2.0, tokens_per_verification
+
+
+def test_dspark_accepts_at_least_two_drafts_per_verification_on_heldout_prompts(dspark_log):
+    accepted_drafts = sum(accepted for _, accepted in dspark_log) / len(dspark_log)
+    assert accepted_drafts >= 2.0, accepted_drafts
