@@ -11,6 +11,9 @@ from typing import Callable
 
 import torch
 
+from deepinfer.hal.formats import Quantized
+from deepinfer.hal.ops.rope import rope_cos_sin, rope_inv_freq
+
 WINDOW, TOPK, HIDDEN, INTERMEDIATE, TOP_EXPERTS = 128, 512, 4096, 2048, 6
 FP8_ROW, FP4_ROW = 528, 288
 
@@ -93,18 +96,41 @@ def mla_prefill(heads: int, tokens: int, kv_rows: int = 1 << 16, **kw) -> Point:
                  4.0 * tokens * heads * keys * 512, build, reps=5, gathered=gathered, **kw)
 
 
-def grouped(experts: int, rows: int, n: int, k: int, label: str, **kw) -> Point:
+BYTES_PER_VALUE = {"bf16": 2.0, "fp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
+"""GEMM operand bytes per value, UE8M0 scale bytes (one per 32) included."""
+
+
+def _gemm_operand(g, shape: tuple[int, ...], fmt: str, spread: float = 1.0):
+    """bf16 normals, or random bytes valid in ``fmt`` (e4m3 without NaN codes, packed e2m1) with
+    UE8M0 scales 2^-8 .. 2^-1, as a :class:`Quantized`."""
+    if fmt == "bf16":
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * spread
+    *lead, k = shape
+    data = torch.randint(0, 256, (*lead, k // 2 if fmt == "mxfp4" else k), dtype=torch.uint8, device="cuda",
+                         generator=g)
+    if fmt == "fp8":
+        data[(data & 0x7F) == 0x7F] -= 1  # e4m3fn NaN codes -> largest finite
+        data = data.view(torch.float8_e4m3fn)
+    scale = torch.randint(119, 127, (*lead, k // 32), dtype=torch.uint8, device="cuda", generator=g)
+    return Quantized(data, scale, fmt, 32)
+
+
+def grouped(experts: int, rows: int, n: int, k: int, label: str, x_format: str = "bf16", w_format: str = "bf16",
+            **kw) -> Point:
     def build(ops):
         g = _gen()
         sizes = torch.bincount(torch.randint(0, experts, (rows,), device="cuda", generator=g), minlength=experts)
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
+        x = _gemm_operand(g, (rows, k), x_format)
+        w = _gemm_operand(g, (experts, n, k), w_format, k ** -0.5)
         return lambda: ops.grouped_gemm(x, w, sizes)
 
     touched = min(experts, rows)
-    moved = 2.0 * (rows * k + touched * n * k + rows * n)
-    return Point("grouped_gemm", f"{label} E={experts} M={rows} N={n} K={k}", moved, 2.0 * rows * n * k, build,
-                 dense_shape=(rows, n, k), reps=5, **kw)
+    plain = x_format == w_format == "bf16"
+    moved = (rows * k * BYTES_PER_VALUE[x_format] + touched * n * k * BYTES_PER_VALUE[w_format]
+             + rows * n * (2 if plain else 4))  # quantized operands give a float32 result
+    formats = "" if plain else f" x={x_format} w={w_format}"
+    return Point("grouped_gemm", f"{label} E={experts} M={rows} N={n} K={k}{formats}", moved, 2.0 * rows * n * k,
+                 build, dense_shape=(rows, n, k), reps=5, **kw)
 
 
 def rms(rows: int, dim: int, residual: bool, **kw) -> Point:
@@ -117,6 +143,24 @@ def rms(rows: int, dim: int, residual: bool, **kw) -> Point:
 
     return Point("rms_norm", f"rows={rows} dim={dim}{' +residual' if residual else ''}",
                  rows * dim * 2.0 * (4 if residual else 2), 0.0, build, **kw)
+
+
+def swa_keys(tokens: int, fmt: str = "fp8", **kw) -> Point:
+    """Decode's SWA key store: one token per sequence, each into its own ring of ``2 * WINDOW`` rows."""
+    row_bytes = FP8_ROW if fmt == "fp8" else 1024
+
+    def build(ops):
+        g = _gen()
+        x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+        weight = torch.randn(512, device="cuda", generator=g)
+        positions = torch.randint(0, 1 << 16, (tokens,), device="cuda", generator=g)
+        cos_sin = rope_cos_sin(rope_inv_freq(10000.0), 1 << 16).cuda()
+        cache = torch.zeros(tokens * 2 * WINDOW, row_bytes, dtype=torch.uint8, device="cuda")
+        slots = torch.arange(tokens, device="cuda") * 2 * WINDOW + positions % (2 * WINDOW)
+        return lambda: ops.kv_norm_rope_store(x, weight, 1e-6, positions, cos_sin, cache, slots, fmt)
+
+    moved = tokens * (512 * 2 + 8 + 8 + 64 * 4 + row_bytes + 512 * 2) + 512 * 4.0
+    return Point("kv_norm_rope_store", f"T={tokens} {fmt} ring", moved, 0.0, build, **kw)
 
 
 def _ep(experts: int, tokens: int, ranks: int) -> tuple[int, int]:
@@ -145,9 +189,24 @@ def _points() -> dict[str, Point]:
         e, m = _ep(experts, 16384, 8)
         points[f"moe_e{experts}_t16384_ep8_w2"] = grouped(e, m, HIDDEN, INTERMEDIATE, "EP8 T=16384 w2",
                                                           quick=experts == 384)
+    quant_formats = (("fp8", "fp8"), ("fp8", "mxfp4"), ("bf16", "mxfp4"))
+    for tokens, ranks in ((256, 1), (4096, 1), (256, 8), (4096, 8)):
+        e, m = _ep(384, tokens, ranks)
+        for x_format, w_format in quant_formats:
+            points[f"moe_e384_t{tokens}_ep{ranks}_{x_format}_{w_format}"] = grouped(
+                e, m, 2 * INTERMEDIATE, HIDDEN, f"EP{ranks} T={tokens} w13", x_format, w_format,
+                quick=ranks == 8 and (tokens, x_format, w_format) in ((256, "fp8", "mxfp4"), (4096, "fp8", "fp8")))
+    e, m = _ep(384, 16384, 8)
+    for x_format, w_format in quant_formats:
+        points[f"moe_e384_t16384_ep8_w2_{x_format}_{w_format}"] = grouped(
+            e, m, HIDDEN, INTERMEDIATE, "EP8 T=16384 w2", x_format, w_format,
+            quick=(x_format, w_format) == ("fp8", "mxfp4"))
     points["rms_hidden_256"] = rms(256, HIDDEN, True)
     points["rms_hidden_16384"] = rms(16384, HIDDEN, True, with_reference=True)
     points["rms_latent_4096"] = rms(4096, 512, False)
+    for tokens in (1, 16, 64, 256):
+        points[f"swa_keys_t{tokens}"] = swa_keys(tokens, quick=tokens in (1, 256), with_reference=tokens == 256)
+    points["swa_keys_t256_bf16"] = swa_keys(256, "bf16", quick=False)
     return points
 
 

@@ -5,7 +5,8 @@ steps are timed; the two modes alternate, repeat after repeat, so both see the s
 load, and each mode's best repeat is kept; slowdown is the extra time per token (off / on - 1).
 Extra arguments are Hydra overrides of the engine config (e.g. ``backend.device=cuda``).
 
-    python experiments/invariance_cost.py [--batch-sizes 1 8 32] [--steps 16] [--repeats 3] [--tag T] [overrides...]
+    python experiments/invariance_cost.py [--batch-sizes 1 8 32] [--steps 16] [--repeats 3] [--tag T]
+        [--backend reference] [overrides...]
 
 With ``decoding=dspark decoding.varlen=false`` a step emits several tokens; the rate counts
 tokens. Prints a table and writes ``experiments/results/invariance_cost_<device>[_<tag>].csv``.
@@ -62,12 +63,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--model", default="tiny_random")
+    parser.add_argument("--backend", default="reference", help="e.g. sm100 (with backend.fallback=reference)")
     parser.add_argument("--tag", default="", help="suffix of the CSV name, e.g. dspark")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. backend.device=cuda")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = ["engine.use_tqdm=false", f"engine.max_num_seqs={max(args.batch_sizes)}", *args.overrides]
-    engines = {mode: LLM(args.model, "reference", base + [f"engine.batch_invariant={mode}"])
+    engines = {mode: LLM(args.model, args.backend, base + [f"engine.batch_invariant={mode}"])
                for mode in ("false", "true")}
     device = engines["false"].model.embed.weight.device
     best = {(b, m): 0.0 for b in args.batch_sizes for m in engines}
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{platform.processor() or platform.machine()} {args.threads} threads")
     stamp = dict(machine=machine, torch=torch.__version__, date=datetime.date.today().isoformat(),
-                 command=" ".join(["python", *sys.argv]), model=args.model)
+                 command=" ".join(["python", *sys.argv]), model=args.model,
+                 backend=args.backend)
     rows = []
     print(f"{'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'slowdown':>9}")
     for batch in args.batch_sizes:

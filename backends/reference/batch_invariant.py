@@ -39,6 +39,7 @@ KEY_TILE = 128
 ROW_TILED = {
     "linear": ("x",),
     "rms_norm": ("x", "residual"),
+    "kv_norm_rope_store": ("x", "positions", "slots"),
     "mhc_mixes": ("residual",),
     "mhc_pre": ("residual", "pre"),
     "mhc_post": ("y", "residual", "post", "comb"),
@@ -47,7 +48,9 @@ ROW_TILED = {
     "sample": ("logits", "temperature", "top_p", "top_k", "seeds", "positions"),
     "speculative_accept": ("target_logprobs", "draft_logprobs", "draft_ids", "seeds", "positions"),
 }
-"""Ops run on row tiles of their reference: op -> its row-aligned arguments (dim 0)."""
+"""Ops run on row tiles of their reference: op -> its row-aligned arguments (dim 0). A padded tile
+of ``kv_norm_rope_store`` repeats its last row with that row's slot, so it only stores the same
+bytes at the same slot again."""
 
 INVARIANT_AS_IS = {
     "apply_rope": "per element: products and sums with the token's table row",
@@ -119,10 +122,10 @@ def grouped_gemm(x: Rows, weight: Rows, group_sizes: torch.Tensor) -> torch.Tens
 
 
 def mla_sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
-                       scale: float):
+                       scale: float, main_keys: int | None = None):
     """:func:`~deepinfer.hal.ops.mla.mla_sparse_prefill`: keys gathered per tile of query rows,
-    attention on row tiles of exactly the shape decode uses."""
-    mla.check_prefill_args(q, kv, indices, sink)
+    attention on row tiles of exactly the shape decode uses (``main_keys`` changes nothing here)."""
+    mla.check_prefill_args(q, kv, indices, sink, main_keys)
     if not q.shape[0]:
         return mla.mla_sparse_prefill(q, kv, indices, sink, scale)
     size = row_tile(q.device)

@@ -1,54 +1,87 @@
 """The sm100 backend: TileLang kernels for NVIDIA Hopper (sm_90a, measured on H200) and Blackwell
-(sm_100a: the same portable kernels lower there; no Blackwell hardware has run them yet).
+(sm_100a: the same portable kernels lower there, and tcgen05/TMEM variants of grouped_gemm and
+mla_sparse_decode behind ``DEEPINFER_SM100_TCGEN05=1``; no Blackwell hardware has run any of them).
 
 Importing this package does not import tilelang (about 6 s); the first call of an op does,
 and compiles that op's kernel for the shape (kept for the process, and on disk by TileLang)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from deepinfer.hal.backend import Backend, Capabilities
 
-IMPLEMENTED = ("grouped_gemm", "indexer_logits", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
+IMPLEMENTED = ("grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mla_sparse_decode",
+               "mla_sparse_prefill", "rms_norm")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
-    "linear": "no TileLang kernel yet (dense GEMM goes through grouped_gemm with one expert later); "
-              "set backend.fallback=reference",
-    "kv_store": "no fused norm/rope/quantize/store kernel yet; " + _NOT_YET,
+    "kv_store": "the model stores SWA keys through kv_norm_rope_store; the compressed-cache store has "
+                + _NOT_YET,
 }
+INVARIANT = {
+    "grouped_gemm": "fixed 64 x 128 tiles whatever the row count; each output element is one wgmma sequence "
+                    "over the whole K, in order (no split-K)",
+    "linear": "the grouped GEMM kernel with one expert, same fixed tiles",
+    "mla_sparse_decode": "split-KV off: one CTA per query row walks its key lists block by block, in order",
+    "mla_sparse_prefill": "the decode kernel on a bf16 key buffer, split-KV off",
+    "rms_norm": "one CTA per row, a reduction tree fixed by the row width",
+    "indexer_logits": "one CTA per (token, 128-key tile): a wgmma over the head dim, the head sum in a fixed order",
+    "kv_norm_rope_store": "one CTA per token: a reduction tree and a quantization fixed by the row width",
+}
+"""Ops in the batch-invariant table (``engine.batch_invariant=true``), with the reason each row's
+arithmetic does not depend on the batch. Ops not listed go to the fallback (or are refused)."""
+_INVARIANT_ARGS = {"grouped_gemm": {"batch_invariant": True}, "linear": {"batch_invariant": True},
+                   "mla_sparse_decode": {"split_kv": False}, "mla_sparse_prefill": {"split_kv": False}}
 
 
 class Sm100Backend(Backend):
     """TileLang kernels for the hot ops; every other op is declared unsupported with a reason.
 
     Activations are bf16 (float32 inputs are refused with a clear error). grouped_gemm takes
-    bf16 operands only so far (FP8 / MXFP4 weights: not yet). mla_sparse_decode reads fp8 or
+    bf16 operands, or FP8 / MXFP4 weights (UE8M0 per 32) beside bf16 or FP8 activations, decoded
+    to bf16 in shared memory (float32 result, like the reference). mla_sparse_decode reads fp8 or
     bf16 main caches and the fp4 extra cache; it splits the key list over several CTAs when the
-    batch is too small to fill the GPU, so it is not batch invariant."""
+    batch is too small to fill the GPU. The batch-invariant table (:data:`INVARIANT`) turns the
+    split off and fixes the GEMM tiles."""
 
     name = "sm100"
     capabilities = Capabilities(
         device_types=frozenset({"cuda"}),
         dtypes=frozenset({torch.bfloat16}),
         fp8=True,
-        fp4=False,
-        batch_invariant=False,
+        fp4=True,
+        batch_invariant=True,
         notes=(
             "runs on sm_90a (Hopper, measured on H200) and lowers for sm_100a with the same portable "
-            "kernels; no Blackwell-specific (tcgen05) variants yet",
-            "fp8: the fp8 KV cache format is read natively; FP8 grouped GEMM is not implemented yet",
-            "fp4: only the fp4 compressed KV cache is read (decoded to bf16); MXFP4 weights are not",
-            "mla_sparse_decode splits the key list across CTAs for small batches (not batch invariant)",
+            "kernels, which are the default on every arch",
+            "tcgen05 variants for grouped_gemm (bf16) and mla_sparse_decode: compiled for sm_100a, not run on "
+            "hardware; enable with DEEPINFER_SM100_TCGEN05=1 on Blackwell (set on Hopper, those ops raise)",
+            "fp8: the fp8 KV cache and FP8 grouped-GEMM operands (e4m3, UE8M0 per 32) are read as stored and "
+            "decoded to bf16 in the kernel (bf16 wgmma, float32 accumulation); no FP8 tensor-core GEMM yet",
+            "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
+            "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128, at most 8192",
+            "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "
+            "measured bitwise end to end on an H200 with the reference fallback for the other ops",
         ),
     )
 
-    def implementations(self):
+    def implementations(self, batch_invariant: bool = False):
         from deepinfer_backends.sm100 import wrappers
 
-        return {op: getattr(wrappers, op) for op in IMPLEMENTED}
+        if not batch_invariant:
+            return {op: getattr(wrappers, op) for op in IMPLEMENTED}
+        return {op: _bound(getattr(wrappers, op), _INVARIANT_ARGS.get(op, {})) for op in INVARIANT if op in IMPLEMENTED}
 
     def unsupported_reasons(self) -> dict[str, str]:
         import deepinfer.hal.ops  # noqa: F401  (declares every OpSpec)
         from deepinfer.hal.spec import SPECS
 
         return {op: UNSUPPORTED.get(op, _NOT_YET) for op in SPECS if op not in IMPLEMENTED}
+
+
+def _bound(impl, kwargs: dict):
+    """``impl`` with ``kwargs`` fixed (name and docstring kept)."""
+    if not kwargs:
+        return impl
+    return functools.update_wrapper(functools.partial(impl, **kwargs), impl)

@@ -10,6 +10,10 @@ import tempfile
 
 HOPPER = "sm_90a"
 BLACKWELL = "sm_100a"
+TCGEN05_SWITCH = "DEEPINFER_SM100_TCGEN05"
+TCGEN05_VARIANTS = {"grouped_gemm": "grouped_gemm_tcgen05", "mla_sparse_decode": "mla_sparse_decode_tcgen05"}
+"""Ops with a Blackwell tcgen05/TMEM kernel (op -> kernels module). Compiled for sm_100a but never
+run on hardware, so they serve only when ``DEEPINFER_SM100_TCGEN05=1`` (see :func:`kernel_module`)."""
 
 
 def device_arch(device_index: int = 0) -> str:
@@ -24,6 +28,30 @@ def device_arch(device_index: int = 0) -> str:
         raise RuntimeError(f"the sm100 backend needs compute capability 9.0 or newer (Hopper, Blackwell); "
                            f"device {device_index} has {major}.{minor}. Use backend=reference on this GPU")
     return f"sm_{major}{minor}a"
+
+
+def kernel_module(op: str, portable: str) -> str:
+    """The kernels module that runs ``op``: ``portable`` (the default on every arch), or the op's
+    tcgen05/TMEM variant (:data:`TCGEN05_VARIANTS`) when ``DEEPINFER_SM100_TCGEN05=1``. With the
+    switch on, an op that has a variant needs a Blackwell (sm_100a) device: on any other this
+    raises instead of quietly running the portable kernel."""
+    if op not in TCGEN05_VARIANTS or not tcgen05_requested():
+        return portable
+    arch = device_arch()
+    if arch != BLACKWELL:
+        raise RuntimeError(f"{TCGEN05_SWITCH}=1 selects the tcgen05/TMEM kernel for {op}, which needs Blackwell "
+                           f"({BLACKWELL}); this device is {arch}. Unset {TCGEN05_SWITCH} (or set it to 0) to run "
+                           f"the portable kernels")
+    return TCGEN05_VARIANTS[op]
+
+
+def tcgen05_requested() -> bool:
+    """Whether ``DEEPINFER_SM100_TCGEN05`` asks for the tcgen05 kernels (``1``; ``0`` or unset: no)."""
+    value = os.environ.get(TCGEN05_SWITCH, "0")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{TCGEN05_SWITCH}={value!r}: expected 1 (tcgen05 kernels, Blackwell only) or 0 / unset "
+                         f"(the portable kernels)")
+    return value == "1"
 
 
 def target(arch: str):

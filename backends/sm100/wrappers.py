@@ -3,20 +3,22 @@ tile sizes, and keep one compiled kernel per shape key (the first call for a sha
 TileLang's disk cache makes later processes fast). ``tilelang`` is imported on first use."""
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
 import torch
 
+from deepinfer.hal.backend import UnsupportedInput
 from deepinfer.hal.formats import Quantized, token_format
 from deepinfer.hal.ops.kv_cache import cache_rows
+from deepinfer_backends.sm100 import toolchain
 
 _COMPILED: dict[tuple, Any] = {}
 HEAD_BLOCK = 64
-
-
-class UnsupportedInput(ValueError):
-    """The sm100 kernels do not cover these inputs (named in the message, with the alternative)."""
+INVARIANT_TILES = {"block_m": 64, "block_n": 128, "threads": 128}
+"""GEMM tiles of the batch-invariant mode: one shape whatever the row count (each output element
+is then the same wgmma sequence over K, in order)."""
 
 
 def compiled(module: str, factory: str, *args, **kwargs):
@@ -24,8 +26,6 @@ def compiled(module: str, factory: str, *args, **kwargs):
     key = (module, factory, args, tuple(sorted(kwargs.items())))
     if key not in _COMPILED:
         import tilelang
-
-        from deepinfer_backends.sm100 import toolchain
 
         jit = getattr(importlib.import_module(f"deepinfer_backends.sm100.kernels.{module}"), factory)
         _COMPILED[key] = tilelang.compile(jit.get_tir(*args, **kwargs), target=toolchain.target(toolchain.device_arch()),
@@ -35,8 +35,8 @@ def compiled(module: str, factory: str, *args, **kwargs):
 
 def _require(condition: bool, op: str, message: str) -> None:
     if not condition:
-        raise UnsupportedInput(f"sm100 {op}: {message}; run this op on the reference backend instead "
-                               f"(+backend.overrides.{op}=reference)")
+        raise UnsupportedInput(f"sm100 {op}: {message}; set backend.fallback=reference to run such calls on the "
+                               f"reference backend, or run the op there always (+backend.overrides.{op}=reference)")
 
 
 def _cuda_bf16(op: str, name: str, t: torch.Tensor) -> None:
@@ -46,12 +46,15 @@ def _cuda_bf16(op: str, name: str, t: torch.Tensor) -> None:
              f"{t.device if isinstance(t, torch.Tensor) else '-'}")
 
 
-def grouped_gemm(x, weight, group_sizes: torch.Tensor) -> torch.Tensor:
-    """bf16 ``y[seg e] = x[seg e] @ weight[e].T`` (HAL ``grouped_gemm``). ``group_sizes`` must sum
-    to ``M`` (not checked on the device: that would cost a host sync)."""
+def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """``y[seg e] = x[seg e] @ weight[e].T`` (HAL ``grouped_gemm``): bf16 operands (bf16 result), or
+    a Quantized weight (``"fp8"`` / ``"mxfp4"``) beside a bf16 or ``"fp8"`` x (float32 result, see
+    :func:`_grouped_gemm_quant`). ``group_sizes`` must sum to ``M`` (not checked on the device:
+    that would cost a host sync). ``batch_invariant`` fixes the tiles (:data:`INVARIANT_TILES`);
+    there is never a split over K."""
     op = "grouped_gemm"
-    _require(not isinstance(x, Quantized) and not isinstance(weight, Quantized), op,
-             "FP8 / MXFP4 operands are not implemented yet (bf16 only)")
+    if isinstance(x, Quantized) or isinstance(weight, Quantized):
+        return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant)
     _cuda_bf16(op, "x", x)
     _cuda_bf16(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -64,17 +67,137 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor) -> torch.Tensor:
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
 
     x, weight = x.contiguous(), weight.contiguous()
-    tiles = gemm_tiles(x.shape[0], *weight.shape)
+    tiles = gemm_tiles(x.shape[0], *weight.shape, batch_invariant=batch_invariant)
+    module = toolchain.kernel_module(op, "grouped_gemm")  # the tcgen05 variant only with DEEPINFER_SM100_TCGEN05=1
     y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
     if x.shape[0]:
         schedule = tile_schedule(group_sizes.to(x.device), x.shape[0], tiles["block_m"])
-        kernel = compiled("grouped_gemm", "grouped_gemm_bf16", *weight.shape, **tiles)
+        kernel = compiled(module, "grouped_gemm_bf16", *weight.shape, **tiles)
         kernel(x, weight, schedule[0], schedule[1], schedule[2], y)
     return y
 
 
-def gemm_tiles(rows: int, experts: int, n: int, k: int) -> dict[str, int]:
-    """Tile sizes: 64-row tiles when the average segment is short (decode), 128 otherwise."""
+QUANT_BLOCK_K = 128
+QUANT_MAX_K = 8192
+"""K block of the block-scaled grouped GEMM, and its largest K (each CTA keeps its rows' scale
+bytes for the whole K in shared memory)."""
+
+
+def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: bool,
+                        op: str = "grouped_gemm") -> torch.Tensor:
+    """``grouped_gemm`` with block-scaled operands: bf16 or ``"fp8"`` x, ``"fp8"`` or ``"mxfp4"``
+    weight, UE8M0 scales per 32 along K. Decoded exactly to bf16 in the kernel; float32 result,
+    like the reference."""
+    from deepinfer.hal.ops.grouped_gemm import logical_shape
+
+    _require(isinstance(weight, Quantized) and weight.fmt in ("fp8", "mxfp4") and weight.block == 32, op,
+             f"the block-scaled kernel takes a weight Quantized 'fp8' or 'mxfp4' with block 32, got "
+             f"{_operand_kind(weight)}")
+    _require(not isinstance(x, Quantized) or (x.fmt == "fp8" and x.block == 32), op,
+             f"x must be bfloat16 or Quantized 'fp8' with block 32, got {_operand_kind(x)}")
+    if not isinstance(x, Quantized):
+        _cuda_bf16(op, "x", x)
+    x_shape, w_shape = logical_shape(x, "x", ("fp8",)), logical_shape(weight, "weight", ("fp8", "mxfp4"))
+    if len(x_shape) != 2 or len(w_shape) != 3 or w_shape[2] != x_shape[1]:
+        raise ValueError(f"grouped_gemm expects x [M, K] and weight [E, N, K]; got x {tuple(x_shape)}, "
+                         f"weight {tuple(w_shape)}")
+    if group_sizes.dtype != torch.int64 or tuple(group_sizes.shape) != (w_shape[0],):
+        raise ValueError(f"group_sizes must be int64 [{w_shape[0]}], got {group_sizes.dtype} "
+                         f"{tuple(group_sizes.shape)}")
+    rows, k = x_shape
+    _require(k % QUANT_BLOCK_K == 0 and k <= QUANT_MAX_K, op,
+             f"K={k} must be a multiple of {QUANT_BLOCK_K} and at most {QUANT_MAX_K} for the block-scaled kernel")
+    x_data, x_scale = (x.data, x.scale) if isinstance(x, Quantized) else (x, None)
+    tensors = [t for t in (x_data, x_scale, weight.data, weight.scale) if t is not None]
+    _require(all(t.is_cuda for t in tensors), op,
+             f"operands must be CUDA tensors, got {[str(t.device) for t in tensors]}")
+    _require(all(t.dtype == torch.uint8 for t in (x_scale, weight.scale) if t is not None), op,
+             "scales must be uint8 (UE8M0 bytes)")
+    from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
+
+    if x_scale is None:  # bf16 x: the kernel leaves x_scale unread
+        x_scale = torch.zeros(1, k // 32, dtype=torch.uint8, device=x_data.device)
+    # 64- or 128-row tiles as for bf16; always 128 columns (shared memory) and two consumer warpgroups (decode work)
+    tiles = {**gemm_tiles(rows, w_shape[0], w_shape[1], k, batch_invariant=batch_invariant), "block_n": 128,
+             "threads": 256}
+    y = torch.empty(rows, w_shape[1], dtype=torch.float32, device=x_data.device)
+    if rows:
+        schedule = tile_schedule(group_sizes.to(x_data.device), rows, tiles["block_m"])
+        kernel = compiled("grouped_gemm_quant", "grouped_gemm_quant", *w_shape,
+                          "fp8" if isinstance(x, Quantized) else "bf16", weight.fmt, block_k=QUANT_BLOCK_K, **tiles)
+        kernel(x_data.contiguous(), x_scale.contiguous(), weight.data.contiguous(), weight.scale.contiguous(),
+               schedule[0], schedule[1], schedule[2], y)
+    return y
+
+
+def _operand_kind(operand) -> str:
+    if isinstance(operand, Quantized):
+        return f"Quantized {operand.fmt!r} with block {operand.block}"
+    if isinstance(operand, torch.Tensor):
+        return f"a {operand.dtype} tensor"
+    return type(operand).__name__
+
+
+def linear(x, weight, batch_invariant: bool = False) -> torch.Tensor:
+    """HAL ``linear``, ``y[..., N] = x[..., K] @ weight[N, K].T``: the grouped GEMM kernel with
+    one expert (its tile schedule built once per row count, with no host sync)."""
+    op = "linear"
+    if isinstance(x, Quantized) or isinstance(weight, Quantized):
+        return _linear_quant(x, weight, batch_invariant)
+    _cuda_bf16(op, "x", x)
+    _cuda_bf16(op, "weight", weight)
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    _require(x.shape[-1] % 8 == 0, op, f"K={x.shape[-1]} must be a multiple of 8 (16-byte rows for TMA)")
+    flat, weight = x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous()
+    rows, n = flat.shape[0], weight.shape[0]
+    tiles = gemm_tiles(rows, 1, n, weight.shape[1], batch_invariant=batch_invariant)
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        schedule = _single_expert_schedule(rows, tiles["block_m"], x.device)
+        kernel = compiled("grouped_gemm", "grouped_gemm_bf16", 1, *weight.shape, **tiles)
+        kernel(flat, weight.unsqueeze(0), schedule[0], schedule[1], schedule[2], y)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _linear_quant(x, weight, batch_invariant: bool) -> torch.Tensor:
+    """``linear`` with block-scaled operands: the block-scaled grouped GEMM with one expert."""
+    def rows(operand):
+        if not isinstance(operand, Quantized):
+            return operand.reshape(-1, operand.shape[-1])
+        return Quantized(operand.data.reshape(-1, operand.data.shape[-1]),
+                         operand.scale.reshape(-1, operand.scale.shape[-1]), operand.fmt, operand.block)
+
+    def one_expert(operand):
+        if not isinstance(operand, Quantized):
+            return operand.unsqueeze(0)
+        return Quantized(operand.data.unsqueeze(0), operand.scale.unsqueeze(0), operand.fmt, operand.block)
+
+    data = x.data if isinstance(x, Quantized) else x
+    w_data = weight.data if isinstance(weight, Quantized) else weight
+    if data.dim() < 1 or w_data.dim() != 2:
+        raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(data.shape)}, "
+                         f"weight {tuple(w_data.shape)}")
+    flat = rows(x)
+    count = (flat.data if isinstance(flat, Quantized) else flat).shape[0]
+    sizes = torch.full((1,), count, dtype=torch.int64, device=data.device)
+    y = _grouped_gemm_quant(flat, one_expert(weight), sizes, batch_invariant, op="linear")
+    return y.reshape(*data.shape[:-1], y.shape[-1])
+
+
+@functools.lru_cache(maxsize=512)
+def _single_expert_schedule(rows: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """:func:`tile_schedule` of one expert holding all ``rows`` (made on ``device`` directly)."""
+    first = torch.arange(0, rows, block_m, dtype=torch.int32, device=device)
+    return torch.stack((torch.zeros_like(first), first, torch.full_like(first, rows)))
+
+
+def gemm_tiles(rows: int, experts: int, n: int, k: int, batch_invariant: bool = False) -> dict[str, int]:
+    """Tile sizes: 64-row tiles when the average segment is short (decode), 128 otherwise; with
+    ``batch_invariant`` always :data:`INVARIANT_TILES`, whatever the row count."""
+    if batch_invariant:
+        return dict(INVARIANT_TILES)
     block_m = 64 if rows < 64 * experts else 128
     block_n = 256 if n >= 256 and block_m == 128 else 128
     return {"block_m": block_m, "block_n": block_n, "threads": 256 if block_m == 128 else 128}
@@ -112,10 +235,11 @@ def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float,
     splits = split_count(rows * padded // HEAD_BLOCK, -(-main_keys // 64), -(-extra_keys // 64), q.device) \
         if split_kv else 1
     config = (padded, dim, main_keys, extra_keys, float(scale), main_format)
+    module = toolchain.kernel_module(op, "mla_sparse_decode")  # decode only: prefill keeps the portable kernel
     out = torch.empty(rows, padded, dim, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(rows, padded, dtype=torch.float32, device=q.device)
     if rows:
-        kernel = compiled("mla_sparse_decode", "sparse_mla", *config, splits=splits)
+        kernel = compiled(module, "sparse_mla", *config, splits=splits)
         if splits == 1:
             kernel(q_pad, main, main_idx.contiguous(), extra, extra_idx.contiguous(), sink_pad, out, lse)
         else:
@@ -170,9 +294,10 @@ def mla_sparse_decode(q, cache, indices, sink, scale, cache_format="fp8", extra_
     return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
 
 
-def mla_sparse_prefill(q, kv, indices, sink, scale, split_kv: bool = True):
+def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None, split_kv: bool = True):
     """HAL ``mla_sparse_prefill`` on the tensor cores: bf16 ``q [T, h, D]``, ``kv [S, D]``
-    (D a multiple of 64, up to 512)."""
+    (D a multiple of 64, up to 512). With ``main_keys``, the main list is padded with ``-1`` to
+    whole key blocks, as the decode kernel pads it, so both paths walk the same blocks."""
     op = "mla_sparse_prefill"
     _cuda_bf16(op, "q", q)
     _cuda_bf16(op, "kv", kv)
@@ -181,7 +306,20 @@ def mla_sparse_prefill(q, kv, indices, sink, scale, split_kv: bool = True):
     _require(q.shape[2] % 64 == 0 and q.shape[2] <= 512, op, f"D={q.shape[2]} must be a multiple of 64 up to 512")
     _check_indices(op, "indices", indices, (q.shape[0],))
     _check_sink(op, sink, q.shape[1])
-    return _attention(op, q, kv.contiguous(), indices, None, None, sink, scale, "bf16", split_kv)
+    if main_keys is not None and not (isinstance(main_keys, int) and 0 <= main_keys <= indices.shape[1]):
+        raise ValueError(f"{op}: main_keys must be an int in [0, K={indices.shape[1]}], got {main_keys!r}")
+    return _attention(op, q, kv.contiguous(), align_lists(indices, main_keys), None, None, sink, scale, "bf16",
+                      split_kv)
+
+
+def align_lists(indices: torch.Tensor, main_keys: int | None, block: int = 64) -> torch.Tensor:
+    """``indices [T, K]`` with its first ``main_keys`` columns padded by ``-1`` to a multiple of
+    ``block`` (the decode kernel's key block) when another list follows them."""
+    pad = -(main_keys or 0) % block
+    if main_keys is None or not pad or main_keys == indices.shape[1]:
+        return indices
+    filler = indices.new_full((indices.shape[0], pad), -1)
+    return torch.cat((indices[:, :main_keys], filler, indices[:, main_keys:]), dim=1)
 
 
 def _check_sink(op: str, sink: torch.Tensor, heads: int) -> None:
@@ -215,6 +353,37 @@ def rms_norm(x, weight, eps, residual=None):
     if flat.shape[0]:
         kernel(flat, residual_flat, weight.float().contiguous(), out, residual_out)
     return out.reshape(x.shape), residual_out.reshape(x.shape)
+
+
+def kv_norm_rope_store(x, weight, eps, positions, cos_sin, cache, slots, fmt):
+    """HAL ``kv_norm_rope_store``: one CTA per token normalises, rotates, encodes and stores the
+    row and writes its decoded copy; bf16 ``x [T, 512]``, ``fp8`` (528 B) or ``bf16`` cache rows.
+    Positions and slots are not range-checked on the device (that would cost a host sync): a slot
+    past the cache is not stored, and a position past the table rotates by zeros."""
+    op = "kv_norm_rope_store"
+    _require(fmt in ("fp8", "bf16"), op, f"cache format {fmt!r} is not implemented (fp8 and bf16 are)")
+    _cuda_bf16(op, "x", x)
+    dim = token_format(fmt).dim
+    if x.dim() != 2 or x.shape[1] != dim or weight.shape != (dim,):
+        raise ValueError(f"{op}: expects x [T, {dim}] and weight [{dim}] for format {fmt!r}; got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
+    for name, index in (("positions", positions), ("slots", slots)):
+        if index.dtype != torch.int64 or index.shape != (x.shape[0],):
+            raise ValueError(f"{op}: {name} must be int64 [T={x.shape[0]}], got {index.dtype} {tuple(index.shape)}")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] % 2 or not cos_sin.is_floating_point():
+        raise ValueError(f"{op}: cos_sin must be a float [P, rope_dim] table with even rope_dim, got "
+                         f"{cos_sin.dtype} {tuple(cos_sin.shape)}")
+    rope_dim = cos_sin.shape[1]
+    _require(rope_dim % 8 == 0 and rope_dim <= dim, op, f"rope_dim={rope_dim} must be a multiple of 8 up to {dim}")
+    _require(all(t.is_cuda for t in (weight, positions, cos_sin, cache, slots)), op,
+             "weight, positions, cos_sin, cache and slots must be CUDA tensors")
+    rows = cache_rows(cache, token_format(fmt))
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        kernel = compiled("kv_norm_rope_store", "kv_norm_rope_store", dim, rope_dim, float(eps), fmt)
+        kernel(x.contiguous(), weight.float().contiguous(), positions.contiguous(), cos_sin.float().contiguous(),
+               slots.contiguous(), rows.view(torch.bfloat16) if fmt == "bf16" else rows, y)
+    return y
 
 
 def indexer_logits(q, k, weights, q_format="mxfp4"):

@@ -8,6 +8,12 @@ from typing import Callable, ClassVar
 import torch
 
 
+class UnsupportedInput(ValueError):
+    """A backend implements the op but not for these inputs (dtype, format, shape); the message
+    says which and what to do. With ``backend.fallback`` configured, the op table runs the
+    fallback's implementation for such calls instead (logged once per op)."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do, declared rather than sniffed.

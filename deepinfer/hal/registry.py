@@ -1,12 +1,13 @@
 """Backend discovery (entry points), selection, fallback and per-op overrides."""
 from __future__ import annotations
 
+import functools
 import logging
 from functools import lru_cache
 from importlib.metadata import entry_points
 from typing import Callable, Mapping
 
-from deepinfer.hal.backend import Backend
+from deepinfer.hal.backend import Backend, UnsupportedInput
 from deepinfer.hal.spec import SPECS
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ class OpTable:
 
     ``backend`` serves every op unless ``overrides`` names another backend for it. An op the
     chosen backend lacks runs on ``fallback`` (logged once) or raises :class:`OpUnavailableError`
-    when called. ``batch_invariant=True`` takes every op from its backend's batch-invariant
+    when called; a call whose inputs the chosen backend does not cover (it raises
+    :class:`~deepinfer.hal.backend.UnsupportedInput`) also runs on ``fallback`` when one is
+    configured (logged once per op). ``batch_invariant=True`` takes every op from its backend's batch-invariant
     table (``implementations(batch_invariant=True)``); each backend serving an op must declare
     the capability, else :class:`BatchInvarianceError`."""
 
@@ -115,7 +118,7 @@ class OpTable:
         impl = self._table(chosen, op).get(op)
         if impl is not None:
             self.sources[op] = chosen.name
-            return impl
+            return self._guarded(op, chosen, impl)
         reason = chosen.unsupported_reasons().get(op, "not implemented")
         if self.batch_invariant and reason == "not implemented":
             reason = "no batch-invariant version"
@@ -133,6 +136,29 @@ class OpTable:
                 f"+backend.overrides.{op}=<backend> to take it from another backend")
 
         return refuse
+
+    def _guarded(self, op: str, chosen: Backend, impl: Callable) -> Callable:
+        """``impl``, handing calls it refuses as :class:`UnsupportedInput` to the fallback."""
+        fallback = self.fallback
+        if fallback is None or fallback is chosen or (self.batch_invariant and not fallback.capabilities.batch_invariant):
+            return impl
+        other = self._table(fallback, op).get(op)
+        if other is None:
+            return impl
+        warned = []
+
+        @functools.wraps(impl)
+        def guarded(*args, **kwargs):
+            try:
+                return impl(*args, **kwargs)
+            except UnsupportedInput as error:
+                if not warned:
+                    warned.append(op)
+                    log.warning("op %s: %s; running %r for such calls, as configured (backend.fallback)",
+                                op, error, fallback.name)
+                return other(*args, **kwargs)
+
+        return guarded
 
     def __getattr__(self, op: str) -> Callable:
         impls = self.__dict__.get("_impls", {})

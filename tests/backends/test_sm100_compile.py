@@ -27,12 +27,30 @@ def test_importing_the_backend_does_not_import_tilelang():
 def test_every_op_is_implemented_or_declined_with_a_reason():
     backend = get_backend("sm100")
     implemented, declined = set(backend.implementations()), backend.unsupported_reasons()
-    assert implemented == {"grouped_gemm", "indexer_logits", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm"}
+    assert implemented == {"grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mla_sparse_decode",
+                           "mla_sparse_prefill", "rms_norm"}
     assert implemented.isdisjoint(declined)
     assert implemented | set(declined) == set(SPECS)
     assert all("reference" in reason for reason in declined.values())
     caps = backend.capabilities
-    assert caps.device_types == {"cuda"} and caps.dtypes == {torch.bfloat16} and not caps.batch_invariant
+    assert caps.device_types == {"cuda"} and caps.dtypes == {torch.bfloat16} and caps.batch_invariant
+
+
+def test_batch_invariant_table_turns_split_kv_off_and_fixes_the_gemm_tiles():
+    from deepinfer_backends.sm100 import INVARIANT, wrappers
+
+    backend = get_backend("sm100")
+    table = backend.implementations(batch_invariant=True)
+    assert set(table) == set(INVARIANT) <= set(backend.implementations())
+    for op in ("mla_sparse_decode", "mla_sparse_prefill"):
+        assert table[op].keywords == {"split_kv": False} and table[op].func is getattr(wrappers, op)
+    for op in ("grouped_gemm", "linear"):
+        assert table[op].keywords == {"batch_invariant": True}
+    assert table["rms_norm"] is wrappers.rms_norm
+    shapes = [(rows, experts) for rows in (1, 7, 64, 300, 20000) for experts in (1, 8, 256)]
+    assert {tuple(wrappers.gemm_tiles(r, e, 4096, 4096, batch_invariant=True).items()) for r, e in shapes} == \
+        {tuple(wrappers.INVARIANT_TILES.items())}
+    assert len({tuple(wrappers.gemm_tiles(r, e, 4096, 4096).items()) for r, e in shapes}) > 1
 
 
 def test_wrappers_refuse_inputs_they_do_not_cover():
@@ -40,8 +58,9 @@ def test_wrappers_refuse_inputs_they_do_not_cover():
 
     ops = get_backend("sm100").implementations()
     x, w, sizes = torch.randn(4, 64), torch.randn(2, 16, 64), torch.tensor([1, 3])
-    with pytest.raises(UnsupportedInput, match=r"FP8 / MXFP4 .*overrides\.grouped_gemm=reference"):
-        ops["grouped_gemm"](quantize(x, "fp8"), w, sizes)
+    with pytest.raises(UnsupportedInput, match=r"weight Quantized 'fp8' or 'mxfp4' with block 32, got a torch.float32 "
+                                               r"tensor.*overrides\.grouped_gemm=reference"):
+        ops["grouped_gemm"](quantize(x, "fp8"), w, sizes)  # FP8 x goes with FP8 / MXFP4 weights only
     with pytest.raises(UnsupportedInput, match=r"x must be a bfloat16 CUDA tensor, got torch.float32 on cpu"):
         ops["grouped_gemm"](x, w, sizes)
     q = torch.randn(1, 1, 2, 512, dtype=torch.bfloat16)
@@ -55,6 +74,24 @@ def test_wrappers_refuse_inputs_they_do_not_cover():
                                  extra_indices=torch.zeros(1, 1, 2, dtype=torch.int32))
     with pytest.raises(UnsupportedInput, match="x must be a CUDA tensor"):
         ops["rms_norm"](x, torch.ones(64), 1e-6)
+    with pytest.raises(UnsupportedInput, match=r"x must be a bfloat16 CUDA tensor.*overrides\.linear=reference"):
+        ops["linear"](x, w[0])
+
+
+def test_kv_norm_rope_store_refuses_what_it_does_not_cover():
+    from deepinfer_backends.sm100.wrappers import UnsupportedInput
+
+    ops = get_backend("sm100").implementations()
+    latent, positions, cos_sin = torch.randn(2, 512, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), \
+        torch.zeros(4, 64)
+    with pytest.raises(UnsupportedInput, match=r"cache format 'fp4' is not implemented \(fp8 and bf16 are\).*"
+                                               r"overrides\.kv_norm_rope_store=reference"):
+        ops["kv_norm_rope_store"](latent, torch.ones(512), 1e-6, positions, cos_sin,
+                                  torch.zeros(4, 288, dtype=torch.uint8), positions, "fp4")
+    with pytest.raises(UnsupportedInput, match=r"x must be a bfloat16 CUDA tensor, got torch.float32 on cpu.*"
+                                               r"overrides\.kv_norm_rope_store=reference"):
+        ops["kv_norm_rope_store"](latent.float(), torch.ones(512), 1e-6, positions, cos_sin,
+                                  torch.zeros(4, 528, dtype=torch.uint8), positions, "fp8")
 
 
 def test_tile_schedule_covers_each_segment_once():
@@ -80,6 +117,8 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
     "rms_norm_small": ("rms_norm", "rms_norm", (96, 1e-6, "float", None), {"threads": 32}, False),
     "indexer_logits": ("indexer_logits", "indexer_logits", (64, 128), {}, True),
+    "kv_norm_rope_store": ("kv_norm_rope_store", "kv_norm_rope_store", (512, 64, 1e-6, "fp8"), {}, False),
+    "kv_norm_rope_store_bf16": ("kv_norm_rope_store", "kv_norm_rope_store", (512, 64, 1e-6, "bf16"), {}, False),
 }
 
 
@@ -101,7 +140,8 @@ def test_kernel_lowers_for_hopper(name):
 
 
 @needs_tilelang
-@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode", "rms_norm", "indexer_logits"])
+@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode", "rms_norm", "indexer_logits",
+                                  "kv_norm_rope_store"])
 def test_kernel_compiles_for_hopper_on_wgmma(name):
     """nvcc and ptxas accept the generated code for sm_90a, and the matrix kernels' PTX holds
     wgmma (the Hopper tensor-core path), not the older mma.sync or scalar FMA only."""
@@ -118,7 +158,8 @@ def test_kernel_compiles_for_hopper_on_wgmma(name):
 @needs_tilelang
 @pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode"])
 def test_matrix_kernels_lower_for_blackwell_on_mma(name):
-    """The portable kernels lower for sm_100a; without tcgen05 variants they take mma.sync there."""
+    """The portable kernels (the default on every arch) lower for sm_100a on mma.sync; the tcgen05
+    variants are separate modules (tests/backends/test_sm100_tcgen05.py)."""
     from deepinfer_backends.sm100 import toolchain
 
     source = _lower(name, toolchain.BLACKWELL)
@@ -126,3 +167,16 @@ def test_matrix_kernels_lower_for_blackwell_on_mma(name):
     if name == "grouped_gemm" and toolchain.nvcc_available():
         ptx = toolchain.compile_ptx(source, toolchain.BLACKWELL)
         assert "mma.sync.aligned" in ptx and "wgmma" not in ptx
+
+
+@needs_tilelang
+def test_kv_norm_rope_store_rounds_like_the_reference():
+    """The fp8 store kernel's PTX: IEEE sqrt and division (torch's 1 / sqrt on a CPU), a saturating
+    round-to-nearest e4m3 conversion, and no approximate transcendental (the scale comes from bits)."""
+    from deepinfer_backends.sm100 import toolchain
+
+    if not toolchain.nvcc_available():
+        pytest.skip("nvcc is not on the PATH")
+    ptx = toolchain.compile_ptx(_lower("kv_norm_rope_store", toolchain.HOPPER), toolchain.HOPPER)
+    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert not any(approx in ptx for approx in ("rsqrt.approx", "lg2.approx", "ex2.approx", "div.approx"))

@@ -4,6 +4,7 @@ chunk sizes, token budgets). With ``engine.batch_invariant=true`` every step's l
 bitwise those of the prompt alone and the tokens are identical, also with DSpark drafting and
 verifying (fixed verify length); with it off (slow test) the differences are counted and
 reported."""
+import importlib.util
 import random
 
 import pytest
@@ -58,17 +59,27 @@ def _generate(llm: LLM, prompts, params, indices) -> dict[int, tuple[list[int], 
     return {i: (out.token_ids, llm.runner.logits_trace[out.request_id]) for i, out in zip(indices, outputs)}
 
 
-def _alone_and_batched(batch_invariant: bool, device: str, decoding: tuple[str, ...] = ()):
+TARGETS = {
+    "cpu": ("reference", ["backend.device=cpu"]),
+    "cuda": ("reference", ["backend.device=cuda"]),
+    "sm100": ("sm100", ["backend.fallback=reference", "model.dtype=bfloat16"]),
+}
+"""Where the model runs: backend and its overrides. sm100 serves its kernels' ops (bf16
+activations) and the reference on the GPU serves the rest."""
+
+
+def _alone_and_batched(batch_invariant: bool, target: str, decoding: tuple[str, ...] = ()):
     """Each prompt's run alone, and every (prompt index, batched run) of the compositions."""
-    mode = [f"engine.batch_invariant={str(batch_invariant).lower()}", f"backend.device={device}", *decoding]
+    backend, overrides = TARGETS[target]
+    mode = [f"engine.batch_invariant={str(batch_invariant).lower()}", *overrides, *decoding]
     prompts, params, compositions = _workload(DSPARK_MAX_TOKENS if decoding else MAX_TOKENS)
-    alone_llm = LLM(MODEL, "reference", QUIET + mode)
+    alone_llm = LLM(MODEL, backend, QUIET + mode)
     alone = {}
     for i in range(PROMPTS):
         alone.update(_generate(alone_llm, prompts, params, [i]))
     batched = []
     for engine, groups in compositions:
-        llm = LLM(MODEL, "reference", QUIET + mode + engine)
+        llm = LLM(MODEL, backend, QUIET + mode + engine)
         for group in groups:
             batched.extend(_generate(llm, prompts, params, group).items())
     assert len(batched) == PROMPTS * COMPOSITIONS
@@ -80,7 +91,9 @@ def _differing_steps(run, alone_run) -> list[int]:
     return [step for step, (got, want) in enumerate(zip(logits, alone_run[1])) if not torch.equal(got, want)]
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+NO_TILELANG = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None,
+                                 reason="the sm100 backend needs tilelang (pip install -e '.[sm100]')")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("sm100", marks=[pytest.mark.gpu, NO_TILELANG])]
 
 
 DSPARK = ("decoding=dspark", "decoding.varlen=false")
@@ -89,7 +102,7 @@ DSPARK = ("decoding=dspark", "decoding.varlen=false")
 @pytest.mark.parametrize("decoding", [(), DSPARK], ids=["plain", "dspark"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_logits_and_tokens_do_not_depend_on_the_batch(one_thread, device, decoding):
-    alone, batched = _alone_and_batched(batch_invariant=True, device=device, decoding=decoding)
+    alone, batched = _alone_and_batched(batch_invariant=True, target=device, decoding=decoding)
     for i, run in batched:
         assert run[0] == alone[i][0], f"prompt {i}: tokens {run[0]} batched, {alone[i][0]} alone"
         assert not _differing_steps(run, alone[i]) and len(run[1]) == len(alone[i][1]), \
@@ -106,7 +119,7 @@ def test_batch_invariance_with_confidence_scheduled_verification_is_refused():
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_without_the_mode_the_differences_are_counted(one_thread, record_property, device):
-    alone, batched = _alone_and_batched(batch_invariant=False, device=device)
+    alone, batched = _alone_and_batched(batch_invariant=False, target=device)
     token_diffs = logit_diffs = 0
     for i, (tokens, logits) in batched:
         assert len(tokens) == len(logits) == MAX_TOKENS, f"prompt {i}: {len(tokens)} tokens, {len(logits)} steps"

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from deepinfer.hal import (
-    SPECS, Backend, Capabilities, OpTable, OpUnavailableError, UnknownBackendError, available_backends,
-    register_backend, unregister_backend,
+    SPECS, Backend, Capabilities, OpTable, OpUnavailableError, UnknownBackendError, UnsupportedInput,
+    available_backends, register_backend, unregister_backend,
 )
 
 
@@ -16,10 +16,16 @@ class HalfBackend(Backend):
     capabilities = Capabilities(device_types=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
 
     def implementations(self):
-        return {"rms_norm": lambda *a, **k: 2 * SPECS["rms_norm"].reference(*a, **k)}
+        return {"rms_norm": _doubled_rms_norm}
 
     def unsupported_reasons(self):
         return {"mla_sparse_decode": "no paged FP8 reader yet"}
+
+
+def _doubled_rms_norm(x, weight, eps, residual=None):
+    if x.dtype != torch.float32:
+        raise UnsupportedInput(f"halfway rms_norm: x must be float32, got {x.dtype}")
+    return 2 * SPECS["rms_norm"].reference(x, weight, eps, residual)
 
 
 @pytest.fixture
@@ -55,6 +61,20 @@ def test_explicit_fallback_runs_the_reference_and_logs(halfway, caplog):
     assert table.sources["rms_norm"] == "halfway"
     assert table.sources["apply_rope"] == "reference"
     assert any("apply_rope" in r.message and "falling back" in r.message for r in caplog.records)
+
+
+def test_inputs_a_backend_does_not_cover_run_on_the_configured_fallback(halfway, caplog):
+    x, weight = torch.ones(2, 4, dtype=torch.float64), torch.ones(4)
+    with pytest.raises(UnsupportedInput, match="x must be float32, got torch.float64"):
+        OpTable("halfway").rms_norm(x, weight, 1e-6)
+    table = OpTable("halfway", fallback="reference")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert torch.equal(table.rms_norm(x, weight, 1e-6), SPECS["rms_norm"].reference(x, weight, 1e-6))
+    assert [r.message for r in caplog.records if "rms_norm" in r.message] == \
+        ["op rms_norm: halfway rms_norm: x must be float32, got torch.float64; running 'reference' for such calls, "
+         "as configured (backend.fallback)"]
+    assert torch.equal(table.rms_norm(x.float(), weight, 1e-6), 2 * SPECS["rms_norm"].reference(x.float(), weight, 1e-6))
 
 
 def test_per_op_override_takes_the_op_from_another_backend(halfway):

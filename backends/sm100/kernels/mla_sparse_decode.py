@@ -10,6 +10,8 @@ softmax in float32. Keys outside the list (``-1``, or past the cache) read as ze
 masked. With ``splits > 1`` each CTA takes one slice of each list and writes a float32 partial
 (out, lse) that :func:`combine` merges; ``splits = 1`` (the batch-invariant choice) finishes in
 place. The sink scales each row by ``sigmoid(lse - sink[h])``."""
+from types import SimpleNamespace
+
 import tilelang
 import tilelang.language as T
 import torch
@@ -24,15 +26,8 @@ _PASS_CONFIGS = {
 }
 
 
-@tilelang.jit(pass_configs=_PASS_CONFIGS)
-def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: float, main_format: str = "fp8",
-               splits: int = 1, block_h: int = 64, block_k: int = 64, num_stages: int = 2, threads: int = 256):
-    """Kernel ``(q [rows, heads, dim] bf16, main, main_idx [rows, main_keys], extra uint8 [r2, 288],
-    extra_idx [rows, max(extra_keys, 1)], sink f32 [heads], out, lse)``.
-
-    ``main`` is ``bf16 [r1, dim]`` (``main_format="bf16"``) or the fp8 rows as ``uint8 [r1, 528]``. ``extra_keys = 0`` leaves ``extra`` unread. ``out``/``lse`` are
-    ``bf16 [rows, heads, dim]`` / ``f32 [rows, heads]`` when ``splits == 1``, else float32
-    partials ``[splits, rows, heads, dim]`` / ``[splits, rows, heads]``."""
+def check_config(heads: int, dim: int, extra_keys: int, main_format: str, block_h: int) -> None:
+    """Raise ``ValueError`` for a ``sparse_mla`` configuration the kernels do not cover."""
     if heads % block_h or main_format not in ("bf16", "fp8") or (main_format == "fp8" and dim != 512):
         raise ValueError(f"sparse_mla: heads={heads} must be a multiple of block_h={block_h}; main_format "
                          f"{main_format!r} must be 'bf16' or 'fp8' (fp8 rows hold 512 values, dim={dim})")
@@ -40,12 +35,12 @@ def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: flo
         raise ValueError(f"sparse_mla: an fp4 extra list needs the fp8 main format and dim 512 (the pipelined "
                          f"key tile is filled by cp.async for bf16 but by the decoder for quantized rows); got "
                          f"{main_format!r}, dim={dim}")
-    rows, main_rows, extra_rows = T.dynamic("rows"), T.dynamic("main_rows"), T.dynamic("extra_rows")
-    main_shape = (main_rows, dim) if main_format == "bf16" else (main_rows, ROW_BYTES["fp8"])
-    main_dtype = "bfloat16" if main_format == "bf16" else "uint8"
-    out_shape, out_dtype = ((rows, heads, dim), "bfloat16") if splits == 1 else ((splits, rows, heads, dim), "float")
-    lse_shape = (rows, heads) if splits == 1 else (splits, rows, heads)
-    main_per_split, extra_per_split = -(-main_keys // (block_k * splits)), -(-extra_keys // (block_k * splits))
+
+
+def shared_macros(block_h: int, block_k: int, dim: int, main_format: str, scale: float, splits: int) -> SimpleNamespace:
+    """The macros every sparse MLA kernel is made of (this one and ``mla_sparse_decode_tcgen05``):
+    staging a key list, filling the fp4 code table, gathering and decoding one key block into
+    ``k_s``, the online-softmax step on one block of scores, and each row's lse and output scale."""
     scale_log2 = scale * LOG2E
 
     @T.macro
@@ -56,10 +51,46 @@ def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: flo
             idx_s[count + p] = -1
 
     @T.macro
-    def attend(q_s, k_s, p_s, idx_s, base, acc_s, acc_o, m, m_prev, alpha, l, l_block):
-        """One key block of the online softmax: scores, running max and sum, ``acc_o += P K``."""
-        T.clear(acc_s)
-        T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+    def fill_fp4_values(fp4_values):
+        for c in T.Parallel(16):  # e2m1 code -> value: 0, .5, 1, 1.5, 2, 3, 4, 6 (bit 3: sign)
+            fp4_values[c] = T.if_then_else(
+                (c & 6) == 0, 0.5 * (c & 1),
+                (1.0 + 0.5 * (c & 1)) * T.cast(T.shift_left(1, ((c & 6) >> 1) - 1), "float")) \
+                * T.if_then_else(c >= 8, -1.0, 1.0)
+
+    @T.macro
+    def gather_main(main, idx_s, base, raw, k_s):
+        """Keys ``idx_s[base:base + block_k]`` of the main cache into ``k_s`` as bf16. A padding
+        index (-1) is out of bounds, which the generated bounds predicate turns into a zero fill
+        (zero bytes decode to 0, so padding keys add nothing)."""
+        if main_format == "bf16":
+            for i, j in T.Parallel(block_k, dim):
+                k_s[i, j] = main[idx_s[base + i], j]
+        else:
+            for i, c in T.Parallel(block_k, ROW_BYTES["fp8"]):
+                raw[i, c] = main[idx_s[base + i], c]
+            for i, v in T.Parallel(block_k, dim // 8):  # UE8M0 byte b -> 2^(b-127) as float bits b << 23
+                for e in T.vectorized(8):
+                    k_s[i, v * 8 + e] = T.cast(
+                        T.cast(T.reinterpret(raw[i, v * 8 + e], "float8_e4m3fn"), "float")
+                        * T.reinterpret(T.shift_left(T.cast(raw[i, 512 + v // 4], "int32"), 23), "float"),
+                        "bfloat16")
+
+    @T.macro
+    def gather_extra(extra, idx_s, base, raw, fp4_values, k_s):
+        """Keys ``idx_s[base:base + block_k]`` of the fp4 extra cache into ``k_s`` as bf16."""
+        for i, c in T.Parallel(block_k, ROW_BYTES["fp4"]):
+            raw[i, c] = extra[idx_s[base + i], c]
+        for i, v in T.Parallel(block_k, dim // 8):
+            for e in T.vectorized(8):
+                k_s[i, v * 8 + e] = T.cast(
+                    fp4_values[(raw[i, v * 4 + e // 2] >> ((e % 2) * 4)) & 15]
+                    * T.cast(T.reinterpret(raw[i, 256 + v // 2], "float8_e4m3fn"), "float"), "bfloat16")
+
+    @T.macro
+    def softmax_step(acc_s, idx_s, base, m, m_prev, alpha, l, l_block):
+        """Scores ``acc_s`` of one key block -> unnormalised probabilities ``exp2(s - m)``; updates
+        the running max ``m`` and sum ``l`` and leaves in ``alpha`` the factor for earlier output."""
         for i, j in T.Parallel(block_h, block_k):
             acc_s[i, j] = T.if_then_else(idx_s[base + j] >= 0, acc_s[i, j] * scale_log2, -T.infinity("float"))
         T.copy(m, m_prev)
@@ -71,6 +102,49 @@ def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: flo
         T.reduce_sum(acc_s, l_block, dim=1)
         for i in T.Parallel(block_h):
             l[i] = l[i] * alpha[i] + l_block[i]
+
+    @T.macro
+    def row_stats(m, l, sink, hb, lse_row, gate):
+        """Each head's lse and the factor its output is scaled by: ``sigmoid(lse - sink) / l``
+        when ``splits == 1``, else ``1 / l`` (the sink is applied by :func:`combine`)."""
+        for i in T.Parallel(block_h):
+            lse_row[i] = T.if_then_else(l[i] > 0, (m[i] + T.log2(l[i])) * LN2, -T.infinity("float"))
+        if splits == 1:
+            for i in T.Parallel(block_h):
+                gate[i] = T.if_then_else(l[i] > 0, 1.0 / ((1.0 + T.exp(sink[hb * block_h + i] - lse_row[i])) * l[i]),
+                                         0.0)
+        else:
+            for i in T.Parallel(block_h):
+                gate[i] = T.if_then_else(l[i] > 0, 1.0 / l[i], 0.0)
+
+    return SimpleNamespace(load_indices=load_indices, fill_fp4_values=fill_fp4_values, gather_main=gather_main,
+                           gather_extra=gather_extra, softmax_step=softmax_step, row_stats=row_stats)
+
+
+@tilelang.jit(pass_configs=_PASS_CONFIGS)
+def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: float, main_format: str = "fp8",
+               splits: int = 1, block_h: int = 64, block_k: int = 64, num_stages: int = 2, threads: int = 256):
+    """Kernel ``(q [rows, heads, dim] bf16, main, main_idx [rows, main_keys], extra uint8 [r2, 288],
+    extra_idx [rows, max(extra_keys, 1)], sink f32 [heads], out, lse)``.
+
+    ``main`` is ``bf16 [r1, dim]`` (``main_format="bf16"``) or the fp8 rows as ``uint8 [r1, 528]``. ``extra_keys = 0`` leaves ``extra`` unread. ``out``/``lse`` are
+    ``bf16 [rows, heads, dim]`` / ``f32 [rows, heads]`` when ``splits == 1``, else float32
+    partials ``[splits, rows, heads, dim]`` / ``[splits, rows, heads]``."""
+    check_config(heads, dim, extra_keys, main_format, block_h)
+    rows, main_rows, extra_rows = T.dynamic("rows"), T.dynamic("main_rows"), T.dynamic("extra_rows")
+    main_shape = (main_rows, dim) if main_format == "bf16" else (main_rows, ROW_BYTES["fp8"])
+    main_dtype = "bfloat16" if main_format == "bf16" else "uint8"
+    out_shape, out_dtype = ((rows, heads, dim), "bfloat16") if splits == 1 else ((splits, rows, heads, dim), "float")
+    lse_shape = (rows, heads) if splits == 1 else (splits, rows, heads)
+    main_per_split, extra_per_split = -(-main_keys // (block_k * splits)), -(-extra_keys // (block_k * splits))
+    shared = shared_macros(block_h, block_k, dim, main_format, scale, splits)
+
+    @T.macro
+    def attend(q_s, k_s, p_s, idx_s, base, acc_s, acc_o, m, m_prev, alpha, l, l_block):
+        """One key block of the online softmax: scores, running max and sum, ``acc_o += P K``."""
+        T.clear(acc_s)
+        T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+        shared.softmax_step(acc_s, idx_s, base, m, m_prev, alpha, l, l_block)
         for i, j in T.Parallel(block_h, dim):
             acc_o[i, j] *= alpha[i]
         T.copy(acc_s, p_s)
@@ -100,62 +174,32 @@ def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: flo
             lse_row = T.alloc_fragment((block_h,), "float")
 
             T.copy(q[row, hb * block_h:(hb + 1) * block_h, :], q_s)
-            load_indices(main_idx, main_keys, main_rows, row, main_idx_s)
+            shared.load_indices(main_idx, main_keys, main_rows, row, main_idx_s)
             if extra_keys:
-                load_indices(extra_idx, extra_keys, extra_rows, row, extra_idx_s)
-            for c in T.Parallel(16):  # e2m1 code -> value: 0, .5, 1, 1.5, 2, 3, 4, 6 (bit 3: sign)
-                fp4_values[c] = T.if_then_else(
-                    (c & 6) == 0, 0.5 * (c & 1),
-                    (1.0 + 0.5 * (c & 1)) * T.cast(T.shift_left(1, ((c & 6) >> 1) - 1), "float")) \
-                    * T.if_then_else(c >= 8, -1.0, 1.0)
+                shared.load_indices(extra_idx, extra_keys, extra_rows, row, extra_idx_s)
+            shared.fill_fp4_values(fp4_values)
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, NEG)
             # Split s takes the s-th equal slice of each list (the slices are padded with -1 to whole
             # blocks, so every loop has a static trip count). Gathers are plain copies, pipelined as
-            # cp.async; a padding index (-1) is out of bounds, which the generated bounds predicate
-            # turns into a zero fill (zero bytes decode to 0, so padding keys add nothing).
+            # cp.async.
             for b in T.Pipelined(main_per_split, num_stages=num_stages):
                 base = (split * main_per_split + b) * block_k
-                if main_format == "bf16":
-                    for i, j in T.Parallel(block_k, dim):
-                        k_s[i, j] = main[main_idx_s[base + i], j]
-                else:
-                    for i, c in T.Parallel(block_k, ROW_BYTES["fp8"]):
-                        raw[i, c] = main[main_idx_s[base + i], c]
-                    for i, v in T.Parallel(block_k, dim // 8):  # UE8M0 byte b -> 2^(b-127) as float bits b << 23
-                        for e in T.vectorized(8):
-                            k_s[i, v * 8 + e] = T.cast(
-                                T.cast(T.reinterpret(raw[i, v * 8 + e], "float8_e4m3fn"), "float")
-                                * T.reinterpret(T.shift_left(T.cast(raw[i, 512 + v // 4], "int32"), 23), "float"),
-                                "bfloat16")
+                shared.gather_main(main, main_idx_s, base, raw, k_s)
                 attend(q_s, k_s, p_s, main_idx_s, base, acc_s, acc_o, m, m_prev, alpha, l, l_block)
             if extra_keys:
                 for b in T.Pipelined(extra_per_split, num_stages=num_stages):
                     base = (split * extra_per_split + b) * block_k
-                    for i, c in T.Parallel(block_k, ROW_BYTES["fp4"]):
-                        raw[i, c] = extra[extra_idx_s[base + i], c]
-                    for i, v in T.Parallel(block_k, dim // 8):
-                        for e in T.vectorized(8):
-                            k_s[i, v * 8 + e] = T.cast(
-                                fp4_values[(raw[i, v * 4 + e // 2] >> ((e % 2) * 4)) & 15]
-                                * T.cast(T.reinterpret(raw[i, 256 + v // 2], "float8_e4m3fn"), "float"), "bfloat16")
+                    shared.gather_extra(extra, extra_idx_s, base, raw, fp4_values, k_s)
                     attend(q_s, k_s, p_s, extra_idx_s, base, acc_s, acc_o, m, m_prev, alpha, l, l_block)
-            for i in T.Parallel(block_h):
-                lse_row[i] = T.if_then_else(l[i] > 0, (m[i] + T.log2(l[i])) * LN2, -T.infinity("float"))
+            shared.row_stats(m, l, sink, hb, lse_row, gate)
+            for i, j in T.Parallel(block_h, dim):
+                acc_o[i, j] *= gate[i]
             if splits == 1:
-                for i in T.Parallel(block_h):
-                    gate[i] = T.if_then_else(l[i] > 0, 1.0 / ((1.0 + T.exp(sink[hb * block_h + i] - lse_row[i])) * l[i]),
-                                             0.0)
-                for i, j in T.Parallel(block_h, dim):
-                    acc_o[i, j] *= gate[i]
                 T.copy(acc_o, out[row, hb * block_h:(hb + 1) * block_h, :])
                 T.copy(lse_row, lse[row, hb * block_h:(hb + 1) * block_h])
             else:
-                for i in T.Parallel(block_h):
-                    gate[i] = T.if_then_else(l[i] > 0, 1.0 / l[i], 0.0)
-                for i, j in T.Parallel(block_h, dim):
-                    acc_o[i, j] *= gate[i]
                 T.copy(acc_o, out[split, row, hb * block_h:(hb + 1) * block_h, :])
                 T.copy(lse_row, lse[split, row, hb * block_h:(hb + 1) * block_h])
 

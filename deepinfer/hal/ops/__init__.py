@@ -5,6 +5,7 @@ from deepinfer.hal.ops import (  # noqa: F401
     grouped_gemm,
     indexer,
     kv_cache,
+    kv_norm_rope_store,
     mhc,
     mla,
     norm,

@@ -157,6 +157,11 @@ register(OpSpec(
         OpCase("tiny_fp8_mxfp4", _linear_case((3,), 8, 128, "fp8", "mxfp4")),
         OpCase("v41_q_a_bf16", _linear_case((32,), 1280, 4096, dtype=torch.bfloat16), "real", torch.bfloat16),
         OpCase("v41_q_a_fp8", _linear_case((32,), 1280, 4096, "fp8", "fp8"), "real"),
+        # quantized operands beside bf16 activations (the cases bf16-only backends run); K a multiple of 128
+        OpCase("bf16_x_fp8_weight", _linear_case((2, 3), 24, 128, None, "fp8", torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("fp8_mxfp4_bf16", _linear_case((5,), 40, 256, "fp8", "mxfp4", torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("v41_q_a_fp8_bf16", _linear_case((32,), 1280, 4096, "fp8", "fp8", torch.bfloat16), "real",
+               torch.bfloat16),
     ),
 ))
 
@@ -176,5 +181,17 @@ register(OpSpec(
         OpCase("v41_experts_bf16", _grouped_case((20, 0, 31, 13), 2048, 4096, dtype=torch.bfloat16),
                "real", torch.bfloat16),
         OpCase("v41_experts_fp8_mxfp4", _grouped_case((9, 27, 0, 28), 2048, 4096, "fp8", "mxfp4"), "real"),
+        # quantized operands beside bf16 activations (the cases bf16-only backends run); K a multiple of 128
+        OpCase("bf16_x_fp8_weight", _grouped_case((3, 0, 5), 24, 128, None, "fp8", torch.bfloat16),
+               dtype=torch.bfloat16),
+        OpCase("bf16_x_mxfp4_weight", _grouped_case((2, 7), 40, 256, None, "mxfp4", torch.bfloat16),
+               dtype=torch.bfloat16),
+        OpCase("fp8_fp8_bf16", _grouped_case((2, 3, 1), 16, 256, "fp8", "fp8", torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("fp8_mxfp4_empty_experts_bf16", _grouped_case((0, 3, 0, 0, 70, 0), 40, 128, "fp8", "mxfp4",
+                                                             torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("v41_experts_bf16_x_fp8_weight", _grouped_case((20, 0, 31, 13), 2048, 4096, None, "fp8",
+                                                              torch.bfloat16), "real", torch.bfloat16),
+        OpCase("v41_experts_fp8_mxfp4_bf16", _grouped_case((9, 27, 0, 28), 2048, 4096, "fp8", "mxfp4",
+                                                           torch.bfloat16), "real", torch.bfloat16),
     ),
 ))

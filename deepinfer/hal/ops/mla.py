@@ -16,13 +16,17 @@ GATHER_BUDGET = 1 << 27  # float32 key values gathered at once by prefill (512 M
 
 
 def mla_sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float, main_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA over a key buffer: returns ``(out [T, h, D] in q.dtype, lse float32 [T, h])``.
 
     ``q [T, h, D]``, ``kv [S, D]`` (keys, also the values), ``indices int32 [T, K]`` rows of
-    ``kv`` per query (``-1`` padding), ``sink float32 [h]``. Queries are processed in chunks so
-    the gathered keys stay within ``GATHER_BUDGET`` values."""
-    check_prefill_args(q, kv, indices, sink)
+    ``kv`` per query (``-1`` padding), ``sink float32 [h]``. ``main_keys`` (optional, in
+    ``[0, K]``) says the first ``main_keys`` columns are one list and the rest another, as
+    :func:`mla_sparse_decode`'s main and extra lists; the result does not depend on it, but a
+    backend working in key blocks aligns each list to its blocks, so a token gets the bits the
+    decode path gives it. Queries are processed in chunks so the gathered keys stay within
+    ``GATHER_BUDGET`` values."""
+    check_prefill_args(q, kv, indices, sink, main_keys)
     rows_per_chunk = max(1, GATHER_BUDGET // max(1, indices.shape[1] * kv.shape[1]))
     outs, lses = [], []
     for start in range(0, max(1, q.shape[0]), rows_per_chunk):
@@ -33,13 +37,17 @@ def mla_sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     return torch.cat(outs), torch.cat(lses)
 
 
-def check_prefill_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor) -> None:
+def check_prefill_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
+                       main_keys: int | None = None) -> None:
     """Raise a clear error unless the arguments fit :func:`mla_sparse_prefill`'s contract."""
     _check_query(q, 3)
     if kv.dim() != 2 or kv.shape[1] != q.shape[-1]:
         raise ValueError(f"kv must be [S, D={q.shape[-1]}], got {tuple(kv.shape)}")
     _check_indices(indices, "indices", q.shape[:-2], kv.shape[0])
     _check_sink(sink, q.shape[-2])
+    if main_keys is not None and not (isinstance(main_keys, int) and 0 <= main_keys <= indices.shape[-1]):
+        raise ValueError(f"main_keys must be an int in [0, K={indices.shape[-1]}] (the main list's columns), "
+                         f"got {main_keys!r}")
 
 
 def gather_keys(kv: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

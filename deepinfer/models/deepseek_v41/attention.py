@@ -65,14 +65,14 @@ class Attention(nn.Module):
         visible = ctx.replay_start[ctx.seq_of_token] if bounded else None
         q_a = self.q_norm(self.wq_a(hidden))
         q = ops.apply_rope(self.wq_b(q_a).view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
-        kv = ops.apply_rope(self.kv_norm(self.wkv(hidden)), pos, cos_sin)
+        kv_latent = self.wkv(hidden)
         selected = None
         if self.ratio:
             source, source_ctx = (hidden, ctx) if kv_source is None else (kv_source, kv_ctx or ctx)
             self._store_compressed(source, source_ctx, cache, cos_sin)
             selected = self._select_compressed(q_a, hidden, ctx, cache, cos_sin)
         attend = self._attend_decode if ctx.decode else self._attend_prefill
-        out = attend(q, kv, selected, ctx, cache, visible)
+        out = attend(q, kv_latent, selected, ctx, cache, visible, cos_sin)
         out = ops.apply_rope(out, pos, cos_sin, conjugate=True)
         return self._project_out(out)
 
@@ -94,6 +94,13 @@ class Attention(nn.Module):
         index_k = ops.apply_rope(self.indexer.k_norm(self.indexer.wk(pre_rope)), key_pos, cos_sin)
         ops.kv_store(cache.index_k, slots, index_k, "index_fp4")
 
+    def swa_keys(self, latent: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache: LayerCache,
+                 slots: torch.Tensor) -> torch.Tensor:
+        """SWA keys of the projected ``latent`` (``kv_norm``, then RoPE at ``positions``) stored in
+        the ring at flat ``slots`` (``-1``: not stored); returns them as a reader of the ring sees them."""
+        return self.ops.kv_norm_rope_store(latent, self.kv_norm.weight, self.kv_norm.eps, positions, cos_sin,
+                                           cache.swa_ring, slots, self.cfg.swa_cache_format)
+
     def _compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
         """Flat cache rows of every sequence's compressed tokens, and each sequence's first row."""
         counts = ctx.context_lens // self.ratio
@@ -113,34 +120,37 @@ class Attention(nn.Module):
         visible = (ctx.positions + 1) // self.ratio
         return ops.indexer_topk(logits, first[ctx.seq_of_token], visible, self.cfg.index_topk)
 
-    def _attend_prefill(self, q, kv, selected, ctx, cache, visible):
+    def _attend_prefill(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
         ops, cfg = self.ops, self.cfg
         window, ring, fmt = cfg.sliding_window, cfg.swa_ring_size, cfg.swa_cache_format
         history_slots = ops.swa_history_slots(ctx.state_slots, ctx.chunk_start, window, ring)
         history = ops.kv_load(cache.swa_ring, history_slots.flatten(), fmt)
-        chunk = ops.kv_cast(kv, fmt)
         seq = ctx.seq_of_token
+        # Only the ring's recent tokens are stored, after the history is read (they may overwrite it).
+        recent = ctx.positions >= (ctx.context_lens[seq] - ring)
+        slots = ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring).masked_fill(~recent, -1)
+        chunk = self.swa_keys(kv_latent, ctx.positions, cos_sin, cache, slots)
         history_offset = seq * (window - 1)
         chunk_offset = history.shape[0] + ctx.query_start[seq]
         indices = ops.swa_prefill_indices(ctx.positions, ctx.chunk_start_of_token, history_offset,
                                           chunk_offset, window, visible)
-        buffers = [history, chunk]
+        buffers, main_keys = [history, chunk], None
         if selected is not None:
             key_slots, first = self._compressed_keys(ctx, cache)
             buffers.append(ops.kv_load(cache.compressed, key_slots, cfg.compressed_cache_format))
             base = history.shape[0] + chunk.shape[0] + first[seq]
             shifted = torch.where(selected >= 0, selected + base.unsqueeze(1).to(selected.dtype), selected)
+            main_keys = indices.shape[1]
             indices = torch.cat((indices, shifted.to(indices.dtype)), dim=1)
-        out, _ = ops.mla_sparse_prefill(q, torch.cat(buffers).to(q.dtype), indices, self.attn_sink, self.scale)
-        recent = ctx.positions >= (ctx.context_lens[seq] - ring)
-        slots = ops.swa_ring_slots(ctx.slot_of_token[recent], ctx.positions[recent], ring)
-        ops.kv_store(cache.swa_ring, slots, kv[recent], fmt)
+        out, _ = ops.mla_sparse_prefill(q, torch.cat(buffers).to(q.dtype), indices, self.attn_sink, self.scale,
+                                        main_keys=main_keys)
         return out
 
-    def _attend_decode(self, q, kv, selected, ctx, cache, visible):
+    def _attend_decode(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
         ops, cfg = self.ops, self.cfg
         ring, fmt = cfg.swa_ring_size, cfg.swa_cache_format
-        ops.kv_store(cache.swa_ring, ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring), kv, fmt)
+        slots = ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring)
+        self.swa_keys(kv_latent, ctx.positions, cos_sin, cache, slots)
         batch, s_q = ctx.num_seqs, ctx.decode_query_len
         if ctx.draft_block:
             key_end = ctx.context_lens[ctx.seq_of_token] - 1

@@ -9,6 +9,7 @@ from torch import nn
 
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.deepseek_v41.block import Block
+from deepinfer.models.deepseek_v41.cache import LayerCache
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.layers import Linear, RMSNorm
 
@@ -66,9 +67,16 @@ class DraftBlock(Block):
         self.ops = ops
 
     def main_keys(self, features: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """This layer's main-cache keys from the target features at ``positions``."""
-        main = self.main_norm(self.main_proj(features))
-        return self.ops.apply_rope(self.attn.kv_norm(self.attn.wkv(main)), positions, cos_sin)
+        """This layer's main-cache keys from the target features at ``positions`` (not stored)."""
+        return self.ops.apply_rope(self.attn.kv_norm(self._main_latent(features)), positions, cos_sin)
+
+    def store_main_keys(self, features: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                        cache: LayerCache, slots: torch.Tensor) -> None:
+        """:meth:`main_keys`, fused with their store in this layer's SWA ring at flat ``slots``."""
+        self.attn.swa_keys(self._main_latent(features), positions, cos_sin, cache, slots)
+
+    def _main_latent(self, features: torch.Tensor) -> torch.Tensor:
+        return self.attn.wkv(self.main_norm(self.main_proj(features)))
 
     def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W1[previous], logit correction W2 @ W1[previous])`` of the bigram head."""

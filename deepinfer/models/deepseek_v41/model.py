@@ -94,15 +94,14 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
         """Store every draft layer's main keys (from the mean-over-streams target features) in its
         own SWA ring at the target tokens' positions."""
-        cfg, ring = self.cfg, self.cfg.swa_ring_size
+        ring = self.cfg.swa_ring_size
         if not self.mtp:
             raise ValueError("write_draft_cache needs a model with DSpark draft layers (num_nextn_predict_layers > 0)")
         recent = ctx.positions >= ctx.context_lens[ctx.seq_of_token] - ring
         positions = ctx.positions[recent]
         slots = self.ops.swa_ring_slots(ctx.slot_of_token[recent], positions, ring)
         for block, cache in zip(self.mtp, caches.draft_layers):
-            keys = block.main_keys(features[recent], positions, self.rope_swa)
-            self.ops.kv_store(cache.swa_ring, slots, keys, cfg.swa_cache_format)
+            block.store_main_keys(features[recent], positions, self.rope_swa, cache, slots)
 
     def draft_forward(self, ctx: ForwardContext, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
         """One parallel DSpark pass over each sequence's block ``[golden, noise, ...]``.
