@@ -7,7 +7,8 @@ TFLOP/s, their ratios to the two ceilings and to the roofline floor ``max(bytes 
 flops / dense_rate)``. Kernels are compiled first, in parallel processes, so compile time stays
 out of the run.
 
-    python experiments/bench_ops.py [--sweep quick|full] [--jobs N] [--out DIR] [hydra overrides...]
+    python experiments/bench_ops.py [--sweep quick|full] [--only NAME_PART ...] [--jobs N] [--out DIR]
+        [hydra overrides...]
 
 Prints a table and writes ``sm100_ops_<card>.csv`` (e.g. ``sm100_ops_h200.csv``) (card, date, command on every row) under
 ``experiments/results/`` or ``--out``.
@@ -132,9 +133,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=8, help="processes compiling kernels before the run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--backend", default="sm100")
+    parser.add_argument("--only", nargs="+", help="only points whose name contains one of these strings")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the app config")
     args = parser.parse_args()
-    names = [n for n, p in POINTS.items() if args.sweep == "full" or p.quick]
+    names = [n for n, p in POINTS.items() if (args.sweep == "full" or p.quick)
+             and (not args.only or any(part in n for part in args.only))]
     card = torch.cuda.get_device_name().replace(" ", "_")
     stamp = {"card": card, "date": datetime.datetime.now().isoformat(timespec="seconds"),
              "command": " ".join(["python", *sys.argv])}
@@ -160,7 +163,7 @@ def main() -> None:
             print(_line(rows[-1]), flush=True)
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"sm100_ops_{card.lower().removeprefix("nvidia_")}.csv"
+    path = args.out / f"sm100_ops_{card.lower().removeprefix('nvidia_')}.csv"
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()

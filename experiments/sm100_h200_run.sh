@@ -2,9 +2,10 @@
 # The sm100 GPU session in one command, run from the repo root on the device machine: unpack the
 # carried TileLang (made by ../shared/tools/pack_tilelang.sh into .carry/) and wheels, then the
 # chosen stages; logs and results go to $OUT.
-#   parity  the parity grid with numbers (experiments/sm100_parity.py)
+#   parity  the parity grid with numbers (experiments/sm100_parity.py; PARITY_OPS="op ..." limits it)
 #   checks  the kernels' own self-checks (bytes of the fused KV store, quantized grouped GEMM)
-#   bench   the op benchmark (experiments/bench_ops.py --sweep $SWEEP, default quick)
+#   invariance  the sm100 batch-invariant table, op by op (tests/backends/test_sm100_gpu_invariance.py)
+#   bench   the op benchmark (experiments/bench_ops.py --sweep $SWEEP, default quick; BENCH_ONLY="name part ...")
 #   cost    the decode cost of engine.batch_invariant on sm100 (experiments/invariance_cost.py)
 #   ncu     where the MLA decode kernel's time goes
 #   bash experiments/sm100_h200_run.sh [stages...]   (default: parity bench ncu)
@@ -20,20 +21,27 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --f
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__)" | tee -a "$out/card.txt"
 stages=${*:-parity bench ncu}
 if [[ $stages == *parity* ]]; then
-  timeout 240 python3 experiments/sm100_parity.py --out "$out" >"$out/parity.log" 2>&1
-  grep -E "fail|error" "$out"/sm100_parity_*.txt | head -20; tail -3 "$out/parity.log"
+  timeout 240 python3 experiments/sm100_parity.py --out "$out" ${PARITY_OPS:+--ops $PARITY_OPS} >"$out/parity.log" 2>&1
+  grep -v TileLang "$out/parity.log" | grep -E " (pass|fail|error) " | head -60
   echo "parity done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *checks* ]]; then
   for module in kv_norm_rope_store grouped_gemm_quant; do
-    timeout 90 python3 -m deepinfer_backends.sm100.kernels.$module 2>&1 | grep -v "TileLang" | tail -12 \
-      | tee "$out/check_$module.log"
+    timeout 120 python3 -m deepinfer_backends.sm100.kernels.$module ${CHECK_ARGS:-} 2>&1 | grep -v "TileLang" \
+      | tail -14 | tee "$out/check_$module.log"
   done
   echo "checks done at $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *invariance* ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rA --tb=short tests/backends/test_sm100_gpu_invariance.py \
+    >"$out/gpu_invariance.log" 2>&1
+  grep -E "^(E |FAILED|PASSED|[0-9]+ (passed|failed))" "$out/gpu_invariance.log" | head -40
+  echo "invariance done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *bench* ]]; then
   reserve=0; [[ $stages == *cost* ]] && reserve=90
   timeout $(( $(left) - reserve )) python3 experiments/bench_ops.py --sweep "${SWEEP:-quick}" --out "$out" \
+    ${BENCH_ONLY:+--only $BENCH_ONLY} \
     >"$out/bench.log" 2>&1
   grep -v "^compiled .*: ok" "$out/bench.log" | tail -60
   echo "bench done at $(( $(date +%s) - start )) s"

@@ -5,7 +5,7 @@ the op's own tolerance) and prints, per op x case, pass / fail / skipped with th
 mean absolute error of every output. Ops the backend declares unsupported are listed with the
 reason.
 
-    python experiments/sm100_parity.py [--backend sm100] [--out DIR]
+    python experiments/sm100_parity.py [--backend sm100] [--out DIR] [--ops OP ...]
 
 Writes ``<backend>_parity_<card>.txt`` and ``.csv`` (card, date, command on every row).
 """
@@ -65,13 +65,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="sm100")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--ops", nargs="+", help="only these ops (default: every op)")
     args = parser.parse_args()
     backend = get_backend(args.backend)
     card = torch.cuda.get_device_name().replace(" ", "_")
     stamp = {"card": card, "date": datetime.datetime.now().isoformat(timespec="seconds"),
              "command": " ".join(["python", *sys.argv])}
     rows = []
-    for op in sorted(SPECS):
+    for op in sorted(args.ops or SPECS):
         if op not in backend.implementations():
             rows.append({**stamp, "op": op, "case": "*", "status": "unsupported",
                          "detail": backend.unsupported_reasons().get(op, "")})
@@ -80,7 +81,7 @@ def main() -> None:
             rows.append({**stamp, "op": op, "case": case.name, **run_case(backend, op, case.name)})
             print(_line(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    base = args.out / f"{args.backend}_parity_{card.lower().removeprefix("nvidia_")}"
+    base = args.out / f"{args.backend}_parity_{card.lower().removeprefix('nvidia_')}"
     with open(f"{base}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()

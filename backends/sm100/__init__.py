@@ -16,8 +16,8 @@ IMPLEMENTED = ("grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear",
                "mla_sparse_prefill", "rms_norm")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
-    "kv_store": "the model stores SWA keys through kv_norm_rope_store; the compressed-cache store has "
-                + _NOT_YET,
+    "kv_store": "the model stores its SWA, compressed and indexer keys through kv_norm_rope_store (fused kernel "
+                "for fp8, bf16, fp4 and index_fp4 rows); a bare kv_store has " + _NOT_YET,
 }
 INVARIANT = {
     "grouped_gemm": "fixed 64 x 128 tiles whatever the row count; each output element is one wgmma sequence "

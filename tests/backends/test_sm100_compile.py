@@ -84,14 +84,15 @@ def test_kv_norm_rope_store_refuses_what_it_does_not_cover():
     ops = get_backend("sm100").implementations()
     latent, positions, cos_sin = torch.randn(2, 512, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), \
         torch.zeros(4, 64)
-    with pytest.raises(UnsupportedInput, match=r"cache format 'fp4' is not implemented \(fp8 and bf16 are\).*"
-                                               r"overrides\.kv_norm_rope_store=reference"):
-        ops["kv_norm_rope_store"](latent, torch.ones(512), 1e-6, positions, cos_sin,
-                                  torch.zeros(4, 288, dtype=torch.uint8), positions, "fp4")
-    with pytest.raises(UnsupportedInput, match=r"x must be a bfloat16 CUDA tensor, got torch.float32 on cpu.*"
-                                               r"overrides\.kv_norm_rope_store=reference"):
-        ops["kv_norm_rope_store"](latent.float(), torch.ones(512), 1e-6, positions, cos_sin,
-                                  torch.zeros(4, 528, dtype=torch.uint8), positions, "fp8")
+    with pytest.raises(UnsupportedInput, match=r"cache format 'index_bf16' is not implemented \(fp8, bf16, fp4, "
+                                               r"index_fp4 are\).*overrides\.kv_norm_rope_store=reference"):
+        ops["kv_norm_rope_store"](latent[:, :128], torch.ones(128), 1e-6, positions, cos_sin,
+                                  torch.zeros(4, 256, dtype=torch.uint8), positions, "index_bf16")
+    for x in (latent, latent.half()):  # on the CPU, then not a float type the kernel reads
+        with pytest.raises(UnsupportedInput, match=rf"x must be a bfloat16 or float32 CUDA tensor, got {x.dtype} "
+                                                   r"on cpu.*overrides\.kv_norm_rope_store=reference"):
+            ops["kv_norm_rope_store"](x, torch.ones(512), 1e-6, positions, cos_sin,
+                                      torch.zeros(4, 288, dtype=torch.uint8), positions, "fp4")
 
 
 def test_tile_schedule_covers_each_segment_once():
@@ -119,6 +120,10 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "indexer_logits": ("indexer_logits", "indexer_logits", (64, 128), {}, True),
     "kv_norm_rope_store": ("kv_norm_rope_store", "kv_norm_rope_store", (512, 64, 1e-6, "fp8"), {}, False),
     "kv_norm_rope_store_bf16": ("kv_norm_rope_store", "kv_norm_rope_store", (512, 64, 1e-6, "bf16"), {}, False),
+    "kv_norm_rope_store_fp4": ("kv_norm_rope_store", "kv_norm_rope_store", (512, 64, 1e-6, "fp4", "float32"), {},
+                               False),
+    "kv_norm_rope_store_index_fp4": ("kv_norm_rope_store", "kv_norm_rope_store",
+                                     (128, 64, 1e-6, "index_fp4", "bfloat16"), {}, False),
 }
 
 
@@ -141,7 +146,7 @@ def test_kernel_lowers_for_hopper(name):
 
 @needs_tilelang
 @pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode", "rms_norm", "indexer_logits",
-                                  "kv_norm_rope_store"])
+                                  "kv_norm_rope_store", "kv_norm_rope_store_index_fp4"])
 def test_kernel_compiles_for_hopper_on_wgmma(name):
     """nvcc and ptxas accept the generated code for sm_90a, and the matrix kernels' PTX holds
     wgmma (the Hopper tensor-core path), not the older mma.sync or scalar FMA only."""
@@ -170,13 +175,15 @@ def test_matrix_kernels_lower_for_blackwell_on_mma(name):
 
 
 @needs_tilelang
-def test_kv_norm_rope_store_rounds_like_the_reference():
-    """The fp8 store kernel's PTX: IEEE sqrt and division (torch's 1 / sqrt on a CPU), a saturating
-    round-to-nearest e4m3 conversion, and no approximate transcendental (the scale comes from bits)."""
+@pytest.mark.parametrize("name", ["kv_norm_rope_store", "kv_norm_rope_store_fp4"])
+def test_kv_norm_rope_store_rounds_like_the_reference(name):
+    """The fp8 and fp4 store kernels' PTX: IEEE sqrt and division (torch's 1 / sqrt on a CPU), a
+    saturating round-to-nearest e4m3 conversion (fp8 values, fp4 scales), and no approximate
+    transcendental (scales come from bits)."""
     from deepinfer_backends.sm100 import toolchain
 
     if not toolchain.nvcc_available():
         pytest.skip("nvcc is not on the PATH")
-    ptx = toolchain.compile_ptx(_lower("kv_norm_rope_store", toolchain.HOPPER), toolchain.HOPPER)
+    ptx = toolchain.compile_ptx(_lower(name, toolchain.HOPPER), toolchain.HOPPER)
     assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert not any(approx in ptx for approx in ("rsqrt.approx", "lg2.approx", "ex2.approx", "div.approx"))

@@ -34,8 +34,9 @@ def _inputs(op: str, case: str) -> dict:
     return _to_device(inputs, CUDA)
 
 
-@pytest.mark.parametrize("op,case", [(op, case) for op in ("linear", "rms_norm", "indexer_logits", "mla_sparse_decode",
-                                                           "mla_sparse_prefill") for case in _bf16_cases(op)])
+@pytest.mark.parametrize("op,case", [(op, case) for op in ("linear", "rms_norm", "indexer_logits", "kv_norm_rope_store",
+                                                           "mla_sparse_decode", "mla_sparse_prefill")
+                                     for case in _bf16_cases(op)])
 def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, case):
     impl = _table()[1][op]
     inputs = _inputs(op, case)

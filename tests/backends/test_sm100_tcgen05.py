@@ -99,13 +99,13 @@ def test_switch_on_hopper_raises(monkeypatch):
                                                   ("1", toolchain.HOPPER, None)])
 def test_mla_sparse_decode_wrapper_follows_the_switch(monkeypatch, switch, arch, module):
     """The wrapper asks the switch at dispatch (its CUDA check and the compile are stubbed out)."""
-    from deepinfer_backends.sm100 import wrappers
+    from deepinfer_backends.sm100 import attention, wrappers
 
     monkeypatch.setenv(toolchain.TCGEN05_SWITCH, switch)
     _arch(monkeypatch, arch)
     compiled = []
-    monkeypatch.setattr(wrappers, "_cuda_bf16", lambda *args: None)
-    monkeypatch.setattr(wrappers, "compiled", lambda *args, **kwargs: compiled.append(args[:2]) or (lambda *t: None))
+    monkeypatch.setattr(attention, "cuda_bf16", lambda *args: None)
+    monkeypatch.setattr(attention, "compiled", lambda *args, **kwargs: compiled.append(args[:2]) or (lambda *t: None))
     args = (torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16), torch.zeros(4, 528, dtype=torch.uint8),
             torch.zeros(1, 1, 64, dtype=torch.int32), torch.zeros(64), 512 ** -0.5)
     if module is None:

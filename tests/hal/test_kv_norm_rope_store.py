@@ -40,12 +40,19 @@ def test_matches_the_unfused_ops_bitwise(case):
     assert torch.equal(fused_cache, unfused_cache)
 
 
-@pytest.mark.parametrize("case", CASES)
+ORACLE_CASES = [c.name for c in SPECS["kv_norm_rope_store"].cases
+                if not (c.dtype == torch.bfloat16 and "fp4" in c.name)]
+"""The float64 oracle does not round to bf16 between the norm and RoPE, which moves a bf16 case's
+values by up to 2^-8: enough to flip e2m1 codes, whose steps (1/4 to 1/2 of the block scale) no
+tolerance that still checks fp8 allows. Those cases are checked bitwise against the unfused ops."""
+
+
+@pytest.mark.parametrize("case", ORACLE_CASES)
 def test_matches_float64(case):
     check_against_oracle("kv_norm_rope_store", case, fused_float64)
 
 
-@pytest.mark.parametrize("case", ["tiny_fp8", "tiny_bf16_cache_bf16"])
+@pytest.mark.parametrize("case", ["tiny_fp8", "tiny_bf16_cache_bf16", "tiny_fp4", "tiny_index_fp4_bf16"])
 def test_skipped_rows_are_computed_but_not_stored(case):
     args = _inputs(case)
     before = args["cache"].clone()

@@ -1,11 +1,12 @@
-"""The SWA key path in one op: RMSNorm, RoPE on the trailing dims, encode in a cache format, store.
+"""A cache key path in one op: RMSNorm, RoPE on the trailing dims, encode in a cache format, store.
 
 V4.1 projects each token's SWA latent (``Wkv.A``, 512 values), normalises it, rotates its last 64
 dims and stores it in the sequence's SWA ring in the cache format (FP8 e4m3 with UE8M0 per-32
-scales by default). The op also returns what a reader of the cache sees (the quantize-dequantize
-copy), so prefill attends to exactly the keys decode reads back. Decode stores every token;
-prefill stores only the ring's recent tokens (slot ``-1`` for the others) but attends to the
-returned copy of all of them."""
+scales by default). The compressed keys (``fp4``, 512 values) and the indexer's keys
+(``index_fp4``, 128 values) take the same path. The op also returns what a reader of the cache
+sees (the quantize-dequantize copy), so prefill attends to exactly the keys decode reads back.
+Decode stores every token; prefill stores only the ring's recent tokens (slot ``-1`` for the
+others) but attends to the returned copy of all of them."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ def kv_norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positi
     """``keys = apply_rope(rms_norm(x, weight, eps), positions, cos_sin)`` stored as
     ``kv_store(cache, slots, keys, fmt)``; returns ``kv_cast(keys, fmt)`` in ``x.dtype``.
 
-    ``x``: float ``[T, D]`` (``D`` the format's dim, 512 for ``fp8`` and ``bf16``); ``weight``
+    ``x``: float ``[T, D]`` (``D`` the format's dim: 512, or 128 for ``index_fp4``); ``weight``
     ``[D]``; ``positions`` int64 ``[T]`` rows of ``cos_sin`` (float32 ``[P, R]``, the trailing
     ``R`` dims rotate); ``cache`` uint8 ``[..., bytes_per_token]``, written in place at flat rows
     ``slots`` (int64 ``[T]``; ``-1`` computes the row but does not store it; valid slots must be
@@ -62,7 +63,10 @@ def _case(tokens: int, fmt: str, ring_rows: int, skipped: int, dtype=torch.float
 _ONE_E4M3_STEP = 2.0 ** -3
 """A backend sums the row's squares in its own order, so a bf16 rounding of a normed value may
 flip, and with it (rarely) the e4m3 rounding of that value: one e4m3 step is at most 1/8 of the
-value. The stored bytes are checked exactly by the backends' own self-checks."""
+value. An e2m1 code (``fp4``, ``index_fp4``) is farther from its neighbours than this allows, but
+it flips only when the moved bf16 value also lies within one bf16 ulp of a code threshold, rarer
+still (well under one value per case here). The stored bytes are checked exactly by the backends'
+own self-checks."""
 
 register(OpSpec(
     name="kv_norm_rope_store",
@@ -79,6 +83,16 @@ register(OpSpec(
         OpCase("v41_prefill_fp8_bf16", _case(512, "fp8", 1024, 384, torch.bfloat16, table=4096),
                size="real", dtype=torch.bfloat16),
         OpCase("v41_prefill_fp8", _case(128, "fp8", 256, 64), size="real"),
+        OpCase("tiny_fp4", _case(5, "fp4", 12, 1)),
+        OpCase("tiny_index_fp4", _case(5, "index_fp4", 12, 1)),
+        OpCase("tiny_fp4_bf16", _case(7, "fp4", 16, 2, torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("tiny_index_fp4_bf16", _case(7, "index_fp4", 16, 2, torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("v41_compressed_fp4", _case(64, "fp4", 256, 0, table=1 << 16), size="real"),
+        OpCase("v41_index_fp4", _case(64, "index_fp4", 256, 0, table=1 << 16), size="real"),
+        OpCase("v41_compressed_fp4_bf16", _case(256, "fp4", 1024, 32, torch.bfloat16, table=1 << 16),
+               size="real", dtype=torch.bfloat16),
+        OpCase("v41_index_fp4_bf16", _case(256, "index_fp4", 1024, 32, torch.bfloat16, table=1 << 16),
+               size="real", dtype=torch.bfloat16),
     ),
     tolerances={torch.float32: Tolerance(1e-4, _ONE_E4M3_STEP), torch.bfloat16: Tolerance(2e-2, _ONE_E4M3_STEP)},
 ))

@@ -85,14 +85,15 @@ class Attention(nn.Module):
         rows = emit.nonzero().squeeze(1)
         if rows.numel() == 0:
             return
-        pre_rope = comp.norm(packed[rows].to(latent.dtype))
+        keys = packed[rows].to(latent.dtype)
         index = (ctx.positions[rows] + 1) // self.ratio - 1
         key_pos = index * self.ratio
         slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token[rows], index)
-        ops.kv_store(cache.compressed, slots, ops.apply_rope(pre_rope, key_pos, cos_sin),
-                     self.cfg.compressed_cache_format)
-        index_k = ops.apply_rope(self.indexer.k_norm(self.indexer.wk(pre_rope)), key_pos, cos_sin)
-        ops.kv_store(cache.index_k, slots, index_k, "index_fp4")
+        ops.kv_norm_rope_store(keys, comp.norm.weight, comp.norm.eps, key_pos, cos_sin, cache.compressed, slots,
+                               self.cfg.compressed_cache_format)
+        pre_rope, k_norm = comp.norm(keys), self.indexer.k_norm  # the indexer projects the keys before RoPE
+        ops.kv_norm_rope_store(self.indexer.wk(pre_rope), k_norm.weight, k_norm.eps, key_pos, cos_sin, cache.index_k,
+                               slots, "index_fp4")
 
     def swa_keys(self, latent: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache: LayerCache,
                  slots: torch.Tensor) -> torch.Tensor:

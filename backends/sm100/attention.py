@@ -1,0 +1,171 @@
+"""sm100 attention wrappers (HAL ``mla_sparse_decode``, ``mla_sparse_prefill``, ``indexer_logits``):
+layouts checked, heads padded to the kernel's head block, split-KV chosen (or off), lists aligned
+to key blocks."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.formats import token_format
+from deepinfer.hal.ops.kv_cache import cache_rows
+from deepinfer_backends.sm100 import toolchain
+from deepinfer_backends.sm100.launch import compiled, cuda_bf16, require
+
+HEAD_BLOCK = 64
+
+
+def _check_indices(op: str, name: str, indices: torch.Tensor, leading: tuple[int, ...]) -> None:
+    if indices.dtype != torch.int32 or tuple(indices.shape[:-1]) != leading or indices.dim() != len(leading) + 1:
+        raise ValueError(f"{op}: {name} must be int32 [{', '.join(map(str, leading))}, K], got {indices.dtype} "
+                         f"{tuple(indices.shape)}")
+
+
+def _pad_heads(q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [rows, h, D]`` and ``sink [h]`` padded to a multiple of the kernel's head block."""
+    heads = q.shape[1]
+    padded = -(-heads // HEAD_BLOCK) * HEAD_BLOCK
+    if padded == heads:
+        return q.contiguous(), sink.float().contiguous()
+    q_pad = q.new_zeros(q.shape[0], padded, q.shape[2])
+    q_pad[:, :heads] = q
+    sink_pad = sink.new_zeros(padded, dtype=torch.float32)
+    sink_pad[:heads] = sink
+    return q_pad, sink_pad
+
+
+def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float, main_format: str,
+               split_kv: bool):
+    """Run ``sparse_mla`` on flat rows ``q [rows, h, D]``; returns ``(out [rows, h, D], lse)``."""
+    rows, heads, dim = q.shape
+    q_pad, sink_pad = _pad_heads(q, sink)
+    padded = q_pad.shape[1]
+    main_keys, extra_keys = main_idx.shape[1], (extra_idx.shape[1] if extra is not None else 0)
+    if extra is None:
+        extra = torch.zeros(1, token_format("fp4").bytes_per_token, dtype=torch.uint8, device=q.device)
+        extra_idx = torch.full((rows, 1), -1, dtype=torch.int32, device=q.device)
+    splits = split_count(rows * padded // HEAD_BLOCK, -(-main_keys // 64), -(-extra_keys // 64), q.device) \
+        if split_kv else 1
+    config = (padded, dim, main_keys, extra_keys, float(scale), main_format)
+    module = toolchain.kernel_module(op, "mla_sparse_decode")  # decode only: prefill keeps the portable kernel
+    out = torch.empty(rows, padded, dim, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(rows, padded, dtype=torch.float32, device=q.device)
+    if rows:
+        kernel = compiled(module, "sparse_mla", *config, splits=splits)
+        if splits == 1:
+            kernel(q_pad, main, main_idx.contiguous(), extra, extra_idx.contiguous(), sink_pad, out, lse)
+        else:
+            out_part = torch.empty(splits, rows, padded, dim, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(splits, rows, padded, dtype=torch.float32, device=q.device)
+            kernel(q_pad, main, main_idx.contiguous(), extra, extra_idx.contiguous(), sink_pad, out_part, lse_part)
+            compiled("mla_sparse_decode", "combine", padded, dim, splits)(out_part, lse_part, sink_pad, out, lse)
+    if padded == heads:
+        return out, lse
+    return out[:, :heads].contiguous(), lse[:, :heads].contiguous()
+
+
+def split_count(ctas: int, main_blocks: int, extra_blocks: int, device: torch.device) -> int:
+    """KV splits for ``ctas`` CTAs: the count (up to 16) that minimises waves x key blocks per
+    split, where each split takes an equal, block-padded slice of both key lists."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def cost(splits: int) -> int:
+        return -(-ctas * splits // sms) * (-(-main_blocks // splits) - (-extra_blocks // splits))
+
+    return min(range(1, 17), key=lambda splits: (cost(splits), splits))
+
+
+def mla_sparse_decode(q, cache, indices, sink, scale, cache_format="fp8", extra_cache=None, extra_indices=None,
+                      extra_format="fp4", split_kv: bool = True):
+    """HAL ``mla_sparse_decode`` on the tensor cores: bf16 ``q [B, s_q, h, 512]``, main cache ``fp8``
+    (528 B) or ``bf16`` rows, optional ``fp4`` (288 B) extra cache beside an fp8 main cache. ``split_kv=False`` keeps one
+    CTA per row (the batch-invariant order). Index values past the cache are treated as padding."""
+    op = "mla_sparse_decode"
+    require(cache_format in ("fp8", "bf16"), op, f"main cache format {cache_format!r} is not implemented "
+             f"(fp8 and bf16 are)")
+    if (extra_cache is None) != (extra_indices is None):
+        raise ValueError(f"{op}: extra_cache and extra_indices go together")
+    require(extra_cache is None or (extra_format == "fp4" and cache_format == "fp8"), op,
+             f"an extra cache in {extra_format!r} beside a {cache_format!r} main cache is not implemented "
+             f"(fp4 beside fp8 is)")
+    cuda_bf16(op, "q", q)
+    if q.dim() != 4 or q.shape[-1] != 512:
+        raise ValueError(f"{op}: q must be [B, s_q, h, 512], got {tuple(q.shape)}")
+    batch, s_q, heads, dim = q.shape
+    rows = cache_rows(cache, token_format(cache_format))
+    main = rows.view(torch.bfloat16) if cache_format == "bf16" else rows
+    _check_indices(op, "indices", indices, (batch, s_q))
+    extra = None
+    if extra_cache is not None:
+        _check_indices(op, "extra_indices", extra_indices, (batch, s_q))
+        extra = cache_rows(extra_cache, token_format("fp4"))
+        extra_indices = extra_indices.reshape(batch * s_q, -1)
+    _check_sink(op, sink, heads)
+    out, lse = _attention(op, q.reshape(batch * s_q, heads, dim), main, indices.reshape(batch * s_q, -1), extra,
+                          extra_indices, sink, scale, cache_format, split_kv)
+    return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
+
+
+def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None, split_kv: bool = True):
+    """HAL ``mla_sparse_prefill`` on the tensor cores: bf16 ``q [T, h, D]``, ``kv [S, D]``
+    (D a multiple of 64, up to 512). With ``main_keys``, the main list is padded with ``-1`` to
+    whole key blocks, as the decode kernel pads it, so both paths walk the same blocks."""
+    op = "mla_sparse_prefill"
+    cuda_bf16(op, "q", q)
+    cuda_bf16(op, "kv", kv)
+    if q.dim() != 3 or kv.dim() != 2 or kv.shape[1] != q.shape[2]:
+        raise ValueError(f"{op}: expects q [T, h, D] and kv [S, D]; got q {tuple(q.shape)}, kv {tuple(kv.shape)}")
+    require(q.shape[2] % 64 == 0 and q.shape[2] <= 512, op, f"D={q.shape[2]} must be a multiple of 64 up to 512")
+    _check_indices(op, "indices", indices, (q.shape[0],))
+    _check_sink(op, sink, q.shape[1])
+    if main_keys is not None and not (isinstance(main_keys, int) and 0 <= main_keys <= indices.shape[1]):
+        raise ValueError(f"{op}: main_keys must be an int in [0, K={indices.shape[1]}], got {main_keys!r}")
+    return _attention(op, q, kv.contiguous(), align_lists(indices, main_keys), None, None, sink, scale, "bf16",
+                      split_kv)
+
+
+def align_lists(indices: torch.Tensor, main_keys: int | None, block: int = 64) -> torch.Tensor:
+    """``indices [T, K]`` with its first ``main_keys`` columns padded by ``-1`` to a multiple of
+    ``block`` (the decode kernel's key block) when another list follows them."""
+    pad = -(main_keys or 0) % block
+    if main_keys is None or not pad or main_keys == indices.shape[1]:
+        return indices
+    filler = indices.new_full((indices.shape[0], pad), -1)
+    return torch.cat((indices[:, :main_keys], filler, indices[:, main_keys:]), dim=1)
+
+
+def _check_sink(op: str, sink: torch.Tensor, heads: int) -> None:
+    if sink.shape != (heads,):
+        raise ValueError(f"{op}: sink must be float32 [h={heads}], got {tuple(sink.shape)}")
+
+
+def indexer_logits(q, k, weights, q_format="mxfp4"):
+    """HAL ``indexer_logits``: q cast through MXFP4 here (exact in bf16), then one tensor-core
+    GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect).
+
+    The GEMM reads bf16: float32 keys are rounded to bf16, which is exact for the model's keys
+    (decoded from the FP4 index cache: e2m1 times a power of two), as are MXFP4-cast queries."""
+    op = "indexer_logits"
+    require(q.is_cuda and k.is_cuda, op, f"q and k must be CUDA tensors, got {q.device} and {k.device}")
+    floats = (torch.bfloat16, torch.float32)
+    require(q.dtype in floats and k.dtype in floats, op, f"q and k must be bfloat16 or float32, got {q.dtype} "
+                                                          f"and {k.dtype}")
+    from deepinfer.hal.ops.indexer import Q_FORMATS
+    from deepinfer.hal.formats import cast_back
+
+    if q_format not in Q_FORMATS or q.ndim != 3 or k.ndim != 2 or k.shape[1] != q.shape[2] \
+            or weights.shape != q.shape[:2] or (q_format == "mxfp4" and q.shape[2] % 32):
+        from deepinfer.hal.ops.indexer import indexer_logits as reference
+
+        return reference(q, k, weights, q_format)  # raises the HAL's own message
+    tokens, heads, dim = q.shape
+    queries = cast_back(q, "mxfp4", 32).to(torch.bfloat16) if q_format == "mxfp4" else q
+    heads_pad, dim_pad = -(-heads // 64) * 64, -(-dim // 32) * 32
+    q_in = torch.zeros(tokens, heads_pad, dim_pad, dtype=torch.bfloat16, device=q.device)
+    q_in[:, :heads, :dim] = queries
+    k_in = torch.zeros(k.shape[0], dim_pad, dtype=torch.bfloat16, device=k.device)
+    k_in[:, :dim] = k
+    w_in = torch.zeros(tokens, heads_pad, dtype=torch.float32, device=q.device)
+    w_in[:, :heads] = weights.float()
+    logits = torch.empty(tokens, k.shape[0], dtype=torch.float32, device=q.device)
+    if tokens and k.shape[0]:
+        compiled("indexer_logits", "indexer_logits", heads_pad, dim_pad)(q_in, k_in, w_in, logits)
+    return logits

@@ -1,0 +1,173 @@
+"""sm100 GEMM wrappers (HAL ``grouped_gemm`` and ``linear``): bf16 operands on the TMA + wgmma
+kernel, block-scaled FP8 / MXFP4 operands on the decode-to-bf16 kernel; ``linear`` is the grouped
+GEMM with one expert. Tiles are picked from the shape, or fixed in the batch-invariant mode."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from deepinfer.hal.formats import Quantized
+from deepinfer_backends.sm100 import toolchain
+from deepinfer_backends.sm100.launch import compiled, cuda_bf16, require
+
+INVARIANT_TILES = {"block_m": 64, "block_n": 128, "threads": 128}
+"""GEMM tiles of the batch-invariant mode: one shape whatever the row count (each output element
+is then the same wgmma sequence over K, in order)."""
+
+
+def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """``y[seg e] = x[seg e] @ weight[e].T`` (HAL ``grouped_gemm``): bf16 operands (bf16 result), or
+    a Quantized weight (``"fp8"`` / ``"mxfp4"``) beside a bf16 or ``"fp8"`` x (float32 result, see
+    :func:`_grouped_gemm_quant`). ``group_sizes`` must sum to ``M`` (not checked on the device:
+    that would cost a host sync). ``batch_invariant`` fixes the tiles (:data:`INVARIANT_TILES`);
+    there is never a split over K."""
+    op = "grouped_gemm"
+    if isinstance(x, Quantized) or isinstance(weight, Quantized):
+        return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant)
+    cuda_bf16(op, "x", x)
+    cuda_bf16(op, "weight", weight)
+    if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(f"grouped_gemm expects x [M, K] and weight [E, N, K]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if group_sizes.dtype != torch.int64 or tuple(group_sizes.shape) != (weight.shape[0],):
+        raise ValueError(f"group_sizes must be int64 [{weight.shape[0]}], got {group_sizes.dtype} "
+                         f"{tuple(group_sizes.shape)}")
+    require(x.shape[1] % 8 == 0, op, f"K={x.shape[1]} must be a multiple of 8 (16-byte rows for TMA)")
+    from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
+
+    x, weight = x.contiguous(), weight.contiguous()
+    tiles = gemm_tiles(x.shape[0], *weight.shape, batch_invariant=batch_invariant)
+    module = toolchain.kernel_module(op, "grouped_gemm")  # the tcgen05 variant only with DEEPINFER_SM100_TCGEN05=1
+    y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        schedule = tile_schedule(group_sizes.to(x.device), x.shape[0], tiles["block_m"])
+        kernel = compiled(module, "grouped_gemm_bf16", *weight.shape, **tiles)
+        kernel(x, weight, schedule[0], schedule[1], schedule[2], y)
+    return y
+
+
+QUANT_BLOCK_K = 128
+QUANT_MAX_K = 8192
+"""K block of the block-scaled grouped GEMM, and its largest K (each CTA keeps its rows' scale
+bytes for the whole K in shared memory)."""
+
+
+def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: bool,
+                        op: str = "grouped_gemm") -> torch.Tensor:
+    """``grouped_gemm`` with block-scaled operands: bf16 or ``"fp8"`` x, ``"fp8"`` or ``"mxfp4"``
+    weight, UE8M0 scales per 32 along K. Decoded exactly to bf16 in the kernel; float32 result,
+    like the reference."""
+    from deepinfer.hal.ops.grouped_gemm import logical_shape
+
+    require(isinstance(weight, Quantized) and weight.fmt in ("fp8", "mxfp4") and weight.block == 32, op,
+             f"the block-scaled kernel takes a weight Quantized 'fp8' or 'mxfp4' with block 32, got "
+             f"{_operand_kind(weight)}")
+    require(not isinstance(x, Quantized) or (x.fmt == "fp8" and x.block == 32), op,
+             f"x must be bfloat16 or Quantized 'fp8' with block 32, got {_operand_kind(x)}")
+    if not isinstance(x, Quantized):
+        cuda_bf16(op, "x", x)
+    x_shape, w_shape = logical_shape(x, "x", ("fp8",)), logical_shape(weight, "weight", ("fp8", "mxfp4"))
+    if len(x_shape) != 2 or len(w_shape) != 3 or w_shape[2] != x_shape[1]:
+        raise ValueError(f"grouped_gemm expects x [M, K] and weight [E, N, K]; got x {tuple(x_shape)}, "
+                         f"weight {tuple(w_shape)}")
+    if group_sizes.dtype != torch.int64 or tuple(group_sizes.shape) != (w_shape[0],):
+        raise ValueError(f"group_sizes must be int64 [{w_shape[0]}], got {group_sizes.dtype} "
+                         f"{tuple(group_sizes.shape)}")
+    rows, k = x_shape
+    require(k % QUANT_BLOCK_K == 0 and k <= QUANT_MAX_K, op,
+             f"K={k} must be a multiple of {QUANT_BLOCK_K} and at most {QUANT_MAX_K} for the block-scaled kernel")
+    x_data, x_scale = (x.data, x.scale) if isinstance(x, Quantized) else (x, None)
+    tensors = [t for t in (x_data, x_scale, weight.data, weight.scale) if t is not None]
+    require(all(t.is_cuda for t in tensors), op,
+             f"operands must be CUDA tensors, got {[str(t.device) for t in tensors]}")
+    require(all(t.dtype == torch.uint8 for t in (x_scale, weight.scale) if t is not None), op,
+             "scales must be uint8 (UE8M0 bytes)")
+    from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
+
+    if x_scale is None:  # bf16 x: the kernel leaves x_scale unread
+        x_scale = torch.zeros(1, k // 32, dtype=torch.uint8, device=x_data.device)
+    # 64- or 128-row tiles as for bf16; always 128 columns (shared memory) and two consumer warpgroups (decode work)
+    tiles = {**gemm_tiles(rows, w_shape[0], w_shape[1], k, batch_invariant=batch_invariant), "block_n": 128,
+             "threads": 256}
+    y = torch.empty(rows, w_shape[1], dtype=torch.float32, device=x_data.device)
+    if rows:
+        schedule = tile_schedule(group_sizes.to(x_data.device), rows, tiles["block_m"])
+        kernel = compiled("grouped_gemm_quant", "grouped_gemm_quant", *w_shape,
+                          "fp8" if isinstance(x, Quantized) else "bf16", weight.fmt, block_k=QUANT_BLOCK_K, **tiles)
+        kernel(x_data.contiguous(), x_scale.contiguous(), weight.data.contiguous(), weight.scale.contiguous(),
+               schedule[0], schedule[1], schedule[2], y)
+    return y
+
+
+def _operand_kind(operand) -> str:
+    if isinstance(operand, Quantized):
+        return f"Quantized {operand.fmt!r} with block {operand.block}"
+    if isinstance(operand, torch.Tensor):
+        return f"a {operand.dtype} tensor"
+    return type(operand).__name__
+
+
+def linear(x, weight, batch_invariant: bool = False) -> torch.Tensor:
+    """HAL ``linear``, ``y[..., N] = x[..., K] @ weight[N, K].T``: the grouped GEMM kernel with
+    one expert (its tile schedule built once per row count, with no host sync)."""
+    op = "linear"
+    if isinstance(x, Quantized) or isinstance(weight, Quantized):
+        return _linear_quant(x, weight, batch_invariant)
+    cuda_bf16(op, "x", x)
+    cuda_bf16(op, "weight", weight)
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    require(x.shape[-1] % 8 == 0, op, f"K={x.shape[-1]} must be a multiple of 8 (16-byte rows for TMA)")
+    flat, weight = x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous()
+    rows, n = flat.shape[0], weight.shape[0]
+    tiles = gemm_tiles(rows, 1, n, weight.shape[1], batch_invariant=batch_invariant)
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        schedule = _single_expert_schedule(rows, tiles["block_m"], x.device)
+        kernel = compiled("grouped_gemm", "grouped_gemm_bf16", 1, *weight.shape, **tiles)
+        kernel(flat, weight.unsqueeze(0), schedule[0], schedule[1], schedule[2], y)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _linear_quant(x, weight, batch_invariant: bool) -> torch.Tensor:
+    """``linear`` with block-scaled operands: the block-scaled grouped GEMM with one expert."""
+    def rows(operand):
+        if not isinstance(operand, Quantized):
+            return operand.reshape(-1, operand.shape[-1])
+        return Quantized(operand.data.reshape(-1, operand.data.shape[-1]),
+                         operand.scale.reshape(-1, operand.scale.shape[-1]), operand.fmt, operand.block)
+
+    def one_expert(operand):
+        if not isinstance(operand, Quantized):
+            return operand.unsqueeze(0)
+        return Quantized(operand.data.unsqueeze(0), operand.scale.unsqueeze(0), operand.fmt, operand.block)
+
+    data = x.data if isinstance(x, Quantized) else x
+    w_data = weight.data if isinstance(weight, Quantized) else weight
+    if data.dim() < 1 or w_data.dim() != 2:
+        raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(data.shape)}, "
+                         f"weight {tuple(w_data.shape)}")
+    flat = rows(x)
+    count = (flat.data if isinstance(flat, Quantized) else flat).shape[0]
+    sizes = torch.full((1,), count, dtype=torch.int64, device=data.device)
+    y = _grouped_gemm_quant(flat, one_expert(weight), sizes, batch_invariant, op="linear")
+    return y.reshape(*data.shape[:-1], y.shape[-1])
+
+
+@functools.lru_cache(maxsize=512)
+def _single_expert_schedule(rows: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """:func:`tile_schedule` of one expert holding all ``rows`` (made on ``device`` directly)."""
+    first = torch.arange(0, rows, block_m, dtype=torch.int32, device=device)
+    return torch.stack((torch.zeros_like(first), first, torch.full_like(first, rows)))
+
+
+def gemm_tiles(rows: int, experts: int, n: int, k: int, batch_invariant: bool = False) -> dict[str, int]:
+    """Tile sizes: 64-row tiles when the average segment is short (decode), 128 otherwise; with
+    ``batch_invariant`` always :data:`INVARIANT_TILES`, whatever the row count."""
+    if batch_invariant:
+        return dict(INVARIANT_TILES)
+    block_m = 64 if rows < 64 * experts else 128
+    block_n = 256 if n >= 256 and block_m == 128 else 128
+    return {"block_m": block_m, "block_n": block_n, "threads": 256 if block_m == 128 else 128}
