@@ -7,6 +7,7 @@
 #   invariance  the sm100 batch-invariant table, op by op (tests/backends/test_sm100_gpu_invariance.py)
 #   bench   the op benchmark (experiments/bench_ops.py --sweep $SWEEP, default quick; BENCH_ONLY="name part ...")
 #   cost    the decode cost of engine.batch_invariant on sm100 (experiments/invariance_cost.py)
+#   mla     sparse MLA decode and prefill points, portable then warp-specialised kernel (DEEPINFER_SM100_MLA_WS=1)
 #   ncu     where the MLA decode kernel's time goes
 #   bash experiments/sm100_h200_run.sh [stages...]   (default: parity bench ncu)
 set -u
@@ -45,6 +46,14 @@ if [[ $stages == *bench* ]]; then
     >"$out/bench.log" 2>&1
   grep -v "^compiled .*: ok" "$out/bench.log" | tail -60
   echo "bench done at $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *mla* ]]; then
+  for kernel in 0 1; do
+    DEEPINFER_SM100_MLA_WS=$kernel timeout 200 python3 experiments/bench_ops.py --out "$out/mla_ws$kernel" \
+      --only decode prefill_h64_t1024 prefill_h128_t4096 >"$out/mla_ws$kernel.log" 2>&1
+    echo "DEEPINFER_SM100_MLA_WS=$kernel"; grep -E "^mla" "$out/mla_ws$kernel.log" | tail -12
+  done
+  echo "mla done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *cost* ]]; then
   timeout $(( $(left) )) python3 experiments/invariance_cost.py --repeats 3 --backend sm100 --tag sm100 \

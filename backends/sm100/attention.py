@@ -11,6 +11,21 @@ from deepinfer_backends.sm100 import toolchain
 from deepinfer_backends.sm100.launch import compiled, cuda_bf16, require
 
 HEAD_BLOCK = 64
+KEY_BLOCK = {"sparse_mla": 64, "sparse_mla_ws": 32}
+"""Keys per block of each sparse MLA kernel: a row's online softmax steps through its lists in
+blocks of this many keys, whatever the batch."""
+
+
+def mla_kernel(op: str) -> tuple[str, str, dict]:
+    """``(kernels module, factory, options)`` of the sparse MLA kernel serving ``op``: the portable
+    kernel, the tcgen05 decode variant (``DEEPINFER_SM100_TCGEN05=1``), or the warp-specialised
+    kernel for decode and prefill alike (``DEEPINFER_SM100_MLA_WS=1``, see ``kernels/mla_sparse_ws.py``)."""
+    if toolchain.switch(toolchain.MLA_WS_SWITCH):
+        if toolchain.tcgen05_requested():
+            raise RuntimeError(f"{toolchain.MLA_WS_SWITCH}=1 and {toolchain.TCGEN05_SWITCH}=1 each choose a sparse "
+                               f"MLA kernel; set one of them")
+        return "mla_sparse_ws", "sparse_mla_ws", {"block_k": KEY_BLOCK["sparse_mla_ws"]}
+    return toolchain.kernel_module(op, "mla_sparse_decode"), "sparse_mla", {}
 
 
 def _check_indices(op: str, name: str, indices: torch.Tensor, leading: tuple[int, ...]) -> None:
@@ -45,11 +60,11 @@ def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float,
     splits = split_count(rows * padded // HEAD_BLOCK, -(-main_keys // 64), -(-extra_keys // 64), q.device) \
         if split_kv else 1
     config = (padded, dim, main_keys, extra_keys, float(scale), main_format)
-    module = toolchain.kernel_module(op, "mla_sparse_decode")  # decode only: prefill keeps the portable kernel
+    module, factory, options = mla_kernel(op)
     out = torch.empty(rows, padded, dim, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(rows, padded, dtype=torch.float32, device=q.device)
     if rows:
-        kernel = compiled(module, "sparse_mla", *config, splits=splits)
+        kernel = compiled(module, factory, *config, splits=splits, **options)
         if splits == 1:
             kernel(q_pad, main, main_idx.contiguous(), extra, extra_idx.contiguous(), sink_pad, out, lse)
         else:
@@ -63,12 +78,13 @@ def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float,
 
 
 def split_count(ctas: int, main_blocks: int, extra_blocks: int, device: torch.device) -> int:
-    """KV splits for ``ctas`` CTAs: the count (up to 16) that minimises waves x key blocks per
-    split, where each split takes an equal, block-padded slice of both key lists."""
+    """KV splits for ``ctas`` CTAs: the count (up to 16) that minimises waves x work per CTA, where
+    each split takes an equal, block-padded slice of both key lists and every CTA also pays about
+    one key block of fixed cost (loading its queries and key lists)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def cost(splits: int) -> int:
-        return -(-ctas * splits // sms) * (-(-main_blocks // splits) - (-extra_blocks // splits))
+    def cost(splits: int) -> int:  # waves x (key blocks of a split + about one block of fixed cost per CTA)
+        return -(-ctas * splits // sms) * (-(-main_blocks // splits) - (-extra_blocks // splits) + 1)
 
     return min(range(1, 17), key=lambda splits: (cost(splits), splits))
 
@@ -122,9 +138,10 @@ def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None
                       split_kv)
 
 
-def align_lists(indices: torch.Tensor, main_keys: int | None, block: int = 64) -> torch.Tensor:
+def align_lists(indices: torch.Tensor, main_keys: int | None, block: int | None = None) -> torch.Tensor:
     """``indices [T, K]`` with its first ``main_keys`` columns padded by ``-1`` to a multiple of
-    ``block`` (the decode kernel's key block) when another list follows them."""
+    ``block`` (default: the serving kernel's key block) when another list follows them."""
+    block = block or KEY_BLOCK[mla_kernel("mla_sparse_prefill")[1]]
     pad = -(main_keys or 0) % block
     if main_keys is None or not pad or main_keys == indices.shape[1]:
         return indices

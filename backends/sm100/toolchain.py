@@ -11,6 +11,8 @@ import tempfile
 HOPPER = "sm_90a"
 BLACKWELL = "sm_100a"
 TCGEN05_SWITCH = "DEEPINFER_SM100_TCGEN05"
+MLA_WS_SWITCH = "DEEPINFER_SM100_MLA_WS"
+"""``1``: sparse MLA (decode and prefill) runs the warp-specialised kernel ``mla_sparse_ws``."""
 TCGEN05_VARIANTS = {"grouped_gemm": "grouped_gemm_tcgen05", "mla_sparse_decode": "mla_sparse_decode_tcgen05"}
 """Ops with a Blackwell tcgen05/TMEM kernel (op -> kernels module). Compiled for sm_100a but never
 run on hardware, so they serve only when ``DEEPINFER_SM100_TCGEN05=1`` (see :func:`kernel_module`)."""
@@ -47,10 +49,14 @@ def kernel_module(op: str, portable: str) -> str:
 
 def tcgen05_requested() -> bool:
     """Whether ``DEEPINFER_SM100_TCGEN05`` asks for the tcgen05 kernels (``1``; ``0`` or unset: no)."""
-    value = os.environ.get(TCGEN05_SWITCH, "0")
+    return switch(TCGEN05_SWITCH)
+
+
+def switch(name: str) -> bool:
+    """An on/off environment switch: ``1`` is on, ``0`` or unset off; anything else raises."""
+    value = os.environ.get(name, "0")
     if value not in ("0", "1", ""):
-        raise ValueError(f"{TCGEN05_SWITCH}={value!r}: expected 1 (tcgen05 kernels, Blackwell only) or 0 / unset "
-                         f"(the portable kernels)")
+        raise ValueError(f"{name}={value!r}: expected 1 (on) or 0 / unset (off)")
     return value == "1"
 
 

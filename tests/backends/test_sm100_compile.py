@@ -106,6 +106,37 @@ def test_tile_schedule_covers_each_segment_once():
     assert len(expert) == -(-197 // 64) + len(sizes)
 
 
+def test_split_count_weighs_each_ctas_fixed_cost(monkeypatch):
+    """Hand-worked on 132 SMs: cost = waves x (key blocks of a split + 1)."""
+    from types import SimpleNamespace
+
+    from deepinfer_backends.sm100.attention import split_count
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    assert split_count(1024, 10, 0, "cuda") == 1  # prefill rows fill 8 waves: 8 x 11 beats 16 x 6 and 39 x 3
+    assert split_count(256, 2, 8, "cuda") == 1  # 2 x 11 beats 4 x 6
+    assert split_count(64, 2, 8, "cuda") == 2  # 1 x 6 beats 1 x 11 and 2 x 5
+    assert split_count(1, 2, 8, "cuda") == 8  # 1 x 3: one block of each list per split
+
+
+def test_sparse_mla_kernel_is_chosen_by_switch_and_lists_align_to_its_key_block(monkeypatch):
+    from deepinfer_backends.sm100.attention import align_lists, mla_kernel
+
+    monkeypatch.delenv("DEEPINFER_SM100_MLA_WS", raising=False)
+    monkeypatch.delenv("DEEPINFER_SM100_TCGEN05", raising=False)
+    indices = torch.arange(6, dtype=torch.int32).reshape(1, 6)
+    assert mla_kernel("mla_sparse_decode") == ("mla_sparse_decode", "sparse_mla", {})
+    assert align_lists(indices, 2).tolist() == [[0, 1] + [-1] * 62 + [2, 3, 4, 5]]
+    monkeypatch.setenv("DEEPINFER_SM100_MLA_WS", "1")
+    for op in ("mla_sparse_decode", "mla_sparse_prefill"):
+        assert mla_kernel(op) == ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32})
+    assert align_lists(indices, 2).tolist() == [[0, 1] + [-1] * 30 + [2, 3, 4, 5]]
+    assert align_lists(indices, 6) is indices and align_lists(indices, None) is indices
+    monkeypatch.setenv("DEEPINFER_SM100_TCGEN05", "1")
+    with pytest.raises(RuntimeError, match="each choose a sparse MLA kernel"):
+        mla_kernel("mla_sparse_decode")
+
+
 KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor cores)
     "grouped_gemm": ("grouped_gemm", "grouped_gemm_bf16", (4, 2048, 4096), {}, True),
     "grouped_gemm_small_tiles": ("grouped_gemm", "grouped_gemm_bf16", (2, 24, 96),
@@ -115,6 +146,9 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
                                 {"splits": 2}, True),
     "mla_sparse_decode_combine": ("mla_sparse_decode", "combine", (64, 512, 4), {}, False),
     "mla_sparse_prefill": ("mla_sparse_decode", "sparse_mla", (64, 64, 8, 0, 64 ** -0.5, "bf16"), {}, True),
+    "mla_sparse_ws": ("mla_sparse_ws", "sparse_mla_ws", (64, 512, 128, 512, 512 ** -0.5, "fp8"), {}, True),
+    "mla_sparse_ws_split_bf16": ("mla_sparse_ws", "sparse_mla_ws", (128, 64, 100, 0, 0.1, "bf16"), {"splits": 3},
+                                 True),
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
     "rms_norm_small": ("rms_norm", "rms_norm", (96, 1e-6, "float", None), {"threads": 32}, False),
     "indexer_logits": ("indexer_logits", "indexer_logits", (64, 128), {}, True),
@@ -145,7 +179,7 @@ def test_kernel_lowers_for_hopper(name):
 
 
 @needs_tilelang
-@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode", "rms_norm", "indexer_logits",
+@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode", "mla_sparse_ws", "rms_norm", "indexer_logits",
                                   "kv_norm_rope_store", "kv_norm_rope_store_index_fp4"])
 def test_kernel_compiles_for_hopper_on_wgmma(name):
     """nvcc and ptxas accept the generated code for sm_90a, and the matrix kernels' PTX holds
@@ -158,6 +192,20 @@ def test_kernel_compiles_for_hopper_on_wgmma(name):
     assert toolchain.assemble(ptx, toolchain.HOPPER)[:4] == b"\x7fELF"
     if KERNELS[name][4]:
         assert "wgmma.mma_async.sync.aligned" in ptx and "mma.sync.aligned" not in ptx
+
+
+@needs_tilelang
+def test_warp_specialised_mla_splits_its_warpgroups_and_streams_keys_by_cp_async():
+    """Consumers raise their register budget and the producer lowers its own; the producer gathers
+    by predicated cp.async (zero-filled padding) and meets the others on mbarriers, with one
+    producer barrier per key block rather than one per decode step."""
+    source = _lower("mla_sparse_ws", "sm_90a")
+    producer = source[source.index("warpgroup_reg_dealloc<80>"):]
+    assert "warpgroup_reg_alloc<240>" in source and "warpgroup_reg_alloc<168>" in source
+    assert "cp_async_gs_conditional<16>" in producer and "k_ready[" in producer and "k_free[" in producer
+    assert producer.count("__sync_thread_partial") == 1
+    bf16 = _lower("mla_sparse_ws_split_bf16", "sm_90a")
+    assert "mbarrier_cp_async_arrive_noinc" in bf16[bf16.index("warpgroup_reg_dealloc<80>"):]
 
 
 @needs_tilelang

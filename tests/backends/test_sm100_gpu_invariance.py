@@ -34,10 +34,17 @@ def _inputs(op: str, case: str) -> dict:
     return _to_device(inputs, CUDA)
 
 
-@pytest.mark.parametrize("op,case", [(op, case) for op in ("linear", "rms_norm", "indexer_logits", "kv_norm_rope_store",
-                                                           "mla_sparse_decode", "mla_sparse_prefill")
-                                     for case in _bf16_cases(op)])
-def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, case):
+MLA_KERNELS = {"portable": "0", "warp_specialised": "1"}
+"""The sparse MLA kernels (value of ``DEEPINFER_SM100_MLA_WS``)."""
+
+
+@pytest.mark.parametrize("op,case,mla", [(op, case, mla) for op in ("linear", "rms_norm", "indexer_logits",
+                                                                    "kv_norm_rope_store", "mla_sparse_decode",
+                                                                    "mla_sparse_prefill")
+                                         for case in _bf16_cases(op)
+                                         for mla in (MLA_KERNELS if op.startswith("mla") else ["portable"])])
+def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, case, mla, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_SM100_MLA_WS", MLA_KERNELS[mla])
     impl = _table()[1][op]
     inputs = _inputs(op, case)
     rows = [name for name in ROW_ARGS[op] if inputs.get(name) is not None]
@@ -67,9 +74,11 @@ def test_grouped_gemm_row_does_not_depend_on_its_segment(case):
         assert torch.equal(batched[where * 7], alone[0]), f"{case}: row {row} differs at position {where * 7}"
 
 
-def test_a_token_gets_the_same_bits_through_prefill_and_decode():
+@pytest.mark.parametrize("mla", MLA_KERNELS)
+def test_a_token_gets_the_same_bits_through_prefill_and_decode(mla, monkeypatch):
     """Decode reads the fp8 main and fp4 extra caches; prefill reads the same decoded keys from a
     bf16 buffer, with ``main_keys`` marking where decode's main list ends."""
+    monkeypatch.setenv("DEEPINFER_SM100_MLA_WS", MLA_KERNELS[mla])
     table = _table()[1]
     args = _inputs("mla_sparse_decode", "tiny_bf16_fp8_fp4")
     q, batch, s_q = args["q"], args["q"].shape[0], args["q"].shape[1]
@@ -78,7 +87,7 @@ def test_a_token_gets_the_same_bits_through_prefill_and_decode():
     indices = args["indices"].reshape(batch * s_q, -1)
     shifted = args["extra_indices"].reshape(batch * s_q, -1)
     shifted = torch.where(shifted >= 0, shifted + main.shape[0], shifted)
-    assert indices.shape[1] % 64, "the case must leave the main list short of a whole key block"
+    assert indices.shape[1] % 32, "the case must leave the main list short of a whole key block"
     out, lse = table["mla_sparse_decode"](**args)
     prefill_out, prefill_lse = table["mla_sparse_prefill"](
         q.reshape(batch * s_q, *q.shape[2:]), torch.cat((main, extra)).to(torch.bfloat16),
