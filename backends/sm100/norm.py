@@ -7,6 +7,7 @@ from deepinfer.hal.formats import token_format
 from deepinfer.hal.ops.kv_cache import cache_rows
 from deepinfer_backends.sm100.launch import compiled, require
 
+
 def rms_norm(x, weight, eps, residual=None):
     """HAL ``rms_norm`` (+ residual): one CTA per row, float32 math, bf16 or float32 rows."""
     op = "rms_norm"

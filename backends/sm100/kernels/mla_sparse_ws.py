@@ -94,25 +94,24 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                                               extra_idx[row, T.min(col_extra, max(extra_keys, 1) - 1)], -1), -1))
 
     @T.macro
+    def fetch_rows(cache, chunks, keys_s, t, raw, slot, p):
+        """Issue this producer thread's share of block ``t``'s raw rows of ``cache`` (``chunks``
+        16-byte cp.async units a row; a padding key's row is zero-filled, and zero bytes decode to 0)."""
+        for c in T.unroll(-(-block_k * chunks // 128)):
+            unit = c * 128 + p
+            if unit < block_k * chunks:
+                key = keys_s[t * block_k + unit // chunks]
+                T.ptx_cp_async(T.access_ptr(raw[slot, unit // chunks, (unit % chunks) * 16], "w", 16),
+                               T.access_ptr(cache[T.max(key, 0), (unit % chunks) * 16], "r", 16), 16,
+                               predicate=key >= 0)
+
+    @T.macro
     def fetch_raw(main, extra, keys_s, t, raw, slot, p):
-        """Issue this producer thread's share of block ``t``'s raw rows (16-byte cp.async; a padding
-        key's row is zero-filled, and zero bytes decode to 0)."""
+        """Block ``t``'s raw rows: from the main cache for its first blocks, then from the extra cache."""
         if t < main_blocks:
-            for c in T.unroll(-(-block_k * chunks_main // 128)):
-                unit = c * 128 + p
-                if unit < block_k * chunks_main:
-                    key = keys_s[t * block_k + unit // chunks_main]
-                    T.ptx_cp_async(T.access_ptr(raw[slot, unit // chunks_main, (unit % chunks_main) * 16], "w", 16),
-                                   T.access_ptr(main[T.max(key, 0), (unit % chunks_main) * 16], "r", 16), 16,
-                                   predicate=key >= 0)
+            fetch_rows(main, chunks_main, keys_s, t, raw, slot, p)
         elif extra_keys:
-            for c in T.unroll(-(-block_k * chunks_extra // 128)):
-                unit = c * 128 + p
-                if unit < block_k * chunks_extra:
-                    key = keys_s[t * block_k + unit // chunks_extra]
-                    T.ptx_cp_async(T.access_ptr(raw[slot, unit // chunks_extra, (unit % chunks_extra) * 16], "w", 16),
-                                   T.access_ptr(extra[T.max(key, 0), (unit % chunks_extra) * 16], "r", 16), 16,
-                                   predicate=key >= 0)
+            fetch_rows(extra, chunks_extra, keys_s, t, raw, slot, p)
 
     @T.macro
     def fetch_bf16(main, keys_s, t, k_s, stage, p):
