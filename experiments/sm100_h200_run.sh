@@ -8,6 +8,7 @@
 #   bench   the op benchmark (experiments/bench_ops.py --sweep $SWEEP, default quick; BENCH_ONLY="name part ...")
 #   cost    the decode cost of engine.batch_invariant on sm100 (experiments/invariance_cost.py)
 #   mla     sparse MLA decode and prefill points, portable then warp-specialised kernel (DEEPINFER_SM100_MLA_WS=1)
+#   gemm    the bf16 grouped GEMM kernels side by side on the MoE shapes (experiments/grouped_gemm_kernels.py)
 #   ncu     where the MLA decode kernel's time goes
 #   bash experiments/sm100_h200_run.sh [stages...]   (default: parity bench ncu)
 set -u
@@ -54,6 +55,11 @@ if [[ $stages == *mla* ]]; then
     echo "DEEPINFER_SM100_MLA_WS=$kernel"; grep -E "^mla" "$out/mla_ws$kernel.log" | tail -12
   done
   echo "mla done at $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *gemm* ]]; then
+  timeout 400 python3 experiments/grouped_gemm_kernels.py --out "$out" >"$out/grouped_gemm_kernels.log" 2>&1
+  grep -E "^(edge|EP|dense|NVIDIA)" "$out/grouped_gemm_kernels.log" | tail -40
+  echo "gemm done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *cost* ]]; then
   timeout $(( $(left) )) python3 experiments/invariance_cost.py --repeats 3 --backend sm100 --tag sm100 \

@@ -141,6 +141,9 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "grouped_gemm": ("grouped_gemm", "grouped_gemm_bf16", (4, 2048, 4096), {}, True),
     "grouped_gemm_small_tiles": ("grouped_gemm", "grouped_gemm_bf16", (2, 24, 96),
                                  {"block_m": 64, "block_n": 128, "threads": 128}, True),
+    "grouped_gemm_ws": ("grouped_gemm_ws", "grouped_gemm_bf16_ws", (4, 2048, 4096), {}, True),
+    "grouped_gemm_ws_small_tiles": ("grouped_gemm_ws", "grouped_gemm_bf16_ws", (2, 24, 96),
+                                    {"block_m": 64, "block_n": 128}, True),
     "mla_sparse_decode": ("mla_sparse_decode", "sparse_mla", (64, 512, 128, 512, 512 ** -0.5, "fp8"), {}, True),
     "mla_sparse_decode_split": ("mla_sparse_decode", "sparse_mla", (128, 512, 6, 5, 512 ** -0.5, "fp8"),
                                 {"splits": 2}, True),
@@ -179,8 +182,8 @@ def test_kernel_lowers_for_hopper(name):
 
 
 @needs_tilelang
-@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode", "mla_sparse_ws", "rms_norm", "indexer_logits",
-                                  "kv_norm_rope_store", "kv_norm_rope_store_index_fp4"])
+@pytest.mark.parametrize("name", ["grouped_gemm", "grouped_gemm_ws", "mla_sparse_decode", "mla_sparse_ws", "rms_norm",
+                                  "indexer_logits", "kv_norm_rope_store", "kv_norm_rope_store_index_fp4"])
 def test_kernel_compiles_for_hopper_on_wgmma(name):
     """nvcc and ptxas accept the generated code for sm_90a, and the matrix kernels' PTX holds
     wgmma (the Hopper tensor-core path), not the older mma.sync or scalar FMA only."""
@@ -206,6 +209,57 @@ def test_warp_specialised_mla_splits_its_warpgroups_and_streams_keys_by_cp_async
     assert producer.count("__sync_thread_partial") == 1
     bf16 = _lower("mla_sparse_ws_split_bf16", "sm_90a")
     assert "mbarrier_cp_async_arrive_noinc" in bf16[bf16.index("warpgroup_reg_dealloc<80>"):]
+
+
+@needs_tilelang
+def test_sparse_mla_gathers_without_a_barrier_per_copy():
+    """The key lists sit in static shared memory (when they fit), which TileLang's sync pass tracks
+    apart from the dynamic buffer the gathers write: no cp.async of a gather loop follows a barrier
+    of its own. A list too long for static shared memory stays dynamic."""
+    source = _lower("mla_sparse_decode", "sm_90a")
+    assert "__shared__ __align__(16) int main_idx_s[128]" in source
+    assert "__shared__ __align__(16) int extra_idx_s[512]" in source
+    lines = [line.strip() for line in source.splitlines() if line.strip()]
+    copies = [i for i, line in enumerate(lines) if "cp_async_gs_conditional" in line]
+    assert copies and all(lines[i - 1] != "__syncthreads();" for i in copies)
+    from deepinfer_backends.sm100 import toolchain
+    from deepinfer_backends.sm100.kernels.mla_sparse_decode import sparse_mla
+
+    long_list = toolchain.lower_source(sparse_mla, 64, 512, 16384, 0, 512 ** -0.5, "bf16")
+    assert "main_idx_s = ((void*)((char*)buf_dyn_shmem" in long_list
+
+
+@needs_tilelang
+def test_warp_specialised_grouped_gemm_keeps_one_k_block_in_flight():
+    """The producer warpgroup alone issues the TMA loads; each consumer warpgroup issues one 64-row
+    m64n256 wgmma chain per k-block (only while its rows hold some of the tile's rows), waits until
+    at most one chain is in flight and then frees the previous block's ring slot."""
+    source = _lower("grouped_gemm_ws", "sm_90a")
+    producer = source[source.index("warpgroup_reg_dealloc<40>"):source.index("warpgroup_reg_alloc<232>")]
+    consumer = source[source.index("warpgroup_reg_alloc<232>"):]
+    assert producer.count("tl::tma_load") == 2 and "tma_load" not in consumer
+    assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 256, 16" in consumer
+    live, issue, wait = consumer.index("if (live[0])"), consumer.index("wgmma_ss"), consumer.index("wait_wgmma<1>")
+    assert live < issue < wait < consumer.index("empty[((kb_1 + 3) & 3)].arrive()")
+    assert "wait_wgmma<0>" in consumer[wait:]
+
+
+def test_bf16_grouped_gemm_kernel_is_chosen_by_arch_and_mode(monkeypatch):
+    from deepinfer_backends.sm100 import gemm, toolchain
+
+    monkeypatch.delenv("DEEPINFER_SM100_TCGEN05", raising=False)
+    ws = gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.HOPPER)
+    assert ws == ("grouped_gemm_ws", "grouped_gemm_bf16_ws", {"block_m": 128, "block_n": 256, "num_stages": 4})
+    assert gemm.bf16_kernel(192, 48, 4096, 4096, toolchain.HOPPER)[2]["block_m"] == 64
+    assert gemm.bf16_kernel(40, 2, 24, 96, toolchain.HOPPER)[2]["block_n"] == 128
+    assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.HOPPER, batch_invariant=True) == \
+        ("grouped_gemm", "grouped_gemm_bf16", gemm.INVARIANT_TILES)
+    assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.BLACKWELL) == \
+        ("grouped_gemm", "grouped_gemm_bf16", gemm.gemm_tiles(12288, 48, 4096, 4096))
+    monkeypatch.setenv("DEEPINFER_SM100_TCGEN05", "1")
+    monkeypatch.setattr(toolchain, "device_arch", lambda device_index=0: toolchain.BLACKWELL)
+    assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.BLACKWELL)[:2] == ("grouped_gemm_tcgen05",
+                                                                                 "grouped_gemm_bf16")
 
 
 @needs_tilelang

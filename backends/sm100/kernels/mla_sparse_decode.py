@@ -20,6 +20,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 NEG = -1.0e30  # running-max start: finite, so a block with no valid key gives exp2(-inf - NEG) = 0
 ROW_BYTES = {"bf16": 1024, "fp8": 528, "fp4": 288}
+STATIC_LIST_BYTES = 32 * 1024  # of the 48 KB of static shared memory a CTA may hold
 _PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
@@ -138,6 +139,10 @@ def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: flo
     lse_shape = (rows, heads) if splits == 1 else (splits, rows, heads)
     main_per_split, extra_per_split = -(-main_keys // (block_k * splits)), -(-extra_keys // (block_k * splits))
     shared = shared_macros(block_h, block_k, dim, main_format, scale, splits)
+    list_sizes = (splits * main_per_split * block_k, max(splits * extra_per_split, 1) * block_k)
+    # The key lists go to static shared memory when they fit: TileLang's sync pass sees all dynamic
+    # shared memory as one buffer, so a gather loop reading a list there got a barrier per iteration.
+    list_scope = "shared" if 4 * sum(list_sizes) <= STATIC_LIST_BYTES else "shared.dyn"
 
     @T.macro
     def attend(q_s, k_s, p_s, idx_s, base, acc_s, acc_o, m, m_prev, alpha, l, l_block):
@@ -160,8 +165,8 @@ def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: flo
             k_s = T.alloc_shared((block_k, dim), "bfloat16")
             p_s = T.alloc_shared((block_h, block_k), "bfloat16")
             raw = T.alloc_shared((block_k, ROW_BYTES["fp8"]), "uint8")
-            main_idx_s = T.alloc_shared((splits * main_per_split * block_k,), "int32")
-            extra_idx_s = T.alloc_shared((max(splits * extra_per_split, 1) * block_k,), "int32")
+            main_idx_s = T.alloc_shared((list_sizes[0],), "int32", scope=list_scope)
+            extra_idx_s = T.alloc_shared((list_sizes[1],), "int32", scope=list_scope)
             fp4_values = T.alloc_shared((16,), "float")
             acc_s = T.alloc_fragment((block_h, block_k), "float")
             acc_o = T.alloc_fragment((block_h, dim), "float")
