@@ -7,7 +7,7 @@
 #   invariance  the sm100 batch-invariant table, op by op (tests/backends/test_sm100_gpu_invariance.py)
 #   bench   the op benchmark (experiments/bench_ops.py --sweep $SWEEP, default quick; BENCH_ONLY="name part ...")
 #   cost    the decode cost of engine.batch_invariant on sm100 (experiments/invariance_cost.py)
-#   mla     sparse MLA decode and prefill points, portable then warp-specialised kernel (DEEPINFER_SM100_MLA_WS=1)
+#   mla     the sparse MLA kernels side by side on bench_ops's decode and prefill points (experiments/mla_kernels.py)
 #   gemm    the bf16 grouped GEMM kernels side by side on the MoE shapes (experiments/grouped_gemm_kernels.py)
 #   ncu     where the MLA decode kernel's time goes
 #   bash experiments/sm100_h200_run.sh [stages...]   (default: parity bench ncu)
@@ -49,11 +49,8 @@ if [[ $stages == *bench* ]]; then
   echo "bench done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *mla* ]]; then
-  for kernel in 0 1; do
-    DEEPINFER_SM100_MLA_WS=$kernel timeout 200 python3 experiments/bench_ops.py --out "$out/mla_ws$kernel" \
-      --only decode prefill_h64_t1024 prefill_h128_t4096 >"$out/mla_ws$kernel.log" 2>&1
-    echo "DEEPINFER_SM100_MLA_WS=$kernel"; grep -E "^mla" "$out/mla_ws$kernel.log" | tail -12
-  done
+  timeout 400 python3 experiments/mla_kernels.py --out "$out" >"$out/mla_kernels.log" 2>&1
+  grep -E "^(decode|prefill|NVIDIA)" "$out/mla_kernels.log" | tail -40
   echo "mla done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *gemm* ]]; then

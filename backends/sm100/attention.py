@@ -16,16 +16,17 @@ KEY_BLOCK = {"sparse_mla": 64, "sparse_mla_ws": 32}
 blocks of this many keys, whatever the batch."""
 
 
-def mla_kernel(op: str) -> tuple[str, str, dict]:
-    """``(kernels module, factory, options)`` of the sparse MLA kernel serving ``op``: the portable
-    kernel, the tcgen05 decode variant (``DEEPINFER_SM100_TCGEN05=1``), or the warp-specialised
-    kernel for decode and prefill alike (``DEEPINFER_SM100_MLA_WS=1``, see ``kernels/mla_sparse_ws.py``)."""
-    if toolchain.switch(toolchain.MLA_WS_SWITCH):
-        if toolchain.tcgen05_requested():
-            raise RuntimeError(f"{toolchain.MLA_WS_SWITCH}=1 and {toolchain.TCGEN05_SWITCH}=1 each choose a sparse "
-                               f"MLA kernel; set one of them")
+def mla_kernel(op: str, arch: str | None = None) -> tuple[str, str, dict]:
+    """``(kernels module, factory, options)`` of the sparse MLA kernel serving ``op`` on ``arch``
+    (default: this GPU's). On Hopper, the warp-specialised kernel (``kernels/mla_sparse_ws.py``)
+    serves decode and prefill alike unless ``DEEPINFER_SM100_MLA_PORTABLE=1``; with
+    ``DEEPINFER_SM100_TCGEN05=1``, decode runs its tcgen05 variant (Blackwell only); otherwise the
+    portable kernel."""
+    if toolchain.tcgen05_requested():
+        return toolchain.kernel_module(op, "mla_sparse_decode"), "sparse_mla", {}
+    if not toolchain.switch(toolchain.MLA_PORTABLE_SWITCH) and (arch or toolchain.device_arch()) == toolchain.HOPPER:
         return "mla_sparse_ws", "sparse_mla_ws", {"block_k": KEY_BLOCK["sparse_mla_ws"]}
-    return toolchain.kernel_module(op, "mla_sparse_decode"), "sparse_mla", {}
+    return "mla_sparse_decode", "sparse_mla", {}
 
 
 def _check_indices(op: str, name: str, indices: torch.Tensor, leading: tuple[int, ...]) -> None:

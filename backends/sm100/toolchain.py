@@ -11,8 +11,9 @@ import tempfile
 HOPPER = "sm_90a"
 BLACKWELL = "sm_100a"
 TCGEN05_SWITCH = "DEEPINFER_SM100_TCGEN05"
-MLA_WS_SWITCH = "DEEPINFER_SM100_MLA_WS"
-"""``1``: sparse MLA (decode and prefill) runs the warp-specialised kernel ``mla_sparse_ws``."""
+MLA_PORTABLE_SWITCH = "DEEPINFER_SM100_MLA_PORTABLE"
+"""``1``: sparse MLA (decode and prefill) runs the portable kernel ``mla_sparse_decode`` on Hopper
+too, instead of the warp-specialised ``mla_sparse_ws``."""
 TCGEN05_VARIANTS = {"grouped_gemm": "grouped_gemm_tcgen05", "mla_sparse_decode": "mla_sparse_decode_tcgen05"}
 """Ops with a Blackwell tcgen05/TMEM kernel (op -> kernels module). Compiled for sm_100a but never
 run on hardware, so they serve only when ``DEEPINFER_SM100_TCGEN05=1`` (see :func:`kernel_module`)."""

@@ -119,22 +119,21 @@ def test_split_count_weighs_each_ctas_fixed_cost(monkeypatch):
     assert split_count(1, 2, 8, "cuda") == 8  # 1 x 3: one block of each list per split
 
 
-def test_sparse_mla_kernel_is_chosen_by_switch_and_lists_align_to_its_key_block(monkeypatch):
+def test_sparse_mla_kernel_is_chosen_by_arch_and_switch_and_lists_align_to_its_key_block(monkeypatch):
+    from deepinfer_backends.sm100 import toolchain
     from deepinfer_backends.sm100.attention import align_lists, mla_kernel
 
-    monkeypatch.delenv("DEEPINFER_SM100_MLA_WS", raising=False)
+    monkeypatch.delenv("DEEPINFER_SM100_MLA_PORTABLE", raising=False)
     monkeypatch.delenv("DEEPINFER_SM100_TCGEN05", raising=False)
-    indices = torch.arange(6, dtype=torch.int32).reshape(1, 6)
-    assert mla_kernel("mla_sparse_decode") == ("mla_sparse_decode", "sparse_mla", {})
-    assert align_lists(indices, 2).tolist() == [[0, 1] + [-1] * 62 + [2, 3, 4, 5]]
-    monkeypatch.setenv("DEEPINFER_SM100_MLA_WS", "1")
     for op in ("mla_sparse_decode", "mla_sparse_prefill"):
-        assert mla_kernel(op) == ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32})
-    assert align_lists(indices, 2).tolist() == [[0, 1] + [-1] * 30 + [2, 3, 4, 5]]
-    assert align_lists(indices, 6) is indices and align_lists(indices, None) is indices
-    monkeypatch.setenv("DEEPINFER_SM100_TCGEN05", "1")
-    with pytest.raises(RuntimeError, match="each choose a sparse MLA kernel"):
-        mla_kernel("mla_sparse_decode")
+        assert mla_kernel(op, toolchain.HOPPER) == ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32})
+        assert mla_kernel(op, toolchain.BLACKWELL) == ("mla_sparse_decode", "sparse_mla", {})
+    monkeypatch.setenv("DEEPINFER_SM100_MLA_PORTABLE", "1")
+    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER) == ("mla_sparse_decode", "sparse_mla", {})
+    indices = torch.arange(6, dtype=torch.int32).reshape(1, 6)
+    assert align_lists(indices, 2, block=64).tolist() == [[0, 1] + [-1] * 62 + [2, 3, 4, 5]]
+    assert align_lists(indices, 2, block=32).tolist() == [[0, 1] + [-1] * 30 + [2, 3, 4, 5]]
+    assert align_lists(indices, 6, block=32) is indices and align_lists(indices, None, block=32) is indices
 
 
 KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor cores)
@@ -152,6 +151,8 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "mla_sparse_ws": ("mla_sparse_ws", "sparse_mla_ws", (64, 512, 128, 512, 512 ** -0.5, "fp8"), {}, True),
     "mla_sparse_ws_split_bf16": ("mla_sparse_ws", "sparse_mla_ws", (128, 64, 100, 0, 0.1, "bf16"), {"splits": 3},
                                  True),
+    "key_decode_fp8": ("key_decode", "decode_rows", ("fp8",), {}, False),
+    "key_decode_fp4": ("key_decode", "decode_rows", ("fp4",), {}, False),
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
     "rms_norm_small": ("rms_norm", "rms_norm", (96, 1e-6, "float", None), {"threads": 32}, False),
     "indexer_logits": ("indexer_logits", "indexer_logits", (64, 128), {}, True),
@@ -183,7 +184,8 @@ def test_kernel_lowers_for_hopper(name):
 
 @needs_tilelang
 @pytest.mark.parametrize("name", ["grouped_gemm", "grouped_gemm_ws", "mla_sparse_decode", "mla_sparse_ws", "rms_norm",
-                                  "indexer_logits", "kv_norm_rope_store", "kv_norm_rope_store_index_fp4"])
+                                  "indexer_logits", "kv_norm_rope_store", "kv_norm_rope_store_index_fp4",
+                                  "key_decode_fp4"])
 def test_kernel_compiles_for_hopper_on_wgmma(name):
     """nvcc and ptxas accept the generated code for sm_90a, and the matrix kernels' PTX holds
     wgmma (the Hopper tensor-core path), not the older mma.sync or scalar FMA only."""
@@ -198,17 +200,18 @@ def test_kernel_compiles_for_hopper_on_wgmma(name):
 
 
 @needs_tilelang
-def test_warp_specialised_mla_splits_its_warpgroups_and_streams_keys_by_cp_async():
+def test_warp_specialised_mla_splits_its_warpgroups_and_decodes_in_one_rolled_loop():
     """Consumers raise their register budget and the producer lowers its own; the producer gathers
-    by predicated cp.async (zero-filled padding) and meets the others on mbarriers, with one
-    producer barrier per key block rather than one per decode step."""
+    by predicated cp.async (zero-filled padding), decodes through the ``key_decode`` functions in one
+    rolled loop and meets the others on mbarriers, with one producer barrier per key block."""
     source = _lower("mla_sparse_ws", "sm_90a")
-    producer = source[source.index("warpgroup_reg_dealloc<80>"):]
-    assert "warpgroup_reg_alloc<240>" in source and "warpgroup_reg_alloc<168>" in source
+    producer = source[source.index("warpgroup_reg_dealloc<128>"):]
+    assert "warpgroup_reg_alloc<208>" in source and "warpgroup_reg_alloc<168>" in source
     assert "cp_async_gs_conditional<16>" in producer and "k_ready[" in producer and "k_free[" in producer
     assert producer.count("__sync_thread_partial") == 1
+    assert producer.count("dk_fp8x8(") == 1 and producer.count("dk_fp4x8(") == 1
     bf16 = _lower("mla_sparse_ws_split_bf16", "sm_90a")
-    assert "mbarrier_cp_async_arrive_noinc" in bf16[bf16.index("warpgroup_reg_dealloc<80>"):]
+    assert "mbarrier_cp_async_arrive_noinc" in bf16[bf16.index("warpgroup_reg_dealloc<96>"):]
 
 
 @needs_tilelang

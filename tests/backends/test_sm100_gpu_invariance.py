@@ -34,8 +34,8 @@ def _inputs(op: str, case: str) -> dict:
     return _to_device(inputs, CUDA)
 
 
-MLA_KERNELS = {"portable": "0", "warp_specialised": "1"}
-"""The sparse MLA kernels (value of ``DEEPINFER_SM100_MLA_WS``)."""
+MLA_KERNELS = {"portable": "1", "warp_specialised": "0"}
+"""The sparse MLA kernels on Hopper (value of ``DEEPINFER_SM100_MLA_PORTABLE``)."""
 
 
 @pytest.mark.parametrize("op,case,mla", [(op, case, mla) for op in ("linear", "rms_norm", "indexer_logits",
@@ -44,7 +44,7 @@ MLA_KERNELS = {"portable": "0", "warp_specialised": "1"}
                                          for case in _bf16_cases(op)
                                          for mla in (MLA_KERNELS if op.startswith("mla") else ["portable"])])
 def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, case, mla, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_SM100_MLA_WS", MLA_KERNELS[mla])
+    monkeypatch.setenv("DEEPINFER_SM100_MLA_PORTABLE", MLA_KERNELS[mla])
     impl = _table()[1][op]
     inputs = _inputs(op, case)
     rows = [name for name in ROW_ARGS[op] if inputs.get(name) is not None]
@@ -78,7 +78,7 @@ def test_grouped_gemm_row_does_not_depend_on_its_segment(case):
 def test_a_token_gets_the_same_bits_through_prefill_and_decode(mla, monkeypatch):
     """Decode reads the fp8 main and fp4 extra caches; prefill reads the same decoded keys from a
     bf16 buffer, with ``main_keys`` marking where decode's main list ends."""
-    monkeypatch.setenv("DEEPINFER_SM100_MLA_WS", MLA_KERNELS[mla])
+    monkeypatch.setenv("DEEPINFER_SM100_MLA_PORTABLE", MLA_KERNELS[mla])
     table = _table()[1]
     args = _inputs("mla_sparse_decode", "tiny_bf16_fp8_fp4")
     q, batch, s_q = args["q"], args["q"].shape[0], args["q"].shape[1]

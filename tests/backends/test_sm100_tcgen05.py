@@ -94,11 +94,14 @@ def test_switch_on_hopper_raises(monkeypatch):
         toolchain.kernel_module("grouped_gemm", "grouped_gemm")
 
 
-@pytest.mark.parametrize("switch, arch, module", [("0", None, "mla_sparse_decode"),
-                                                  ("1", toolchain.BLACKWELL, "mla_sparse_decode_tcgen05"),
-                                                  ("1", toolchain.HOPPER, None)])
-def test_mla_sparse_decode_wrapper_follows_the_switch(monkeypatch, switch, arch, module):
-    """The wrapper asks the switch at dispatch (its CUDA check and the compile are stubbed out)."""
+@pytest.mark.parametrize("switch, arch, kernel", [
+    ("0", toolchain.BLACKWELL, ("mla_sparse_decode", "sparse_mla")),
+    ("0", toolchain.HOPPER, ("mla_sparse_ws", "sparse_mla_ws")),
+    ("1", toolchain.BLACKWELL, ("mla_sparse_decode_tcgen05", "sparse_mla")),
+    ("1", toolchain.HOPPER, None)])
+def test_mla_sparse_decode_wrapper_follows_the_switch(monkeypatch, switch, arch, kernel):
+    """The wrapper asks the switch at dispatch (its CUDA check and the compile are stubbed out); with
+    the switch off, Blackwell keeps the portable kernel and Hopper runs the warp-specialised one."""
     from deepinfer_backends.sm100 import attention, wrappers
 
     monkeypatch.setenv(toolchain.TCGEN05_SWITCH, switch)
@@ -108,9 +111,10 @@ def test_mla_sparse_decode_wrapper_follows_the_switch(monkeypatch, switch, arch,
     monkeypatch.setattr(attention, "compiled", lambda *args, **kwargs: compiled.append(args[:2]) or (lambda *t: None))
     args = (torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16), torch.zeros(4, 528, dtype=torch.uint8),
             torch.zeros(1, 1, 64, dtype=torch.int32), torch.zeros(64), 512 ** -0.5)
-    if module is None:
+    monkeypatch.delenv(toolchain.MLA_PORTABLE_SWITCH, raising=False)
+    if kernel is None:
         with pytest.raises(RuntimeError, match="needs Blackwell"):
             wrappers.mla_sparse_decode(*args, split_kv=False)
         return
     wrappers.mla_sparse_decode(*args, split_kv=False)
-    assert compiled == [(module, "sparse_mla")]
+    assert compiled == [kernel]

@@ -6,7 +6,8 @@ out the way FlashMLA's decode kernel is: one CTA of three warpgroups per query r
 - the producer (warpgroup 2) gathers each block of ``block_k`` keys by cp.async: bf16 rows
   straight into a four-stage key ring; quantized rows (``fp8`` 528 B: e4m3 x UE8M0 per 32;
   ``fp4`` 288 B: e2m1 x e4m3 per 16) into a four-stage raw ring, three blocks ahead, then
-  decoded to bf16 into a two-stage key ring;
+  decoded to bf16 into a two-stage key ring by the ``key_decode`` device functions (eight
+  values per call, one 16-byte store), in one rolled loop over the blocks;
 - consumer 0 (warpgroup 0) computes the scores ``Q K^T`` (wgmma), the online softmax, and the
   left half of ``P V``;
 - consumer 1 (warpgroup 1) computes the right half of ``P V`` from the probabilities consumer 0
@@ -17,17 +18,18 @@ probability tile, ``done`` for the final row scale. Every row walks its blocks i
 whatever the batch, so with ``splits = 1`` the result is batch invariant (decode and prefill
 alike, both with 32-key blocks).
 
-Opt-in (``DEEPINFER_SM100_MLA_WS=1``): on the H200 it passes parity and the invariance tests, is
-5-8 % faster than the portable kernel on bf16 prefill, and about 2.3x slower on fp8 + fp4 decode,
-where the producer warpgroup (its unrolled decode: instruction-fetch stalls) is the bottleneck;
-``experiments/results/sm100_mla_kernels_h200.txt``."""
+The default for both sparse MLA ops on Hopper (``DEEPINFER_SM100_MLA_PORTABLE=1`` picks the
+portable kernel instead). Side by side on the H200 it takes 0.51-0.79 of the portable kernel's
+time on fp8 + fp4 decode and 0.94-0.97 on bf16 prefill
+(``experiments/results/mla_kernels_h200.txt``)."""
 import tilelang
 import tilelang.language as T
 
+from deepinfer_backends.sm100.kernels import key_decode
 from deepinfer_backends.sm100.kernels.mla_sparse_decode import NEG, ROW_BYTES, shared_macros
 
 BLOCK_H = 64
-UNROLL = 4  # ring slots are static: every loop is unrolled over UNROLL blocks
+UNROLL = 4  # the consumers' loops are unrolled over UNROLL blocks, so their ring slots are static
 _PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
@@ -50,7 +52,7 @@ def check_config(heads: int, dim: int, extra_keys: int, main_format: str) -> Non
 
 @tilelang.jit(pass_configs=_PASS_CONFIGS)
 def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: float, main_format: str = "fp8",
-                  splits: int = 1, block_k: int = 32):
+                  splits: int = 1, block_k: int = 32, registers: tuple | None = None):
     """Kernel ``(q [rows, heads, dim] bf16, main, main_idx [rows, main_keys], extra uint8 [r2, 288],
     extra_idx [rows, max(extra_keys, 1)], sink f32 [heads], out, lse)`` with the layouts of
     ``sparse_mla``: ``out`` / ``lse`` bf16 / f32 when ``splits == 1``, else float32 partials
@@ -58,7 +60,14 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
 
     bf16 keys go by cp.async straight into a four-stage key ring. Quantized rows go by cp.async
     into a four-stage ring of raw rows (three blocks in flight), and the producer decodes each
-    block into a two-stage key ring."""
+    block into a two-stage key ring. ``registers``: each warpgroup's register budget (consumer 0,
+    consumer 1, producer; at most 504 together, the 168 a thread of 384 gets at launch); by default
+    (208, 168, 128) with quantized rows, whose decoding producer spills less with more, else
+    (240, 168, 96)."""
+    quantized = main_format != "bf16"
+    registers = registers or ((208, 168, 128) if quantized else (240, 168, 96))
+    if sum(registers) > 504:
+        raise ValueError(f"sparse_mla_ws: registers {registers} add up to more than 504")
     check_config(heads, dim, extra_keys, main_format)
     rows, main_rows, extra_rows = T.dynamic("rows"), T.dynamic("main_rows"), T.dynamic("extra_rows")
     main_shape = (main_rows, dim) if main_format == "bf16" else (main_rows, ROW_BYTES["fp8"])
@@ -69,7 +78,6 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     blocks = main_blocks + extra_blocks
     rounds = -(-blocks // UNROLL)
     half = dim // 2
-    quantized = main_format != "bf16"
     k_stages, raw_stages = (2, UNROLL) if quantized else (UNROLL, 1)
     ahead = raw_stages - 1  # raw blocks in flight beyond the one being decoded
     shared = shared_macros(BLOCK_H, block_k, dim, main_format, scale, splits)
@@ -122,36 +130,23 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                            T.access_ptr(main[T.max(key, 0), (unit % chunks_bf16) * 8], "r", 8), 8,
                            predicate=key >= 0)
 
-    def e2m1(code):
-        """An e2m1 code's value (exact): 0, 0.5 (subnormal) or ``2^(e-1) (1 + m/2)``, signed by bit 3."""
-        magnitude = T.if_then_else((code & 6) == 0, T.cast(code & 1, "float") * 0.5,
-                                   T.reinterpret(T.shift_left(T.cast(code & 7, "int32"), 22) + (126 << 23), "float"))
-        return T.if_then_else(code >= 8, -magnitude, magnitude)
-
     @T.macro
-    def decode(t, raw, slot, k_s, stage):
-        """Raw rows of block ``t`` -> bf16 keys (UE8M0 byte b -> 2^(b-127) as float bits b << 23;
-        fp4: e2m1 x e4m3 per 16, exact in bf16)."""
+    def decode(t, raw, slot, k_s, stage, p):
+        """Raw rows of block ``t`` -> bf16 keys, eight values per thread and call; a quarter-warp
+        writes one 128-byte swizzle row of ``k_s`` (no bank conflicts)."""
         if t < main_blocks:
-            for i, v in T.Parallel(block_k, dim // 8):
-                for e in T.vectorized(8):
-                    k_s[stage, i, v * 8 + e] = T.cast(
-                        T.cast(T.reinterpret(raw[slot, i, v * 8 + e], "float8_e4m3fn"), "float")
-                        * T.reinterpret(T.shift_left(T.cast(raw[slot, i, 512 + v // 4], "int32"), 23), "float"),
-                        "bfloat16")
+            for c in T.unroll(block_k * dim // 8 // 128):
+                key_decode.fp8x8(raw, slot, (c * 128 + p) // (dim // 8), (c * 128 + p) % (dim // 8), k_s, stage)
         elif extra_keys:
-            for i, v in T.Parallel(block_k, dim // 8):
-                for e in T.vectorized(8):
-                    k_s[stage, i, v * 8 + e] = T.cast(
-                        e2m1((raw[slot, i, v * 4 + e // 2] >> ((e % 2) * 4)) & 15)
-                        * T.cast(T.reinterpret(raw[slot, i, 256 + v // 2], "float8_e4m3fn"), "float"), "bfloat16")
+            for c in T.unroll(block_k * dim // 8 // 128):
+                key_decode.fp4x8(raw, slot, (c * 128 + p) // (dim // 8), (c * 128 + p) % (dim // 8), k_s, stage)
 
     @T.prim_func
     def kernel(q: T.Tensor((rows, heads, dim), "bfloat16"), main: T.Tensor(main_shape, main_dtype),
                main_idx: T.Tensor((rows, main_keys), "int32"), extra: T.Tensor((extra_rows, 288), "uint8"),
                extra_idx: T.Tensor((rows, max(extra_keys, 1)), "int32"), sink: T.Tensor((heads,), "float"),
                out: T.Tensor(out_shape, out_dtype), lse: T.Tensor(lse_shape, "float")):
-        with T.Kernel(rows, heads // BLOCK_H, splits, threads=384) as (row, hb, split):
+        with T.Kernel(rows, heads // BLOCK_H, splits, threads=384, prelude=key_decode.PRELUDE) as (row, hb, split):
             q_s = T.alloc_shared((BLOCK_H, dim), "bfloat16")
             k_s = T.alloc_shared((k_stages, block_k, dim), "bfloat16")
             raw = T.alloc_shared((raw_stages, block_k if quantized else 1, ROW_BYTES["fp8"]), "uint8")
@@ -178,7 +173,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
             T.sync_threads()
 
             if tx < 128:  # consumer 0: scores, softmax, left half of P V
-                T.set_max_nreg(240, 1)
+                T.set_max_nreg(registers[0], 1)
                 acc_s = T.alloc_fragment((BLOCK_H, block_k), "float")
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 m = T.alloc_fragment((BLOCK_H,), "float")
@@ -222,7 +217,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                     T.copy(acc_o, out[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H, 0:half])
                     T.copy(lse_row, lse[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H])
             elif tx < 256:  # consumer 1: right half of P V
-                T.set_max_nreg(168, 1)
+                T.set_max_nreg(registers[1], 1)
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 T.fill(acc_o, 0)
                 for r in T.serial(rounds):
@@ -245,30 +240,28 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 else:
                     T.copy(acc_o, out[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H, half:dim])
             else:  # producer: gather (and decode) key blocks into the ring
-                T.set_max_nreg(80, 0)
+                T.set_max_nreg(registers[2], 0)
                 p = tx - 256
                 if quantized:
                     for d in T.unroll(ahead):
                         if d < blocks:
                             fetch_raw(main, extra, keys_s, d, raw, d, p)
                         T.ptx_commit_group()
-                for r in T.serial(rounds):
-                    for j in T.unroll(UNROLL):
-                        t = r * UNROLL + j
-                        if t < blocks:
-                            if quantized:
-                                T.ptx_wait_group(ahead - 1)  # this thread's copies of block t have landed
-                                T.sync_threads(PRODUCER_BAR, 128)  # everyone's have; slot t-1 is decoded
-                                if t + ahead < blocks:
-                                    fetch_raw(main, extra, keys_s, t + ahead, raw, (j + ahead) % raw_stages, p)
-                                T.ptx_commit_group()
-                                T.barrier_wait(k_free[j % k_stages], ((t // k_stages) & 1) ^ 1)
-                                decode(t, raw, j % raw_stages, k_s, j % k_stages)
-                                T.fence_proxy_async()  # the generic-proxy stores must be visible to wgmma
-                                T.barrier_arrive(k_ready[j % k_stages])
-                            else:
-                                T.barrier_wait(k_free[j % k_stages], ((t // k_stages) & 1) ^ 1)
-                                fetch_bf16(main, keys_s, t, k_s, j % k_stages, p)
-                                T.cp_async_barrier_noinc(k_ready[j % k_stages])
+                for t in T.serial(blocks):  # rolled: one copy of each decode loop (instruction fetch)
+                    stage = t % k_stages
+                    if quantized:
+                        T.ptx_wait_group(ahead - 1)  # this thread's copies of block t have landed
+                        T.sync_threads(PRODUCER_BAR, 128)  # everyone's have; slot t-1 is decoded
+                        if t + ahead < blocks:
+                            fetch_raw(main, extra, keys_s, t + ahead, raw, (t + ahead) % raw_stages, p)
+                        T.ptx_commit_group()
+                        T.barrier_wait(k_free[stage], ((t // k_stages) & 1) ^ 1)
+                        decode(t, raw, t % raw_stages, k_s, stage, p)
+                        T.fence_proxy_async()  # the generic-proxy stores must be visible to wgmma
+                        T.barrier_arrive(k_ready[stage])
+                    else:
+                        T.barrier_wait(k_free[stage], ((t // k_stages) & 1) ^ 1)
+                        fetch_bf16(main, keys_s, t, k_s, stage, p)
+                        T.cp_async_barrier_noinc(k_ready[stage])
 
     return kernel
