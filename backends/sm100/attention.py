@@ -61,7 +61,7 @@ def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float,
     splits = split_count(rows * padded // HEAD_BLOCK, -(-main_keys // 64), -(-extra_keys // 64), q.device) \
         if split_kv else 1
     config = (padded, dim, main_keys, extra_keys, float(scale), main_format)
-    module, factory, options = mla_kernel(op)
+    module, factory, options = mla_kernel(op, toolchain.device_arch(q.device.index or 0))
     out = torch.empty(rows, padded, dim, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(rows, padded, dtype=torch.float32, device=q.device)
     if rows:
@@ -135,7 +135,8 @@ def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None
     _check_sink(op, sink, q.shape[1])
     if main_keys is not None and not (isinstance(main_keys, int) and 0 <= main_keys <= indices.shape[1]):
         raise ValueError(f"{op}: main_keys must be an int in [0, K={indices.shape[1]}], got {main_keys!r}")
-    return _attention(op, q, kv.contiguous(), align_lists(indices, main_keys), None, None, sink, scale, "bf16",
+    block = KEY_BLOCK[mla_kernel(op, toolchain.device_arch(q.device.index or 0))[1]]
+    return _attention(op, q, kv.contiguous(), align_lists(indices, main_keys, block), None, None, sink, scale, "bf16",
                       split_kv)
 
 
