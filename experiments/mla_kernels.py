@@ -69,7 +69,7 @@ def run_with(kernel: tuple, fn):
     from deepinfer_backends.sm100 import attention
 
     chosen = attention.mla_kernel
-    attention.mla_kernel = lambda op: kernel
+    attention.mla_kernel = lambda op, arch=None: kernel
     try:
         return fn()
     finally:
