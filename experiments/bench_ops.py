@@ -162,13 +162,18 @@ def main() -> None:
             rows.append({**stamp, **row})
             print(_line(rows[-1]), flush=True)
             torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"sm100_ops_{card.lower().removeprefix('nvidia_')}.csv"
+    path = write_csv(args.out / f"sm100_ops_{card.lower().removeprefix('nvidia_')}.csv", FIELDS, rows)
+    print("\n" + "\n".join(_line(r) for r in rows) + f"\nwrote {path}")
+
+
+def write_csv(path: Path, fields, rows: list[dict]) -> Path:
+    """Write ``rows`` (dicts keyed by ``fields``) to ``path`` with a header, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    print("\n" + "\n".join(_line(r) for r in rows) + f"\nwrote {path}")
+    return path
 
 
 def _line(row: dict) -> str:

@@ -14,7 +14,6 @@ Prints a table and writes ``grouped_gemm_kernels_<card>.csv`` under ``experiment
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import RESULTS, dense_rate, timed  # noqa: E402
+from bench_ops import RESULTS, dense_rate, timed, write_csv  # noqa: E402
 
 HIDDEN, INTERMEDIATE, TOP = 4096, 2048, 6
 POINTS = [  # (label, experts, rows, n, k): bench_ops's MoE points (384 experts, balanced EP ranks)
@@ -131,12 +130,7 @@ def main() -> None:
             print(f"{label:18s} {name:18s} err {err:.1e} {row['time_us']:9.1f} us {row['tflop_s']:6.1f} TF/s "
                   f"same-FLOPs dense {same / 1e12:4.0f}: {row['frac_dense_same_flops']:.2f}  "
                   f"8192^3: {row['frac_dense_8192']:.2f}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"grouped_gemm_kernels_{card.split('_')[-1].lower()}.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows_out)
+    path = write_csv(args.out / f"grouped_gemm_kernels_{card.split('_')[-1].lower()}.csv", FIELDS, rows_out)
     print(f"wrote {path}")
 
 

@@ -15,7 +15,6 @@ Prints a table and writes ``mla_kernels_<card>.csv`` under ``experiments/results
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import RESULTS, _op_table, ceilings, timed  # noqa: E402
+from bench_ops import RESULTS, _op_table, ceilings, timed, write_csv  # noqa: E402
 from bench_points import Point, mla_decode, mla_prefill  # noqa: E402
 
 POINTS = {  # label -> Point (bench_points); contexts do not change the work, only the index spread
@@ -118,12 +117,7 @@ def main() -> None:
             print(f"{label:22s} {name:14s} diff {row['max_diff']:.1e} {row['time_us']:9.1f} us "
                   f"{row['tflop_s']:6.1f} TF/s dense {row['frac_dense']:.2f}  {row['gb_s']:6.0f} GB/s "
                   f"copy {row['frac_copy']:.2f}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"mla_kernels_{card.split('_')[-1].lower()}.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows_out)
+    path = write_csv(args.out / f"mla_kernels_{card.split('_')[-1].lower()}.csv", FIELDS, rows_out)
     print(f"wrote {path}")
 
 

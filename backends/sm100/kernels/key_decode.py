@@ -17,7 +17,7 @@ fit bf16's 8). Both replace per-element float conversions and a 16-entry table."
 import tilelang
 import tilelang.language as T
 
-ROW_BYTES = {"fp8": 528, "fp4": 288}
+from deepinfer.hal.formats import token_format
 
 PRELUDE = r"""
 __device__ __forceinline__ unsigned dk_pack_bf16x2(float lo, float hi) {
@@ -89,12 +89,12 @@ def fp4x8(raw, slot, i, q, k_s, stage):
 
 @tilelang.jit
 def decode_rows(fmt: str):
-    """Kernel ``(rows uint8 [n, ROW_BYTES[fmt]], out bf16 [n, 512])``: every row decoded by the
+    """Kernel ``(rows uint8 [n, bytes_per_token], out bf16 [n, 512])``: every row decoded by the
     functions above, straight from global memory (a check on them, and a debugging aid)."""
     n = T.dynamic("n")
 
     @T.prim_func
-    def kernel(rows: T.Tensor((n, ROW_BYTES[fmt]), "uint8"), out: T.Tensor((n, 512), "bfloat16")):
+    def kernel(rows: T.Tensor((n, token_format(fmt).bytes_per_token), "uint8"), out: T.Tensor((n, 512), "bfloat16")):
         with T.Kernel(n, threads=64, prelude=PRELUDE) as row:
             q = T.get_thread_binding()
             if fmt == "fp8":
