@@ -39,6 +39,7 @@ KERNELS = {  # name -> (kernels module, factory, options), as attention.mla_kern
     "portable": ("mla_sparse_decode", "sparse_mla", {}),
     "ws": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32}),
     "ws r240/168/96": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (240, 168, 96)}),
+    "ws k2r4": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "key_stages": 2, "raw_stages": 4}),
 }
 FIELDS = ("card", "date", "command", "shape", "kernel", "max_diff", "time_us", "tflop_s", "frac_dense", "gb_s",
           "frac_copy")

@@ -203,10 +203,15 @@ def test_kernel_compiles_for_hopper_on_wgmma(name):
 def test_warp_specialised_mla_splits_its_warpgroups_and_decodes_in_one_rolled_loop():
     """Consumers raise their register budget and the producer lowers its own; the producer gathers
     by predicated cp.async (zero-filled padding), decodes through the ``key_decode`` functions in one
-    rolled loop and meets the others on mbarriers, with one producer barrier per key block."""
+    rolled loop and meets the others on mbarriers, with one producer barrier per key block. Each
+    consumer rescales its output only when a row of its warp moved its max, and walks a three-stage
+    key ring (quantized rows) unrolled over its stages."""
     source = _lower("mla_sparse_ws", "sm_90a")
     producer = source[source.index("warpgroup_reg_dealloc<128>"):]
+    consumers = source[source.index("warpgroup_reg_alloc<208>"):source.index("warpgroup_reg_dealloc<128>")]
     assert "warpgroup_reg_alloc<208>" in source and "warpgroup_reg_alloc<168>" in source
+    assert consumers.count("if (mla_rows_moved(") == 2
+    assert "k_free[2].init(256)" in source and "k_free[3]" not in source and "k_free[(t % 3)].wait(" in producer
     assert "cp_async_gs_conditional<16>" in producer and "k_ready[" in producer and "k_free[" in producer
     assert producer.count("__sync_thread_partial") == 1
     assert producer.count("dk_fp8x8(") == 1 and producer.count("dk_fp4x8(") == 1

@@ -5,13 +5,17 @@ out the way FlashMLA's decode kernel is: one CTA of three warpgroups per query r
 
 - the producer (warpgroup 2) gathers each block of ``block_k`` keys by cp.async: bf16 rows
   straight into a four-stage key ring; quantized rows (``fp8`` 528 B: e4m3 x UE8M0 per 32;
-  ``fp4`` 288 B: e2m1 x e4m3 per 16) into a four-stage raw ring, three blocks ahead, then
-  decoded to bf16 into a two-stage key ring by the ``key_decode`` device functions (eight
+  ``fp4`` 288 B: e2m1 x e4m3 per 16) into a three-stage raw ring, two blocks ahead, then
+  decoded to bf16 into a three-stage key ring by the ``key_decode`` device functions (eight
   values per call, one 16-byte store), in one rolled loop over the blocks;
 - consumer 0 (warpgroup 0) computes the scores ``Q K^T`` (wgmma), the online softmax, and the
   left half of ``P V``;
 - consumer 1 (warpgroup 1) computes the right half of ``P V`` from the probabilities consumer 0
   left in shared memory.
+
+The running max is lazy (:data:`LAZY_LOG2`): it moves only when a block's scores pass it by more
+than a factor 256, so after the first blocks almost no block rescales the output, and a warp
+whose 16 rows all keep their max skips the 128 multiplies of its rescale.
 
 They meet on mbarriers: ``k_ready`` / ``k_free`` per key stage, ``p_ready`` / ``p_free`` for the
 probability tile, ``done`` for the final row scale. Every row walks its blocks in list order
@@ -20,16 +24,15 @@ alike, both with 32-key blocks).
 
 The default for both sparse MLA ops on Hopper (``DEEPINFER_SM100_MLA_PORTABLE=1`` picks the
 portable kernel instead). Side by side on the H200 it takes 0.51-0.79 of the portable kernel's
-time on fp8 + fp4 decode and 0.94-0.97 on bf16 prefill
-(``experiments/results/mla_kernels_h200.txt``)."""
+time on fp8 + fp4 decode and 0.94-0.97 on bf16 prefill; the three-stage key ring and the lazy
+max took another 7-10 % off fp8 + fp4 decode (``experiments/results/mla_kernels_h200.txt``)."""
 import tilelang
 import tilelang.language as T
 
 from deepinfer_backends.sm100.kernels import key_decode
-from deepinfer_backends.sm100.kernels.mla_sparse_decode import NEG, ROW_BYTES, shared_macros
+from deepinfer_backends.sm100.kernels.mla_sparse_decode import LOG2E, NEG, ROW_BYTES, shared_macros
 
 BLOCK_H = 64
-UNROLL = 4  # the consumers' loops are unrolled over UNROLL blocks, so their ring slots are static
 _PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
@@ -39,6 +42,17 @@ _PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
 }
 CONSUMER0_BAR, PRODUCER_BAR = 1, 2  # named barrier ids (0 is __syncthreads)
+LAZY_LOG2 = 8.0
+"""A row's running max moves only when a block's scores pass it by more than this (log2 units), so
+probabilities stay at most ``2**LAZY_LOG2`` and most blocks rescale nothing (the output is divided
+by the same sum in the end, so the result holds whatever max the row settled on)."""
+ROWS_MOVED = r'''
+// 1 in every lane when one of this warp's 16 rows (of a 64-row wgmma tile) has a factor other than 1.
+__device__ __forceinline__ int mla_rows_moved(const float* alpha, int warp) {
+  int lane = threadIdx.x & 31;
+  return __any_sync(0xffffffffu, lane < 16 && alpha[warp * 16 + lane] != 1.0f);
+}
+'''
 
 
 def check_config(heads: int, dim: int, extra_keys: int, main_format: str) -> None:
@@ -52,18 +66,20 @@ def check_config(heads: int, dim: int, extra_keys: int, main_format: str) -> Non
 
 @tilelang.jit(pass_configs=_PASS_CONFIGS)
 def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: float, main_format: str = "fp8",
-                  splits: int = 1, block_k: int = 32, registers: tuple | None = None):
+                  splits: int = 1, block_k: int = 32, registers: tuple | None = None, key_stages: int | None = None,
+                  raw_stages: int = 3):
     """Kernel ``(q [rows, heads, dim] bf16, main, main_idx [rows, main_keys], extra uint8 [r2, 288],
     extra_idx [rows, max(extra_keys, 1)], sink f32 [heads], out, lse)`` with the layouts of
     ``sparse_mla``: ``out`` / ``lse`` bf16 / f32 when ``splits == 1``, else float32 partials
     ``[splits, rows, heads, dim]`` / ``[splits, rows, heads]`` for ``combine``.
 
-    bf16 keys go by cp.async straight into a four-stage key ring. Quantized rows go by cp.async
-    into a four-stage ring of raw rows (three blocks in flight), and the producer decodes each
-    block into a two-stage key ring. ``registers``: each warpgroup's register budget (consumer 0,
-    consumer 1, producer; at most 504 together, the 168 a thread of 384 gets at launch); by default
-    (208, 168, 128) with quantized rows, whose decoding producer spills less with more, else
-    (240, 168, 96)."""
+    bf16 keys go by cp.async straight into a key ring of ``key_stages`` (default 4). Quantized rows
+    go by cp.async into a ring of ``raw_stages`` raw blocks (``raw_stages - 1`` in flight), and the
+    producer decodes each block into a key ring of ``key_stages`` (default 3; the consumers' loops
+    are unrolled over it, so their ring slots are static). ``registers``: each warpgroup's register
+    budget (consumer 0, consumer 1, producer; at most 504 together, the 168 a thread of 384 gets at
+    launch); by default (208, 168, 128) with quantized rows, whose decoding producer spills less
+    with more, else (240, 168, 96)."""
     quantized = main_format != "bf16"
     registers = registers or ((208, 168, 128) if quantized else (240, 168, 96))
     if sum(registers) > 504:
@@ -76,13 +92,39 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     lse_shape = (rows, heads) if splits == 1 else (splits, rows, heads)
     main_blocks, extra_blocks = -(-main_keys // (block_k * splits)), -(-extra_keys // (block_k * splits))
     blocks = main_blocks + extra_blocks
-    rounds = -(-blocks // UNROLL)
     half = dim // 2
-    k_stages, raw_stages = (2, UNROLL) if quantized else (UNROLL, 1)
+    k_stages = key_stages or (3 if quantized else 4)
+    raw_stages = raw_stages if quantized else 1
+    if k_stages < 2 or raw_stages < (2 if quantized else 1):
+        raise ValueError(f"sparse_mla_ws: key_stages={k_stages} must be at least 2 and raw_stages={raw_stages} at "
+                         f"least 2 with quantized rows")
+    rounds = -(-blocks // k_stages)
     ahead = raw_stages - 1  # raw blocks in flight beyond the one being decoded
     shared = shared_macros(BLOCK_H, block_k, dim, main_format, scale, splits)
     chunks_main, chunks_extra = ROW_BYTES["fp8"] // 16, ROW_BYTES["fp4"] // 16  # 16-byte cp.async units per row
     chunks_bf16 = dim * 2 // 16
+
+    @T.macro
+    def softmax_lazy(acc_s, keys_s, base, m, m_new, alpha, l, l_block):
+        """Scores ``acc_s`` of one key block -> unnormalised probabilities ``exp2(s - m)``
+        (``shared.softmax_step`` with a lazy max, :data:`LAZY_LOG2`); ``alpha`` holds the factor for
+        earlier output, exactly 1 for a row whose max stays."""
+        for i, j in T.Parallel(BLOCK_H, block_k):
+            acc_s[i, j] = T.if_then_else(keys_s[base + j] >= 0, acc_s[i, j] * (scale * LOG2E), -T.infinity("float"))
+        T.copy(m, m_new)
+        T.reduce_max(acc_s, m_new, dim=1, clear=False)
+        for i in T.Parallel(BLOCK_H):
+            alpha[i] = T.if_then_else(m_new[i] > m[i] + LAZY_LOG2, T.exp2(m[i] - m_new[i]), 1.0)
+            m[i] = T.if_then_else(m_new[i] > m[i] + LAZY_LOG2, m_new[i], m[i])
+        for i, j in T.Parallel(BLOCK_H, block_k):
+            acc_s[i, j] = T.exp2(acc_s[i, j] - m[i])
+        T.reduce_sum(acc_s, l_block, dim=1)
+        for i in T.Parallel(BLOCK_H):
+            l[i] = l[i] * alpha[i] + l_block[i]
+
+    def rows_moved(alpha_s, warp):
+        """Whether a row of ``warp`` (of its warpgroup) has to rescale its output this block."""
+        return T.call_extern("int32", "mla_rows_moved", T.access_ptr(alpha_s[0], "r"), warp) != 0
 
     @T.macro
     def load_keys(main_idx, extra_idx, main_rows, extra_rows, row, split, keys_s):
@@ -146,7 +188,8 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                main_idx: T.Tensor((rows, main_keys), "int32"), extra: T.Tensor((extra_rows, 288), "uint8"),
                extra_idx: T.Tensor((rows, max(extra_keys, 1)), "int32"), sink: T.Tensor((heads,), "float"),
                out: T.Tensor(out_shape, out_dtype), lse: T.Tensor(lse_shape, "float")):
-        with T.Kernel(rows, heads // BLOCK_H, splits, threads=384, prelude=key_decode.PRELUDE) as (row, hb, split):
+        with T.Kernel(rows, heads // BLOCK_H, splits, threads=384,
+                      prelude=key_decode.PRELUDE + ROWS_MOVED) as (row, hb, split):
             q_s = T.alloc_shared((BLOCK_H, dim), "bfloat16")
             k_s = T.alloc_shared((k_stages, block_k, dim), "bfloat16")
             raw = T.alloc_shared((raw_stages, block_k if quantized else 1, ROW_BYTES["fp8"]), "uint8")
@@ -177,7 +220,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 acc_s = T.alloc_fragment((BLOCK_H, block_k), "float")
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 m = T.alloc_fragment((BLOCK_H,), "float")
-                m_prev = T.alloc_fragment((BLOCK_H,), "float")
+                m_new = T.alloc_fragment((BLOCK_H,), "float")
                 alpha = T.alloc_fragment((BLOCK_H,), "float")
                 l = T.alloc_fragment((BLOCK_H,), "float")
                 l_block = T.alloc_fragment((BLOCK_H,), "float")
@@ -187,24 +230,25 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 T.fill(l, 0)
                 T.fill(m, NEG)
                 for r in T.serial(rounds):
-                    for j in T.unroll(UNROLL):
-                        t = r * UNROLL + j
+                    for j in T.unroll(k_stages):
+                        t = r * k_stages + j
                         if t < blocks:
-                            T.barrier_wait(k_ready[j % k_stages], (t // k_stages) & 1)
-                            T.gemm(q_s, k_s[j % k_stages, :, :], acc_s, transpose_B=True, clear_accum=True)
+                            T.barrier_wait(k_ready[j], (t // k_stages) & 1)
+                            T.gemm(q_s, k_s[j, :, :], acc_s, transpose_B=True, clear_accum=True)
                             if t > 0:  # consumer 1 is done with the previous p_s and alpha_s
                                 T.barrier_arrive(p_free)
                                 T.barrier_wait(p_free, (t - 1) & 1)
-                            shared.softmax_step(acc_s, keys_s, t * block_k, m, m_prev, alpha, l, l_block)
-                            for i, jj in T.Parallel(BLOCK_H, half):
-                                acc_o[i, jj] *= alpha[i]
+                            softmax_lazy(acc_s, keys_s, t * block_k, m, m_new, alpha, l, l_block)
                             T.copy(alpha, alpha_s)
                             T.copy(acc_s, p_s)
                             T.fence_proxy_async()
-                            T.sync_threads(CONSUMER0_BAR, 128)  # p_s whole before the wgmma reads it
-                            T.gemm(p_s, k_s[j % k_stages, :, 0:half], acc_o)
+                            T.sync_threads(CONSUMER0_BAR, 128)  # p_s and alpha_s whole
+                            if rows_moved(alpha_s, tx // 32):
+                                for i, jj in T.Parallel(BLOCK_H, half):
+                                    acc_o[i, jj] *= alpha[i]
+                            T.gemm(p_s, k_s[j, :, 0:half], acc_o)
                             T.barrier_arrive(p_ready)
-                            T.barrier_arrive(k_free[j % k_stages])
+                            T.barrier_arrive(k_free[j])
                 shared.row_stats(m, l, sink, hb, lse_row, gate)
                 T.copy(gate, gate_s)
                 T.barrier_arrive(done)
@@ -221,15 +265,16 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 T.fill(acc_o, 0)
                 for r in T.serial(rounds):
-                    for j in T.unroll(UNROLL):
-                        t = r * UNROLL + j
+                    for j in T.unroll(k_stages):
+                        t = r * k_stages + j
                         if t < blocks:
                             T.barrier_arrive(p_ready)
                             T.barrier_wait(p_ready, t & 1)
-                            for i, jj in T.Parallel(BLOCK_H, half):
-                                acc_o[i, jj] *= alpha_s[i]
-                            T.gemm(p_s, k_s[j % k_stages, :, half:dim], acc_o)
-                            T.barrier_arrive(k_free[j % k_stages])
+                            if rows_moved(alpha_s, tx // 32 - 4):  # its warps hold the same rows
+                                for i, jj in T.Parallel(BLOCK_H, half):
+                                    acc_o[i, jj] *= alpha_s[i]
+                            T.gemm(p_s, k_s[j, :, half:dim], acc_o)
+                            T.barrier_arrive(k_free[j])
                             if t < blocks - 1:
                                 T.barrier_arrive(p_free)
                 T.barrier_wait(done, 0)
