@@ -23,9 +23,10 @@ whatever the batch, so with ``splits = 1`` the result is batch invariant (decode
 alike, both with 32-key blocks).
 
 The default for both sparse MLA ops on Hopper (``DEEPINFER_SM100_MLA_PORTABLE=1`` picks the
-portable kernel instead). Side by side on the H200 it takes 0.51-0.79 of the portable kernel's
-time on fp8 + fp4 decode and 0.94-0.97 on bf16 prefill; the three-stage key ring and the lazy
-max took another 7-10 % off fp8 + fp4 decode (``experiments/results/mla_kernels_h200.txt``)."""
+portable kernel instead). Side by side on the H200 it takes 0.45-0.53 of the portable kernel's
+time on fp8 + fp4 decode at B >= 64 (0.76-0.79 at B = 1 and 16) and 0.94-0.97 on bf16 prefill;
+the three-stage key ring and the lazy max cut its own decode time by 7-10 %
+(``experiments/results/mla_kernels_h200.txt``)."""
 import tilelang
 import tilelang.language as T
 
