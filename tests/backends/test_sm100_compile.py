@@ -220,6 +220,23 @@ def test_warp_specialised_mla_splits_its_warpgroups_and_decodes_in_one_rolled_lo
 
 
 @needs_tilelang
+def test_warp_specialised_mla_lowers_a_budget_under_the_launch_registers_and_refuses_bad_ones():
+    """A warpgroup budget under the 168 registers a thread gets at launch is lowered
+    (``setmaxnreg.dec``: raising to a smaller count is an illegal instruction, as seen on the H200),
+    one above it raised; budgets that are not multiples of 8 or add up to more than 504 are refused."""
+    from deepinfer_backends.sm100 import toolchain
+    from deepinfer_backends.sm100.kernels.mla_sparse_ws import sparse_mla_ws
+
+    args = (64, 512, 128, 512, 512 ** -0.5, "fp8")
+    source = toolchain.lower_source(sparse_mla_ws, *args, registers=(216, 160, 128))
+    assert "warpgroup_reg_alloc<216>" in source and "warpgroup_reg_dealloc<160>" in source
+    assert "warpgroup_reg_dealloc<128>" in source and "warpgroup_reg_alloc<160>" not in source
+    for bad in ((216, 168, 128), (212, 160, 128), (208, 168)):
+        with pytest.raises(ValueError, match="registers"):
+            toolchain.lower_source(sparse_mla_ws, *args, registers=bad)
+
+
+@needs_tilelang
 def test_sparse_mla_gathers_without_a_barrier_per_copy():
     """The key lists sit in static shared memory (when they fit), which TileLang's sync pass tracks
     apart from the dynamic buffer the gathers write: no cp.async of a gather loop follows a barrier

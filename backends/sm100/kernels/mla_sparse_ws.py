@@ -43,6 +43,10 @@ _PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
 }
 CONSUMER0_BAR, PRODUCER_BAR = 1, 2  # named barrier ids (0 is __syncthreads)
+LAUNCH_REGISTERS = 168
+"""Registers a thread of the 384 gets at launch; a warpgroup's budget above it is raised
+(``setmaxnreg.inc``), one below it lowered (``setmaxnreg.dec``): raising to a smaller count is an
+illegal instruction."""
 LAZY_LOG2 = 8.0
 """A row's running max moves only when a block's scores pass it by more than this (log2 units), so
 probabilities stay at most ``2**LAZY_LOG2`` and most blocks rescale nothing (the output is divided
@@ -78,13 +82,15 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     go by cp.async into a ring of ``raw_stages`` raw blocks (``raw_stages - 1`` in flight), and the
     producer decodes each block into a key ring of ``key_stages`` (default 3; the consumers' loops
     are unrolled over it, so their ring slots are static). ``registers``: each warpgroup's register
-    budget (consumer 0, consumer 1, producer; at most 504 together, the 168 a thread of 384 gets at
-    launch); by default (208, 168, 128) with quantized rows, whose decoding producer spills less
-    with more, else (240, 168, 96)."""
+    budget (consumer 0, consumer 1, producer; multiples of 8, at most three times
+    :data:`LAUNCH_REGISTERS` together); by default (208, 168, 128) with quantized rows, whose
+    decoding producer spills less with more, else (240, 168, 96)."""
     quantized = main_format != "bf16"
     registers = registers or ((208, 168, 128) if quantized else (240, 168, 96))
-    if sum(registers) > 504:
-        raise ValueError(f"sparse_mla_ws: registers {registers} add up to more than 504")
+    if len(registers) != 3 or sum(registers) > 3 * LAUNCH_REGISTERS \
+            or any(count % 8 or not 24 <= count <= 256 for count in registers):
+        raise ValueError(f"sparse_mla_ws: registers {registers} must be three multiples of 8 from 24 to 256 that add "
+                         f"up to at most {3 * LAUNCH_REGISTERS}")
     check_config(heads, dim, extra_keys, main_format)
     rows, main_rows, extra_rows = T.dynamic("rows"), T.dynamic("main_rows"), T.dynamic("extra_rows")
     main_shape = (main_rows, dim) if main_format == "bf16" else (main_rows, ROW_BYTES["fp8"])
@@ -217,7 +223,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
             T.sync_threads()
 
             if tx < 128:  # consumer 0: scores, softmax, left half of P V
-                T.set_max_nreg(registers[0], 1)
+                T.set_max_nreg(registers[0], int(registers[0] >= LAUNCH_REGISTERS))
                 acc_s = T.alloc_fragment((BLOCK_H, block_k), "float")
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 m = T.alloc_fragment((BLOCK_H,), "float")
@@ -262,7 +268,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                     T.copy(acc_o, out[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H, 0:half])
                     T.copy(lse_row, lse[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H])
             elif tx < 256:  # consumer 1: right half of P V
-                T.set_max_nreg(registers[1], 1)
+                T.set_max_nreg(registers[1], int(registers[1] >= LAUNCH_REGISTERS))
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 T.fill(acc_o, 0)
                 for r in T.serial(rounds):
@@ -286,7 +292,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 else:
                     T.copy(acc_o, out[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H, half:dim])
             else:  # producer: gather (and decode) key blocks into the ring
-                T.set_max_nreg(registers[2], 0)
+                T.set_max_nreg(registers[2], int(registers[2] >= LAUNCH_REGISTERS))
                 p = tx - 256
                 if quantized:
                     for d in T.unroll(ahead):
