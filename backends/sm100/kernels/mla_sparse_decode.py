@@ -38,10 +38,13 @@ def check_config(heads: int, dim: int, extra_keys: int, main_format: str, block_
                          f"{main_format!r}, dim={dim}")
 
 
-def shared_macros(block_h: int, block_k: int, dim: int, main_format: str, scale: float, splits: int) -> SimpleNamespace:
-    """The macros every sparse MLA kernel is made of (this one and ``mla_sparse_decode_tcgen05``):
-    staging a key list, filling the fp4 code table, gathering and decoding one key block into
-    ``k_s``, the online-softmax step on one block of scores, and each row's lse and output scale."""
+def shared_macros(block_h: int, block_k: int, dim: int, main_format: str, scale: float, splits: int,
+                  lazy_log2: float | None = None) -> SimpleNamespace:
+    """The macros every sparse MLA kernel is made of (this one, ``mla_sparse_decode_tcgen05`` and
+    ``mla_sparse_ws``): staging a key list, filling the fp4 code table, gathering and decoding one key
+    block into ``k_s``, the online-softmax step on one block of scores, and each row's lse and
+    output scale. With ``lazy_log2`` the softmax step's running max is lazy: it moves only when a
+    block's scores pass it by more than that (log2 units)."""
     scale_log2 = scale * LOG2E
 
     @T.macro
@@ -91,13 +94,18 @@ def shared_macros(block_h: int, block_k: int, dim: int, main_format: str, scale:
     @T.macro
     def softmax_step(acc_s, idx_s, base, m, m_prev, alpha, l, l_block):
         """Scores ``acc_s`` of one key block -> unnormalised probabilities ``exp2(s - m)``; updates
-        the running max ``m`` and sum ``l`` and leaves in ``alpha`` the factor for earlier output."""
+        the running max ``m`` and sum ``l`` and leaves in ``alpha`` the factor for earlier output
+        (exactly 1 for a row whose lazy max stays)."""
         for i, j in T.Parallel(block_h, block_k):
             acc_s[i, j] = T.if_then_else(idx_s[base + j] >= 0, acc_s[i, j] * scale_log2, -T.infinity("float"))
         T.copy(m, m_prev)
         T.reduce_max(acc_s, m, dim=1, clear=False)
         for i in T.Parallel(block_h):
-            alpha[i] = T.exp2(m_prev[i] - m[i])
+            if lazy_log2 is None:
+                alpha[i] = T.exp2(m_prev[i] - m[i])
+            else:
+                alpha[i] = T.if_then_else(m[i] > m_prev[i] + lazy_log2, T.exp2(m_prev[i] - m[i]), 1.0)
+                m[i] = T.if_then_else(m[i] > m_prev[i] + lazy_log2, m[i], m_prev[i])
         for i, j in T.Parallel(block_h, block_k):
             acc_s[i, j] = T.exp2(acc_s[i, j] - m[i])
         T.reduce_sum(acc_s, l_block, dim=1)

@@ -31,7 +31,7 @@ import tilelang
 import tilelang.language as T
 
 from deepinfer_backends.sm100.kernels import key_decode
-from deepinfer_backends.sm100.kernels.mla_sparse_decode import LOG2E, NEG, ROW_BYTES, shared_macros
+from deepinfer_backends.sm100.kernels.mla_sparse_decode import NEG, ROW_BYTES, shared_macros
 
 BLOCK_H = 64
 _PASS_CONFIGS = {
@@ -107,27 +107,9 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                          f"least 2 with quantized rows")
     rounds = -(-blocks // k_stages)
     ahead = raw_stages - 1  # raw blocks in flight beyond the one being decoded
-    shared = shared_macros(BLOCK_H, block_k, dim, main_format, scale, splits)
+    shared = shared_macros(BLOCK_H, block_k, dim, main_format, scale, splits, lazy_log2=LAZY_LOG2)
     chunks_main, chunks_extra = ROW_BYTES["fp8"] // 16, ROW_BYTES["fp4"] // 16  # 16-byte cp.async units per row
     chunks_bf16 = dim * 2 // 16
-
-    @T.macro
-    def softmax_lazy(acc_s, keys_s, base, m, m_new, alpha, l, l_block):
-        """Scores ``acc_s`` of one key block -> unnormalised probabilities ``exp2(s - m)``
-        (``shared.softmax_step`` with a lazy max, :data:`LAZY_LOG2`); ``alpha`` holds the factor for
-        earlier output, exactly 1 for a row whose max stays."""
-        for i, j in T.Parallel(BLOCK_H, block_k):
-            acc_s[i, j] = T.if_then_else(keys_s[base + j] >= 0, acc_s[i, j] * (scale * LOG2E), -T.infinity("float"))
-        T.copy(m, m_new)
-        T.reduce_max(acc_s, m_new, dim=1, clear=False)
-        for i in T.Parallel(BLOCK_H):
-            alpha[i] = T.if_then_else(m_new[i] > m[i] + LAZY_LOG2, T.exp2(m[i] - m_new[i]), 1.0)
-            m[i] = T.if_then_else(m_new[i] > m[i] + LAZY_LOG2, m_new[i], m[i])
-        for i, j in T.Parallel(BLOCK_H, block_k):
-            acc_s[i, j] = T.exp2(acc_s[i, j] - m[i])
-        T.reduce_sum(acc_s, l_block, dim=1)
-        for i in T.Parallel(BLOCK_H):
-            l[i] = l[i] * alpha[i] + l_block[i]
 
     def rows_moved(alpha_s, warp):
         """Whether a row of ``warp`` (of its warpgroup) has to rescale its output this block."""
@@ -227,7 +209,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 acc_s = T.alloc_fragment((BLOCK_H, block_k), "float")
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 m = T.alloc_fragment((BLOCK_H,), "float")
-                m_new = T.alloc_fragment((BLOCK_H,), "float")
+                m_prev = T.alloc_fragment((BLOCK_H,), "float")
                 alpha = T.alloc_fragment((BLOCK_H,), "float")
                 l = T.alloc_fragment((BLOCK_H,), "float")
                 l_block = T.alloc_fragment((BLOCK_H,), "float")
@@ -245,7 +227,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                             if t > 0:  # consumer 1 is done with the previous p_s and alpha_s
                                 T.barrier_arrive(p_free)
                                 T.barrier_wait(p_free, (t - 1) & 1)
-                            softmax_lazy(acc_s, keys_s, t * block_k, m, m_new, alpha, l, l_block)
+                            shared.softmax_step(acc_s, keys_s, t * block_k, m, m_prev, alpha, l, l_block)
                             T.copy(alpha, alpha_s)
                             T.copy(acc_s, p_s)
                             T.fence_proxy_async()
