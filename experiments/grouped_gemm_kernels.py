@@ -1,13 +1,18 @@
-"""The two bf16 grouped GEMM kernels side by side on one GPU: the portable one
-(``kernels/grouped_gemm.py``, one CTA per output tile, TileLang's automatic pipeline) and the
-warp-specialised one with hand-placed barriers (``kernels/grouped_gemm_ws.py``), on the MoE shapes of
-``bench_ops.py`` and a few tile variants.
+"""The grouped GEMM kernels side by side on one GPU, on the MoE shapes of ``bench_ops.py`` and a
+few tile variants. bf16 (``--formats bf16``, the default): the portable kernel
+(``kernels/grouped_gemm.py``, TileLang's automatic pipeline) and the warp-specialised one with
+hand-placed barriers (``kernels/grouped_gemm_ws.py``). Block-scaled (``--formats fp8:mxfp4`` and
+so on, x format first): the decode-then-wgmma kernel (``kernels/grouped_gemm_quant.py``) and the
+warp-specialised one whose decoder warpgroup feeds a bf16 ring (``kernels/grouped_gemm_quant_ws.py``),
+beside the bf16 warp-specialised kernel on bf16 operands of the same shape.
 
-Per point: each kernel's error against a float32 torch result, its time (CUDA-graph replay,
-median of 5 rounds), TFLOP/s, and its ratio to torch's dense bf16 matmul of the same total
-FLOPs (``rows x n x k`` in one GEMM) measured in the same run.
+Per point: each kernel's error against a float32 torch result (for block-scaled operands, of the
+decoded values), its time (CUDA-graph replay, median of 5 rounds), TFLOP/s, and its ratio to
+torch's dense bf16 matmul of the same total FLOPs (``rows x n x k`` in one GEMM) measured in the
+same run.
 
-    python experiments/grouped_gemm_kernels.py [--only LABEL_PART ...] [--out DIR]
+    python experiments/grouped_gemm_kernels.py [--formats bf16 fp8:mxfp4 ...] [--only LABEL_PART ...]
+        [--kernels NAME_PART ...] [--out DIR]
 
 Prints a table and writes ``grouped_gemm_kernels_<card>.csv`` under ``experiments/results/`` or ``--out``.
 """
@@ -20,8 +25,11 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.hal.formats import Quantized
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import RESULTS, dense_rate, timed, write_csv  # noqa: E402
+from bench_points import _gemm_operand  # noqa: E402
 
 HIDDEN, INTERMEDIATE, TOP = 4096, 2048, 6
 POINTS = [  # (label, experts, rows, n, k): bench_ops's MoE points (384 experts, balanced EP ranks)
@@ -37,99 +45,151 @@ WS_VARIANTS = {  # name -> tiles of grouped_gemm_bf16_ws
     "ws 128x256 s3": {"block_m": 128, "block_n": 256, "num_stages": 3},
     "ws 64x256 s4": {"block_m": 64, "block_n": 256, "num_stages": 4},
 }
-FIELDS = ("card", "date", "command", "shape", "kernel", "max_err", "time_us", "tflop_s", "frac_dense_same_flops",
-          "frac_dense_8192")
+QUANT_WS_VARIANTS = {  # name -> tiles of grouped_gemm_quant_ws (raw stages: as many as fit)
+    "qws 128x256 s2": {"block_m": 128, "block_n": 256, "num_stages": 2},
+    "qws 128x256 s3": {"block_m": 128, "block_n": 256, "num_stages": 3},
+    "qws 64x256 s2 d2": {"block_m": 64, "block_n": 256, "num_stages": 2, "decoders": 2},
+    "qws 64x256 s3 d2": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2},
+}
+BF16_BESIDE = "(bf16 operands)"  # the kernel name's tag for the bf16 kernel timed beside the block-scaled ones
+FIELDS = ("card", "date", "command", "formats", "shape", "kernel", "max_err", "time_us", "tflop_s",
+          "frac_dense_same_flops", "frac_dense_8192")
 
 
-def routed(experts: int, rows: int, n: int, k: int):
-    """bench_ops's operands: uniformly random routing (so segments end in partial tiles)."""
+def routed(experts: int, rows: int, n: int, k: int, formats: tuple[str, str] = ("bf16", "bf16")):
+    """bench_ops's operands: uniformly random routing (so segments end in partial tiles), bf16
+    normals or random valid bytes of a block-scaled format."""
     g = torch.Generator("cuda").manual_seed(0)
     sizes = torch.bincount(torch.randint(0, experts, (rows,), device="cuda", generator=g), minlength=experts)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
-    return x, w, sizes
+    return _gemm_operand(g, (rows, k), formats[0]), _gemm_operand(g, (experts, n, k), formats[1], k ** -0.5), sizes
+
+
+def _parts(operand):
+    return (operand.data, operand.scale) if isinstance(operand, Quantized) else (operand, None)
 
 
 def reference(x, w, sizes) -> torch.Tensor:
-    out, start = torch.empty(x.shape[0], w.shape[1], device=x.device), 0
+    """float32 result of the (decoded) operands, one matmul per segment."""
+    from deepinfer_backends.sm100.kernels.grouped_gemm_quant import decode
+
+    xs, ws = (decode(*_parts(t), t.fmt if isinstance(t, Quantized) else "bf16").float() for t in (x, w))
+    out, start = torch.empty(xs.shape[0], ws.shape[1], device=xs.device), 0
     for expert, size in enumerate(sizes.tolist()):
-        out[start:start + size] = x[start:start + size].float() @ w[expert].float().T
+        out[start:start + size] = xs[start:start + size] @ ws[expert].T
         start += size
     return out
 
 
-def kernels(experts: int, n: int, k: int, rows: int):
-    """name -> callable(x, w, sizes): the portable kernel with the wrapper's tiles, then each variant
-    of the warp-specialised one."""
+def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = ("bf16", "bf16")):
+    """name -> callable(x, w, sizes). bf16: the portable kernel with the wrapper's tiles, then each
+    variant of the warp-specialised one. Block-scaled: the portable block-scaled kernel with the
+    wrapper's tiles, each variant of the warp-specialised one, and the bf16 warp-specialised kernel
+    (on bf16 operands of the same shape, made on its first call)."""
     from deepinfer_backends.sm100 import gemm
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
     from deepinfer_backends.sm100.launch import compiled
 
-    def launcher(module, factory, tiles):
-        kernel = compiled(module, factory, experts, n, k, **tiles)
-
-        def call(x, w, sizes):
-            schedule = tile_schedule(sizes, x.shape[0], tiles["block_m"])
-            y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-            kernel(x, w, schedule[0], schedule[1], schedule[2], y)
+    def launcher(module, factory, tiles, *formats_args, dtype=torch.bfloat16):
+        def call(x, w, sizes):  # compiled on first use, so a filtered-out kernel costs nothing
+            schedule = tile_schedule(sizes, rows, tiles["block_m"])
+            y = torch.empty(rows, n, dtype=dtype, device="cuda")
+            if module == "grouped_gemm_quant_ws":
+                gemm.run_quant_ws(*_parts(x), *_parts(w), schedule, y, formats[1], tiles)
+                return y
+            kernel = compiled(module, factory, experts, n, k, *formats_args, **tiles)
+            if formats_args:
+                (x, x_scale), (w, w_scale) = _parts(x), _parts(w)
+                x_scale = torch.zeros(1, k // 32, dtype=torch.uint8, device="cuda") if x_scale is None else x_scale
+                kernel(x, x_scale, w, w_scale, schedule[0], schedule[1], schedule[2], y)
+            else:
+                kernel(x, w, schedule[0], schedule[1], schedule[2], y)
             return y
         return call
 
     portable = gemm.gemm_tiles(rows, experts, n, k)
-    table = {f"portable {portable['block_m']}x{portable['block_n']}":
-             launcher("grouped_gemm", "grouped_gemm_bf16", portable)}
-    for name, tiles in WS_VARIANTS.items():
-        table[name] = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", tiles)
+    ws_bf16 = {"block_m": portable["block_m"], "block_n": 256, "num_stages": gemm.WS_STAGES}
+    if formats == ("bf16", "bf16"):
+        table = {f"portable {portable['block_m']}x{portable['block_n']}":
+                 launcher("grouped_gemm", "grouped_gemm_bf16", portable)}
+        for name, tiles in WS_VARIANTS.items():
+            table[name] = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", tiles)
+        return table
+    quant = {**portable, "block_n": 128, "threads": 256, "block_k": gemm.QUANT_BLOCK_K}
+    table = {f"portable q {quant['block_m']}x128": launcher("grouped_gemm_quant", "grouped_gemm_quant", quant,
+                                                           *formats, dtype=torch.float32)}
+    for name, tiles in QUANT_WS_VARIANTS.items():
+        table[name] = launcher("grouped_gemm_quant_ws", "grouped_gemm_quant_ws", tiles, *formats, dtype=torch.float32)
+    bf16_call, bf16_operands = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", ws_bf16), []
+
+    def on_bf16(x, w, sizes):
+        if not bf16_operands:
+            bf16_operands.extend(routed(experts, rows, n, k)[:2])
+        return bf16_call(*bf16_operands, sizes)
+    table[f"bf16 ws {ws_bf16['block_m']}x256 {BF16_BESIDE}"] = on_bf16
     return table
 
 
-def edge_check() -> None:
-    """Every kernel on segments that are empty, shorter than a warpgroup's 64 rows, or end just past a tile."""
+def edge_check(formats: tuple[str, str], names) -> None:
+    """Every kernel on segments that are empty, shorter than a warpgroup's 64 rows, or end just past
+    a tile; block-scaled operands with scale bytes over the whole range the decode branches on."""
     sizes = torch.tensor([0, 1, 63, 64, 65, 128, 129, 300, 0], device="cuda")
     g = torch.Generator("cuda").manual_seed(1)
-    n, k = 512, 320
-    x = torch.randn(int(sizes.sum()), k, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(len(sizes), n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
+    n, k = 512, 1024
+    x, w, _ = routed(len(sizes), int(sizes.sum()), n, k, formats)
+    for operand in (x, w):
+        if isinstance(operand, Quantized):  # 2^-127 .. 2^13: subnormal scale, both sides of the one-multiply bound
+            operand.scale.copy_(torch.randint(0, 141, operand.scale.shape, device="cuda", generator=g,
+                                              dtype=torch.uint8))
     expected = reference(x, w, sizes)
-    for name, call in kernels(len(sizes), n, k, x.shape[0]).items():
+    for name, call in kernels(len(sizes), n, k, int(sizes.sum()), formats).items():
+        if names and not any(part in name for part in names) or BF16_BESIDE in name:
+            continue
         err = ((call(x, w, sizes).float() - expected).abs().max() / expected.abs().max()).item()
-        print(f"edge segments {sizes.tolist()} n={n} k={k} {name:18s} max err {err:.1e} "
+        print(f"edge {':'.join(formats)} segments {sizes.tolist()} n={n} k={k} {name:18s} max err {err:.1e} "
               f"{'pass' if err < 1e-2 else 'FAIL'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--formats", nargs="*", default=["bf16"],
+                        help="bf16, or X:W block-scaled pairs (fp8:fp8, fp8:mxfp4, bf16:fp8, bf16:mxfp4)")
     parser.add_argument("--only", nargs="*", default=None, help="keep points whose label contains one of these")
+    parser.add_argument("--kernels", nargs="*", default=None, help="keep kernels whose name contains one of these")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     card = torch.cuda.get_device_name().replace(" ", "_")
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dense = 2 * 8192 ** 3 / timed(lambda: a @ b, reps=5, graph=False)[0]
     print(f"{card}: dense bf16 8192^3 {dense / 1e12:.0f} TFLOP/s")
-    edge_check()
     stamp, command = datetime.datetime.now().isoformat(timespec="minutes"), " ".join(sys.argv)
     rows_out = []
-    for label, experts, rows, n, k in POINTS:
-        if args.only and not any(part in label for part in args.only):
-            continue
-        x, w, sizes = routed(experts, rows, n, k)
-        expected = reference(x, w, sizes)
-        same = dense_rate(rows, n, k)
-        flops = 2.0 * rows * n * k
-        for name, call in kernels(experts, n, k, rows).items():
-            try:
-                err = ((call(x, w, sizes).float() - expected).abs().max() / expected.abs().max()).item()
-                seconds, _ = timed(lambda: call(x, w, sizes), reps=5)
-            except Exception as error:  # a variant that does not fit (shared memory) is reported, not fatal
-                print(f"{label:18s} {name:18s} error: {type(error).__name__}: {str(error)[:120]}")
+    for formats in (tuple((f.split(":") * 2)[:2]) for f in args.formats):
+        edge_check(formats, args.kernels)
+        for label, experts, rows, n, k in POINTS:
+            if args.only and not any(part in label for part in args.only):
                 continue
-            row = {"card": card, "date": stamp, "command": command, "shape": f"{label} E={experts} M={rows} N={n} K={k}",
-                   "kernel": name, "max_err": err, "time_us": seconds * 1e6, "tflop_s": flops / seconds / 1e12,
-                   "frac_dense_same_flops": flops / seconds / same, "frac_dense_8192": flops / seconds / dense}
-            rows_out.append(row)
-            print(f"{label:18s} {name:18s} err {err:.1e} {row['time_us']:9.1f} us {row['tflop_s']:6.1f} TF/s "
-                  f"same-FLOPs dense {same / 1e12:4.0f}: {row['frac_dense_same_flops']:.2f}  "
-                  f"8192^3: {row['frac_dense_8192']:.2f}", flush=True)
+            x, w, sizes = routed(experts, rows, n, k, formats)
+            expected = reference(x, w, sizes)
+            same = dense_rate(rows, n, k)
+            flops = 2.0 * rows * n * k
+            for name, call in kernels(experts, n, k, rows, formats).items():
+                if args.kernels and not any(part in name for part in args.kernels):
+                    continue
+                try:
+                    err = float("nan") if BF16_BESIDE in name else \
+                        ((call(x, w, sizes).float() - expected).abs().max() / expected.abs().max()).item()
+                    seconds, _ = timed(lambda: call(x, w, sizes), reps=5)
+                except Exception as error:  # a variant that does not fit (shared memory) is reported, not fatal
+                    print(f"{label:18s} {name:18s} error: {type(error).__name__}: {str(error)[:120]}")
+                    continue
+                row = {"card": card, "date": stamp, "command": command, "formats": ":".join(formats),
+                       "shape": f"{label} E={experts} M={rows} N={n} K={k}", "kernel": name, "max_err": err,
+                       "time_us": seconds * 1e6, "tflop_s": flops / seconds / 1e12,
+                       "frac_dense_same_flops": flops / seconds / same, "frac_dense_8192": flops / seconds / dense}
+                rows_out.append(row)
+                print(f"{':'.join(formats):11s} {label:18s} {name:18s} err {err:.1e} {row['time_us']:9.1f} us "
+                      f"{row['tflop_s']:6.1f} TF/s same-FLOPs dense {same / 1e12:4.0f}: "
+                      f"{row['frac_dense_same_flops']:.2f}  8192^3: {row['frac_dense_8192']:.2f}", flush=True)
     path = write_csv(args.out / f"grouped_gemm_kernels_{card.split('_')[-1].lower()}.csv", FIELDS, rows_out)
     print(f"wrote {path}")
 

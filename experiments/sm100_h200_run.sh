@@ -8,7 +8,8 @@
 #   bench   the op benchmark (experiments/bench_ops.py --sweep $SWEEP, default quick; BENCH_ONLY="name part ...")
 #   cost    the decode cost of engine.batch_invariant on sm100 (experiments/invariance_cost.py)
 #   mla     the sparse MLA kernels side by side on bench_ops's decode and prefill points (experiments/mla_kernels.py)
-#   gemm    the bf16 grouped GEMM kernels side by side on the MoE shapes (experiments/grouped_gemm_kernels.py)
+#   gemm    the grouped GEMM kernels side by side on the MoE shapes (experiments/grouped_gemm_kernels.py;
+#           GEMM_FORMATS="bf16 fp8:mxfp4 ..." picks the operand formats, default bf16)
 #   ncu     where the MLA decode kernel's time goes
 #   bash experiments/sm100_h200_run.sh [stages...]   (default: parity bench ncu)
 set -u
@@ -54,8 +55,8 @@ if [[ $stages == *mla* ]]; then
   echo "mla done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *gemm* ]]; then
-  timeout 400 python3 experiments/grouped_gemm_kernels.py --out "$out" >"$out/grouped_gemm_kernels.log" 2>&1
-  grep -E "^(edge|EP|dense|NVIDIA)" "$out/grouped_gemm_kernels.log" | tail -40
+  timeout 400 python3 experiments/grouped_gemm_kernels.py --formats ${GEMM_FORMATS:-bf16} --out "$out" >"$out/grouped_gemm_kernels.log" 2>&1
+  grep -E "^(edge|bf16|fp8|NVIDIA)" "$out/grouped_gemm_kernels.log" | tail -40
   echo "gemm done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *cost* ]]; then

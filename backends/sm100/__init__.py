@@ -57,8 +57,9 @@ class Sm100Backend(Backend):
             "kernels, which are the default on every arch",
             "tcgen05 variants for grouped_gemm (bf16) and mla_sparse_decode: compiled for sm_100a, not run on "
             "hardware; enable with DEEPINFER_SM100_TCGEN05=1 on Blackwell (set on Hopper, those ops raise)",
-            "fp8: the fp8 KV cache and FP8 grouped-GEMM operands (e4m3, UE8M0 per 32) are read as stored and "
-            "decoded to bf16 in the kernel (bf16 wgmma, float32 accumulation); no FP8 tensor-core GEMM yet",
+            "fp8: the fp8 KV cache and FP8 grouped-GEMM weights (e4m3, UE8M0 per 32) are read as stored and "
+            "decoded to bf16 in the kernel (bf16 wgmma, float32 accumulation), FP8 activations once per row "
+            "before it on Hopper; no FP8 tensor-core GEMM yet",
             "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
             "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128, at most 8192",
             "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "

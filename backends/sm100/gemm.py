@@ -1,7 +1,7 @@
 """sm100 GEMM wrappers (HAL ``grouped_gemm`` and ``linear``): bf16 operands on the TMA + wgmma
-kernels (warp-specialised for ``grouped_gemm`` on Hopper), block-scaled FP8 / MXFP4 operands on the
-decode-to-bf16 kernel; ``linear`` is the portable grouped GEMM with one expert. Tiles are picked
-from the shape, or fixed in the batch-invariant mode."""
+kernels, block-scaled FP8 / MXFP4 operands on the decode-to-bf16 kernels (each warp-specialised on
+Hopper); bf16 ``linear`` is the portable grouped GEMM with one expert. Tiles are picked from the
+shape, or fixed in the batch-invariant mode."""
 from __future__ import annotations
 
 import functools
@@ -104,21 +104,60 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
              f"operands must be CUDA tensors, got {[str(t.device) for t in tensors]}")
     require(all(t.dtype == torch.uint8 for t in (x_scale, weight.scale) if t is not None), op,
              "scales must be uint8 (UE8M0 bytes)")
+    module, factory, tiles = quant_kernel(rows, *w_shape, toolchain.device_arch(x_data.device.index or 0),
+                                          batch_invariant)
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
 
-    if x_scale is None:  # bf16 x: the kernel leaves x_scale unread
-        x_scale = torch.zeros(1, k // 32, dtype=torch.uint8, device=x_data.device)
-    # 64- or 128-row tiles as for bf16; always 128 columns (shared memory) and two consumer warpgroups (decode work)
-    tiles = {**gemm_tiles(rows, w_shape[0], w_shape[1], k, batch_invariant=batch_invariant), "block_n": 128,
-             "threads": 256}
     y = torch.empty(rows, w_shape[1], dtype=torch.float32, device=x_data.device)
     if rows:
         schedule = tile_schedule(group_sizes.to(x_data.device), rows, tiles["block_m"])
-        kernel = compiled("grouped_gemm_quant", "grouped_gemm_quant", *w_shape,
-                          "fp8" if isinstance(x, Quantized) else "bf16", weight.fmt, block_k=QUANT_BLOCK_K, **tiles)
-        kernel(x_data.contiguous(), x_scale.contiguous(), weight.data.contiguous(), weight.scale.contiguous(),
-               schedule[0], schedule[1], schedule[2], y)
+        if module == "grouped_gemm_quant_ws":
+            run_quant_ws(x_data.contiguous(), x_scale, weight.data.contiguous(), weight.scale.contiguous(), schedule, y,
+                         weight.fmt, tiles)
+        else:
+            if x_scale is None:  # bf16 x: the kernel leaves x_scale unread
+                x_scale = torch.zeros(1, k // 32, dtype=torch.uint8, device=x_data.device)
+            kernel = compiled(module, factory, *w_shape, "fp8" if isinstance(x, Quantized) else "bf16", weight.fmt,
+                              **tiles)
+            kernel(x_data.contiguous(), x_scale.contiguous(), weight.data.contiguous(), weight.scale.contiguous(),
+                   schedule[0], schedule[1], schedule[2], y)
     return y
+
+
+def run_quant_ws(x, x_scale, w, w_scale, schedule: torch.Tensor, y: torch.Tensor, w_format: str,
+                 tiles: dict[str, int]) -> None:
+    """Launch ``kernels/grouped_gemm_quant_ws.py`` into ``y``: FP8 activations (``x_scale`` given)
+    are first decoded to bf16 by ``decode_fp8_rows`` (exact, once per row rather than once per
+    output tile), bf16 ones go straight in."""
+    k = w_scale.shape[2] * 32
+    if x_scale is not None:
+        decoded = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        compiled("grouped_gemm_quant_ws", "decode_fp8_rows", k, 128 if k % 2048 == 0 else 32)(
+            x, x_scale.contiguous(), decoded)
+        x = decoded
+    kernel = compiled("grouped_gemm_quant_ws", "grouped_gemm_quant_ws", w.shape[0], w.shape[1], k, w_format, **tiles)
+    kernel(x, w, w_scale, schedule[0], schedule[1], schedule[2], y)
+
+
+QUANT_WS_TILES = {128: {"num_stages": 3}, 64: {"num_stages": 3, "decoders": 2}}
+"""bf16 stages and decoder warpgroups of the warp-specialised block-scaled grouped GEMM by
+``block_m`` (raw stages: as many as fit; ``experiments/results/grouped_gemm_kernels_h200.txt``):
+with 128-row tiles the consumers' accumulators leave registers for one decoder warpgroup only."""
+
+
+def quant_kernel(rows: int, experts: int, n: int, k: int, arch: str,
+                 batch_invariant: bool = False) -> tuple[str, str, dict[str, int]]:
+    """``(kernels module, factory, tiles)`` of the block-scaled grouped GEMM on ``arch``. On Hopper,
+    with ``k`` a multiple of 512: the warp-specialised kernel (``grouped_gemm_quant_ws``: a decoder
+    warpgroup feeds the wgmmas a bf16 ring), 64- or 128-row tiles as for bf16. In the
+    batch-invariant mode, on other archs or for other ``k``: the portable kernel (decode, then
+    wgmma, in the same warps) with 128-column tiles, two warpgroups and :data:`QUANT_BLOCK_K`."""
+    tiles = gemm_tiles(rows, experts, n, k, batch_invariant=batch_invariant)
+    if arch == toolchain.HOPPER and not batch_invariant and k % 512 == 0 and not toolchain.tcgen05_requested():
+        return "grouped_gemm_quant_ws", "grouped_gemm_quant_ws", {
+            "block_m": tiles["block_m"], "block_n": 256 if n >= 256 else 128, **QUANT_WS_TILES[tiles["block_m"]]}
+    return "grouped_gemm_quant", "grouped_gemm_quant", {**tiles, "block_n": 128, "threads": 256,
+                                                        "block_k": QUANT_BLOCK_K}
 
 
 def _operand_kind(operand) -> str:

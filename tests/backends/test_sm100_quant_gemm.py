@@ -1,7 +1,8 @@
-"""The sm100 block-scaled grouped GEMM without a GPU: the wrapper's refusals, the kernel's decode
-(emulated in torch) against the HAL formats, every format pair lowering for sm_90a on wgmma, one
-pair compiling through nvcc and ptxas, and one lowering for sm_100a. The kernel tests need
-tilelang and skip without it (the default CI); the compile test also needs nvcc."""
+"""The sm100 block-scaled grouped GEMM without a GPU: the wrapper's refusals and kernel choice, the
+portable kernel's decode (emulated in torch) against the HAL formats, every format pair lowering
+for sm_90a on wgmma, the warp-specialised Hopper kernel's structure and refusals, one kernel of
+each compiling through nvcc and ptxas, and one lowering for sm_100a. The kernel tests need
+tilelang and skip without it (the default CI); the compile tests also need nvcc."""
 import functools
 
 import pytest
@@ -115,3 +116,87 @@ def test_lowers_for_blackwell_on_mma():
     """Like the other portable kernels, it lowers for sm_100a on mma.sync (no tcgen05 variant)."""
     source = _lower("fp8", "mxfp4", arch="sm_100a")
     assert "tl::mma_sync" in source and "wgmma" not in source and "tcgen05" not in source
+
+
+def test_wrapper_picks_the_warp_specialised_kernel_on_hopper_for_k_a_multiple_of_512():
+    """64- or 128-row tiles as for bf16, on the decoder-fed kernel; the portable kernel elsewhere."""
+    from deepinfer_backends.sm100 import gemm, toolchain
+
+    module, _, tiles = gemm.quant_kernel(16384, 48, 4096, 4096, toolchain.HOPPER)
+    assert module == "grouped_gemm_quant_ws" and tiles == {"block_m": 128, "block_n": 256, **gemm.QUANT_WS_TILES[128]}
+    module, _, tiles = gemm.quant_kernel(192, 48, 4096, 2048, toolchain.HOPPER)
+    assert module == "grouped_gemm_quant_ws" and tiles == {"block_m": 64, "block_n": 256, **gemm.QUANT_WS_TILES[64]}
+    for rows, k, arch, invariant in ((192, 384, toolchain.HOPPER, False), (192, 4096, toolchain.HOPPER, True),
+                                     (192, 4096, toolchain.BLACKWELL, False)):
+        module, _, tiles = gemm.quant_kernel(rows, 48, 4096, k, arch, batch_invariant=invariant)
+        assert module == "grouped_gemm_quant" and tiles["block_n"] == 128 and tiles["block_k"] == gemm.QUANT_BLOCK_K
+
+
+@functools.lru_cache(maxsize=None)
+def _lower_ws(w_format: str, **tiles) -> str:
+    from deepinfer_backends.sm100 import toolchain
+
+    _kernel_module()
+    from deepinfer_backends.sm100.kernels.grouped_gemm_quant_ws import grouped_gemm_quant_ws
+
+    return toolchain.lower_source(grouped_gemm_quant_ws, 4, 512, 1024, w_format, **tiles)
+
+
+@pytest.mark.parametrize("w_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("decoders", [1, 2])
+def test_warp_specialised_kernel_feeds_bf16_wgmma_from_a_decoder_ring(w_format, decoders):
+    """The wrapper's two configurations (128-row tiles with one decoder warpgroup, 64-row tiles with
+    two): bf16 activations by TMA, raw weights and their scale boxes by TMA, both decode paths (one
+    multiply, and the wide one) chosen once a k-block, a proxy fence before each hand-off, and a
+    ``ready`` barrier that counts the decoders and the activations' TMA."""
+    from deepinfer_backends.sm100 import gemm
+
+    block_m = 128 if decoders == 1 else 64
+    source = _lower_ws(w_format, block_m=block_m, **gemm.QUANT_WS_TILES[block_m])
+    assert f"__launch_bounds__({256 + 128 * decoders}, 1)" in source
+    assert "tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in source
+    decode = "gq_fp4x32" if w_format == "mxfp4" else "gq_fp8x16"
+    assert f"{decode}<false>(" in source and f"{decode}<true>(" in source and "if (wide[0] != 0)" in source
+    assert "tma_load(x_desc, ready[" in source and "tma_load(w_scale_desc, raw_full[" in source
+    assert "x_scale" not in source  # FP8 activations are decoded before this kernel
+    assert f"ready[0].init({128 * decoders + 1})" in source and "tl::fence_proxy_async();" in source
+    assert f"tl::__sync_thread_partial(1, {128 * decoders})" in source
+    consumer, decoder = (200, 104) if decoders == 1 else (160, 96)
+    assert f"warpgroup_reg_alloc<{consumer}>" in source and f"warpgroup_reg_dealloc<{decoder}>" in source
+
+
+def test_warp_specialised_kernel_refuses_what_it_cannot_run():
+    """A K whose scale rows TMA cannot address (not a multiple of 512 values), a register budget
+    over the launch's (``setmaxnreg.inc`` would wait forever, as seen on the H200), two decoder
+    warpgroups beside 128 x 256 accumulators' worth of registers cut to 128, bad tiles or formats."""
+    from deepinfer_backends.sm100 import toolchain
+
+    _kernel_module()
+    from deepinfer_backends.sm100.kernels.grouped_gemm_quant_ws import grouped_gemm_quant_ws
+
+    for args, tiles, message in (((4, 512, 768, "fp8"), {}, "multiple of 512"),
+                                 ((4, 512, 1024, "fp8"), {"registers": (208, 104)}, "registers"),
+                                 ((4, 512, 1024, "fp8"), {"registers": (200, 100)}, "registers"),
+                                 ((4, 512, 1024, "fp8"), {"block_m": 32}, "block_m=32"),
+                                 ((4, 512, 1024, "fp8"), {"decoders": 2}, "ptxas needs 154"),
+                                 ((4, 512, 1024, "mxfp4"), {"block_m": 64, "block_n": 64, "decoders": 2}, "evenly"),
+                                 ((4, 512, 1024, "nvfp4"), {}, "w_format")):
+        with pytest.raises(ValueError, match=message):
+            toolchain.lower_source(grouped_gemm_quant_ws, *args, **tiles)
+
+
+def test_warp_specialised_kernel_and_activation_decode_compile_for_hopper_with_nvcc():
+    from deepinfer_backends.sm100 import toolchain
+
+    _kernel_module()
+    if not toolchain.nvcc_available():
+        pytest.skip("nvcc is not on the PATH")
+    from deepinfer_backends.sm100.kernels.grouped_gemm_quant_ws import decode_fp8_rows
+
+    ptx = toolchain.compile_ptx(_lower_ws("mxfp4", block_m=128, num_stages=3), toolchain.HOPPER)
+    assert toolchain.assemble(ptx, toolchain.HOPPER)[:4] == b"\x7fELF"
+    assert "wgmma.mma_async.sync.aligned" in ptx and "setmaxnreg.inc.sync.aligned.u32 200" in ptx
+    assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx
+    decode = toolchain.lower_source(decode_fp8_rows, 4096)
+    assert "gq_fp8x16<true>(" in decode
+    assert toolchain.assemble(toolchain.compile_ptx(decode, toolchain.HOPPER), toolchain.HOPPER)[:4] == b"\x7fELF"

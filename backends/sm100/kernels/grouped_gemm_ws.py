@@ -19,6 +19,24 @@ _PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 CONSUMERS = 256  # two consumer warpgroups; the producer warpgroup follows them
 
 
+@T.macro
+def consume(x_s, w_s, acc, full, empty, live, tx, k_blocks: int, num_stages: int, block_m: int, rows):
+    """The two consumer warpgroups' main loop over the ``full`` / ``empty`` ring of ``x_s`` and
+    ``w_s``: async wgmmas into ``acc`` with one k-block in flight; a warpgroup whose 64 rows all lie
+    past the tile's ``rows`` (``block_m`` 128) issues none. Ends with every wgmma retired."""
+    policy = T.GemmWarpPolicy.FullRow if block_m == 128 else T.GemmWarpPolicy.FullCol
+    live[0] = T.if_then_else(block_m == 64 or (tx // 128) * 64 < rows, 1, 0)
+    for kb in T.serial(k_blocks):
+        T.barrier_wait(full[kb % num_stages], (kb // num_stages) & 1)
+        if live[0]:
+            T.wgmma_gemm(x_s[kb % num_stages, :, :], w_s[kb % num_stages, :, :], acc, transpose_B=True,
+                         policy=policy, clear_accum=kb == 0)
+        T.wait_wgmma(1)
+        if kb > 0:
+            T.barrier_arrive(empty[(kb - 1) % num_stages])
+    T.wait_wgmma(0)
+
+
 @tilelang.jit(pass_configs=_PASS_CONFIGS)
 def grouped_gemm_bf16_ws(experts: int, n: int, k: int, block_m: int = 128, block_n: int = 256, block_k: int = 64,
                          num_stages: int = 4, swizzle: int = 8):
@@ -30,7 +48,6 @@ def grouped_gemm_bf16_ws(experts: int, n: int, k: int, block_m: int = 128, block
     tiles = T.dynamic("tiles")
     dtype, accum = "bfloat16", "float"
     k_blocks = -(-k // block_k)
-    policy = T.GemmWarpPolicy.FullRow if block_m == 128 else T.GemmWarpPolicy.FullCol
 
     @T.prim_func
     def kernel(x: T.Tensor((m, k), dtype), w: T.Tensor((experts, n, k), dtype),
@@ -57,16 +74,8 @@ def grouped_gemm_bf16_ws(experts: int, n: int, k: int, block_m: int = 128, block
                                    w_s[slot, :, :], barrier=full[slot], annotations={"emit_arrive": 1})
                 else:  # consumers
                     T.set_max_nreg(232, 1)
-                    live[0] = T.if_then_else(block_m == 64 or (tx // 128) * 64 < tile_end[bt] - tile_row[bt], 1, 0)
-                    for kb in T.serial(k_blocks):
-                        T.barrier_wait(full[kb % num_stages], (kb // num_stages) & 1)
-                        if live[0]:
-                            T.wgmma_gemm(x_s[kb % num_stages, :, :], w_s[kb % num_stages, :, :], acc,
-                                         transpose_B=True, policy=policy, clear_accum=kb == 0)
-                        T.wait_wgmma(1)
-                        if kb > 0:
-                            T.barrier_arrive(empty[(kb - 1) % num_stages])
-                    T.wait_wgmma(0)
+                    consume(x_s, w_s, acc, full, empty, live, tx, k_blocks, num_stages, block_m,
+                            tile_end[bt] - tile_row[bt])
                     for i, j in T.Parallel(block_m, block_n):
                         if i < tile_end[bt] - tile_row[bt]:
                             y[tile_row[bt] + i, bn * block_n + j] = T.cast(acc[i, j], dtype)

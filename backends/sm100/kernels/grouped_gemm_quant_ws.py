@@ -1,0 +1,283 @@
+"""Warp-specialised block-scaled grouped GEMM on Hopper: bf16 activations x FP8 or MXFP4 expert weights.
+
+Same contract as :func:`~deepinfer_backends.sm100.kernels.grouped_gemm_quant.grouped_gemm_quant`
+(contiguous expert segments, UE8M0 scales per 32 along K, exact decode to bf16, bf16 wgmma,
+float32 result), with the decode taken off the tensor cores' critical path:
+
+- FP8 activations are decoded to bf16 once per row by :func:`decode_fp8_rows` (the tile kernel
+  would otherwise decode each row once per output tile across N); the kernel takes bf16
+  activations straight into its bf16 ring by TMA;
+- the decoder warpgroup(s) stream raw weight tiles by TMA into a ``raw_stages`` ring (the scales
+  in boxes of 16 bytes, i.e. 512 values of K, in a two-slot ring of their own), decode them into
+  the bf16 ring with the device functions of :data:`PRELUDE` (bit placement and one exact bf16
+  multiply per pair of values; a k-block holding a scale byte past :data:`NARROW_SCALE` takes the
+  two-multiply form, a branch taken once per k-block so that each path is straight-line code), and
+  hand each stage to the consumers on an mbarrier that also counts the activations' TMA;
+- two consumer warpgroups run the wgmmas as
+  :func:`~deepinfer_backends.sm100.kernels.grouped_gemm_ws.grouped_gemm_bf16_ws` does (one k-block
+  in flight, a segment's short last tile computed by one warpgroup).
+
+Side by side on the H200 it is 2.7-4.1x faster than the portable kernel with FP8 activations and
+takes 0.93-1.30 of the bf16 kernel's time on bf16 operands of the same shape: still bound by the
+decode (``experiments/results/grouped_gemm_kernels_h200.txt``). Hopper only (wgmma, TMA,
+``setmaxnreg``); ``k`` a multiple of 512 (the scale rows are then 16-byte aligned for TMA)."""
+import tilelang
+import tilelang.language as T
+
+from deepinfer_backends.sm100.kernels.grouped_gemm_quant import BLOCK, W_FORMATS, _STORAGE
+from deepinfer_backends.sm100.kernels.grouped_gemm_ws import CONSUMERS, consume
+
+_PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,  # every barrier is placed by hand
+}
+BLOCK_K = 64
+SCALE_BOX = 16
+"""Scale bytes per row in one TMA box (16 bytes is TMA's narrowest): 512 values of K, 8 k-blocks."""
+DECODER_BAR = 1  # named barrier of the decoder warpgroups (0 is __syncthreads)
+
+PRELUDE = r"""
+__device__ __forceinline__ unsigned gq_mul(unsigned a, unsigned b) {
+  unsigned out;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+  return out;
+}
+
+__device__ __forceinline__ unsigned gq_prmt(unsigned word, unsigned sel) {
+  unsigned out;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(out) : "r"(word), "r"(sel));
+  return out;
+}
+
+// bf16x2 of the two e4m3 bytes picked by `sel` (0x9180: bytes 0, 1; 0xB3A2: bytes 2, 3), times 2^-120:
+// each byte beside its sign replicated, then s eeee mmm shifted to bf16 bits 15 and 10..4.
+__device__ __forceinline__ unsigned gq_e4m3x2(unsigned word, unsigned sel) {
+  return (gq_prmt(word, sel) << 4) & 0x87F087F0u;
+}
+
+// bf16x2 of the two e2m1 codes of byte `k` of `word` (low nibble first), times 2^-126: s eem to
+// bits 15 and 8..6 of each half.
+__device__ __forceinline__ unsigned gq_e2m1x2(unsigned word, unsigned k) {
+  unsigned t = gq_prmt(word, 0x4440u + k) * 0x1001u;
+  return ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
+}
+
+__device__ __forceinline__ unsigned gq_pow2(unsigned exponent_field) {  // bf16x2 2^(field - 127), twice
+  return (exponent_field << 7) * 0x10001u;
+}
+
+// Sixteen e4m3 values with UE8M0 scale byte `sc` -> two 8-value bf16 chunks. WIDE = false: times
+// 2^(sc-7) in one exact multiply, for sc <= 134 (a normal bf16); true: times 2^120, then 2^(sc-127),
+// for any sc (the bf16 2^-127 of sc = 0 is subnormal, still exact).
+template <bool WIDE>
+__device__ __forceinline__ void gq_fp8x16(const void* src, int sc, void* dst0, void* dst1) {
+  uint4 v = *reinterpret_cast<const uint4*>(src);
+  unsigned w[4] = {v.x, v.y, v.z, v.w}, o[8];
+  unsigned f = WIDE ? (sc ? gq_pow2(sc) : 0x00400040u) : gq_pow2(sc + 120);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    o[i] = gq_e4m3x2(w[i / 2], i % 2 ? 0xB3A2u : 0x9180u);
+    if (WIDE) o[i] = gq_mul(o[i], 0x7B807B80u);
+    o[i] = gq_mul(o[i], f);
+  }
+  *reinterpret_cast<uint4*>(dst0) = make_uint4(o[0], o[1], o[2], o[3]);
+  *reinterpret_cast<uint4*>(dst1) = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// Thirty-two e2m1 values (16 bytes) with UE8M0 scale byte `sc` -> four 8-value bf16 chunks. WIDE =
+// false: times 2^(sc-1) in one exact multiply, for sc <= 128; true: times 2^126, then 2^(sc-127).
+template <bool WIDE>
+__device__ __forceinline__ void gq_fp4x32(const void* src, int sc, void* dst0, void* dst1, void* dst2,
+                                          void* dst3) {
+  uint4 v = *reinterpret_cast<const uint4*>(src);
+  unsigned w[4] = {v.x, v.y, v.z, v.w}, o[16];
+  unsigned f = WIDE ? (sc ? gq_pow2(sc) : 0x00400040u) : gq_pow2(sc + 126);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    o[i] = gq_e2m1x2(w[i / 4], i % 4);
+    if (WIDE) o[i] = gq_mul(o[i], 0x7E807E80u);
+    o[i] = gq_mul(o[i], f);
+  }
+  *reinterpret_cast<uint4*>(dst0) = make_uint4(o[0], o[1], o[2], o[3]);
+  *reinterpret_cast<uint4*>(dst1) = make_uint4(o[4], o[5], o[6], o[7]);
+  *reinterpret_cast<uint4*>(dst2) = make_uint4(o[8], o[9], o[10], o[11]);
+  *reinterpret_cast<uint4*>(dst3) = make_uint4(o[12], o[13], o[14], o[15]);
+}
+"""
+"""CUDA device functions ``gq_fp8x16<WIDE>`` and ``gq_fp4x32<WIDE>``: 16 raw bytes and a scale byte
+in, 16-byte bf16 chunks out (each chunk one swizzle unit of a wgmma operand, so each takes its own
+address). The one-multiply form (``WIDE = false``) holds for scale bytes up to :data:`NARROW_SCALE`."""
+NARROW_SCALE = {"fp8": 134, "mxfp4": 128}
+"""Largest UE8M0 byte for which ``2^(byte - 127)`` times the decode's bit-placement offset (2^120
+for e4m3, 2^126 for e2m1) is a normal bf16."""
+
+
+SHARED_BYTES = 227 * 1024  # an H100 / H200 CTA's dynamic shared memory
+
+
+def max_raw_stages(block_m: int, block_n: int, num_stages: int, w_format: str) -> int:
+    """The deepest raw ring (at most 8) that fits shared memory beside ``num_stages`` bf16 stages
+    and the scale ring (1 KB kept spare)."""
+    bf16_stage = (block_m + block_n) * BLOCK_K * 2
+    raw_stage = block_n * BLOCK_K // (2 if w_format == "mxfp4" else 1)
+    return max(1, min(8, (SHARED_BYTES - 1024 - num_stages * bf16_stage - 2 * block_n * SCALE_BOX) // raw_stage))
+
+
+@tilelang.jit(pass_configs=_PASS_CONFIGS)
+def grouped_gemm_quant_ws(experts: int, n: int, k: int, w_format: str, block_m: int = 128, block_n: int = 256,
+                          num_stages: int = 3, raw_stages: int | None = None, decoders: int = 1,
+                          registers: tuple | None = None, swizzle: int = 8):
+    """Kernel ``(x bf16 [m, k], w [experts, n, k or k/2], w_scale uint8 [experts, n, k/32],
+    tile_expert, tile_row, tile_end [tiles], y float32 [m, n])``: the weights as
+    :func:`~deepinfer_backends.sm100.kernels.grouped_gemm_quant.grouped_gemm_quant` takes them, the
+    activations in bf16 (FP8 ones go through :func:`decode_fp8_rows` first). ``block_m`` 128 (a
+    consumer warpgroup per 64 rows) or 64 (the two split the columns); ``decoders`` warpgroups
+    decode; ``raw_stages`` defaults to as many as fit; ``registers`` is the (consumer, decoder)
+    budget per thread, multiples of 8 (default (200, 104) with one decoder warpgroup, (160, 96) with
+    two)."""
+    if w_format not in W_FORMATS:
+        raise ValueError(f"w_format={w_format!r}; expected one of {W_FORMATS}")
+    if k % (SCALE_BOX * BLOCK):
+        raise ValueError(f"k={k} must be a multiple of {SCALE_BOX * BLOCK}")
+    raw_stages = raw_stages or max_raw_stages(block_m, block_n, num_stages, w_format)
+    if block_m not in (64, 128) or block_n % 64 or decoders not in (1, 2) or not 1 <= raw_stages <= 8 \
+            or num_stages < 2:
+        raise ValueError(f"block_m={block_m} must be 64 or 128, block_n={block_n} a multiple of 64, decoders={decoders}"
+                         f" 1 or 2, raw_stages={raw_stages} in [1, 8], num_stages={num_stages} at least 2")
+    units = BLOCK_K // (2 if w_format == "mxfp4" else 1) // 16  # 16-byte raw units in a row of a k-block
+    if block_n * units % (128 * decoders) or (decoders == 2 and block_m * block_n > 64 * 256):
+        raise ValueError(f"decoders={decoders} with {block_m} x {block_n} tiles: the decoders must share the "
+                         f"{block_n * units} raw units of a k-block evenly, and two decoder warpgroups leave 128 "
+                         f"registers a thread, too few for accumulators past 64 x 256 (ptxas needs 154)")
+    threads = CONSUMERS + 128 * decoders
+    launch = 65536 // threads // 8 * 8  # registers a thread gets at launch (168 for 384 threads, 128 for 512)
+    registers = registers or ((200, 104) if decoders == 1 else (160, 96))
+    if any(r % 8 or not 24 <= r <= 256 for r in registers) or \
+            registers[0] * CONSUMERS + registers[1] * 128 * decoders > launch * threads:
+        raise ValueError(f"registers={registers}: multiples of 8 in [24, 256] whose sum over the {threads} threads "
+                         f"is at most the {launch * threads} of launch (setmaxnreg.inc would wait forever)")
+    m = T.dynamic("m")
+    tiles = T.dynamic("tiles")
+    mxfp4 = w_format == "mxfp4"
+    per_byte = 2 if mxfp4 else 1
+    k_blocks, box_blocks = k // BLOCK_K, SCALE_BOX * BLOCK // BLOCK_K
+    dec_threads = 128 * decoders
+    iters = block_n * units // dec_threads
+
+    @T.macro
+    def issue_raw(w, w_scale, w_raw, w_scale_s, raw_full, expert, bn, kb, slot):
+        """TMA of k-block ``kb``'s raw weight tile into raw slot ``slot`` (with its scale box first
+        when ``kb`` opens one)."""
+        box = kb // box_blocks
+        if kb % box_blocks == 0:
+            T.tma_copy(w_scale[expert, bn * block_n:(bn + 1) * block_n, box * SCALE_BOX:(box + 1) * SCALE_BOX],
+                       w_scale_s[box % 2, :, :], barrier=raw_full[slot])
+        T.tma_copy(w[expert, bn * block_n:(bn + 1) * block_n, kb * BLOCK_K // per_byte:(kb + 1) * BLOCK_K // per_byte],
+                   w_raw[slot, :, :], barrier=raw_full[slot], annotations={"emit_arrive": 1})
+
+    @T.macro
+    def issue_x(x, x_s, ready, row0, kb):
+        """TMA of k-block ``kb``'s bf16 activations straight into bf16 stage ``kb % num_stages`` (one
+        arrival of that stage's ``ready``)."""
+        T.tma_copy(x[row0:row0 + block_m, kb * BLOCK_K:(kb + 1) * BLOCK_K], x_s[kb % num_stages, :, :],
+                   barrier=ready[kb % num_stages], annotations={"emit_arrive": 1})
+
+    @T.macro
+    def decode(w_in, w_sc, w_s, stage, d, wide: bool):
+        for i in T.unroll(iters):
+            r, c = (i * dec_threads + d) // units, (i * dec_threads + d) % units
+            if mxfp4:
+                T.call_extern("handle", f"gq_fp4x32<{str(wide).lower()}>", T.access_ptr(w_in[i, 0], "r"), w_sc[i],
+                              *[T.access_ptr(w_s[stage, r, c * 32 + q * 8], "w") for q in range(4)])
+            else:
+                T.call_extern("handle", f"gq_fp8x16<{str(wide).lower()}>", T.access_ptr(w_in[i, 0], "r"), w_sc[i],
+                              *[T.access_ptr(w_s[stage, r, c * 16 + q * 8], "w") for q in range(2)])
+
+    @T.prim_func
+    def kernel(x: T.Tensor((m, k), "bfloat16"), w: T.Tensor((experts, n, k // per_byte), _STORAGE[w_format]),
+               w_scale: T.Tensor((experts, n, k // BLOCK), "uint8"), tile_expert: T.Tensor((tiles,), "int32"),
+               tile_row: T.Tensor((tiles,), "int32"), tile_end: T.Tensor((tiles,), "int32"),
+               y: T.Tensor((m, n), "float")):
+        with T.Kernel(T.ceildiv(n, block_n), tiles, threads=threads, prelude=PRELUDE) as (bn, bt):
+            x_s = T.alloc_shared((num_stages, block_m, BLOCK_K), "bfloat16")
+            w_s = T.alloc_shared((num_stages, block_n, BLOCK_K), "bfloat16")
+            w_raw = T.alloc_shared((raw_stages, block_n, BLOCK_K // per_byte), _STORAGE[w_format])
+            w_scale_s = T.alloc_shared((2, block_n, SCALE_BOX), "uint8")
+            acc = T.alloc_fragment((block_m, block_n), "float")
+            raw_full = T.alloc_barrier([1] * raw_stages)
+            ready = T.alloc_barrier([dec_threads + 1] * num_stages)  # the decoders and the activations' TMA
+            free = T.alloc_barrier([CONSUMERS] * num_stages)
+            live = T.alloc_local((1,), "int32")
+            w_in = T.alloc_local((iters, 16), _STORAGE[w_format])  # this thread's raw units of a k-block
+            w_sc = T.alloc_local((iters,), "int32")
+            wide = T.alloc_local((1,), "int32")
+            tx = T.get_thread_binding()
+            T.use_swizzle(panel_size=swizzle)  # as grouped_gemm_bf16: readers of one weight tile run together
+            expert, row0 = tile_expert[bt], tile_row[bt]
+            if expert < experts:
+                if tx >= CONSUMERS:  # decoders
+                    T.set_max_nreg(registers[1], int(registers[1] >= launch))
+                    d = tx - CONSUMERS
+                    if d < 128:
+                        for j in T.unroll(raw_stages):
+                            if j < k_blocks:
+                                issue_raw(w, w_scale, w_raw, w_scale_s, raw_full, expert, bn, j, j)
+                        issue_x(x, x_s, ready, row0, 0)
+                    for kb in T.serial(k_blocks):
+                        slot, stage = kb % raw_stages, kb % num_stages
+                        box, byte0 = (kb // box_blocks) % 2, (kb % box_blocks) * (BLOCK_K // BLOCK)
+                        T.barrier_wait(raw_full[slot], (kb // raw_stages) & 1)
+                        wide[0] = 0
+                        # All loads first: the compiler cannot move a load past a store that may alias it.
+                        for i in T.unroll(iters):
+                            r, c = (i * dec_threads + d) // units, (i * dec_threads + d) % units
+                            for v in T.vectorized(16):
+                                w_in[i, v] = w_raw[slot, r, c * 16 + v]
+                            w_sc[i] = T.cast(w_scale_s[box, r, byte0 + (c if mxfp4 else c // 2)], "int32")
+                            wide[0] = wide[0] | T.if_then_else(w_sc[i] > NARROW_SCALE[w_format], 1, 0)
+                        T.barrier_wait(free[stage], ((kb // num_stages) & 1) ^ 1)
+                        if wide[0] != 0:  # one branch a k-block: each path is straight-line code to interleave
+                            decode(w_in, w_sc, w_s, stage, d, True)
+                        else:
+                            decode(w_in, w_sc, w_s, stage, d, False)
+                        T.fence_proxy_async()  # the generic-proxy stores must be visible to wgmma
+                        T.barrier_arrive(ready[stage])
+                        # Every thread has used the raw slot's bytes (its stores above depend on them), so the
+                        # TMA may overwrite it. (Right after the loads was a race: on the H200 the TMA could
+                        # land before the loads had read, and results came out wrong.)
+                        T.sync_threads(DECODER_BAR, dec_threads)
+                        if d < 128:
+                            if kb + raw_stages < k_blocks:
+                                issue_raw(w, w_scale, w_raw, w_scale_s, raw_full, expert, bn, kb + raw_stages, slot)
+                            if kb + 1 < k_blocks:  # the next stage's activations, once the consumers free it
+                                T.barrier_wait(free[(kb + 1) % num_stages], (((kb + 1) // num_stages) & 1) ^ 1)
+                                issue_x(x, x_s, ready, row0, kb + 1)
+                else:
+                    T.set_max_nreg(registers[0], int(registers[0] >= launch))
+                    consume(x_s, w_s, acc, ready, free, live, tx, k_blocks, num_stages, block_m, tile_end[bt] - row0)
+                    for i, j in T.Parallel(block_m, block_n):
+                        if i < tile_end[bt] - row0:
+                            y[row0 + i, bn * block_n + j] = acc[i, j]
+
+    return kernel
+
+
+@tilelang.jit
+def decode_fp8_rows(k: int, threads: int = 128):
+    """Kernel ``(x e4m3 [m, k], x_scale uint8 [m, k/32], out bf16 [m, k])``: FP8 activations decoded
+    exactly to bf16 once, for :func:`grouped_gemm_quant_ws` (one CTA per row, 16 values a call)."""
+    if k % (16 * threads):
+        raise ValueError(f"k={k} must be a multiple of {16 * threads}")
+    m = T.dynamic("m")
+
+    @T.prim_func
+    def kernel(x: T.Tensor((m, k), "float8_e4m3fn"), x_scale: T.Tensor((m, k // BLOCK), "uint8"),
+               out: T.Tensor((m, k), "bfloat16")):
+        with T.Kernel(m, threads=threads, prelude=PRELUDE) as row:
+            for j in T.unroll(k // 16 // threads):
+                c = j * threads + T.get_thread_binding()
+                T.call_extern("handle", "gq_fp8x16<true>", T.access_ptr(x[row, c * 16], "r"),
+                              T.cast(x_scale[row, c // 2], "int32"), T.access_ptr(out[row, c * 16], "w"),
+                              T.access_ptr(out[row, c * 16 + 8], "w"))
+
+    return kernel
