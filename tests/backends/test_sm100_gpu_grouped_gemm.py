@@ -1,6 +1,7 @@
-"""The sm100 bf16 grouped GEMM on a GPU (skipped without one, or without tilelang): the kernel the
-wrapper picks for the shape, on segments that are empty, shorter than a warpgroup's 64 rows or
-end just past a tile, with ``n`` and ``k`` that leave partial tiles, against a float64 result."""
+"""The sm100 grouped GEMM on a GPU (skipped without one, or without tilelang), bf16 and
+block-scaled: the kernel the wrapper picks for the shape, on segments that are empty, shorter
+than a warpgroup's 64 rows or end just past a tile, with ``n`` and ``k`` that leave partial tiles,
+against a float64 result."""
 import importlib.util
 
 import pytest
