@@ -114,7 +114,7 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
         for name, tiles in WS_VARIANTS.items():
             table[name] = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", tiles)
         return table
-    quant = {**portable, "block_n": 128, "threads": 256, "block_k": gemm.QUANT_BLOCK_K}
+    quant = gemm.portable_quant_tiles(rows, experts, n, k)
     table = {f"portable q {quant['block_m']}x128": launcher("grouped_gemm_quant", "grouped_gemm_quant", quant,
                                                            *formats, dtype=torch.float32)}
     for name, tiles in QUANT_WS_VARIANTS.items():

@@ -151,13 +151,19 @@ def quant_kernel(rows: int, experts: int, n: int, k: int, arch: str,
     with ``k`` a multiple of 512: the warp-specialised kernel (``grouped_gemm_quant_ws``: a decoder
     warpgroup feeds the wgmmas a bf16 ring), 64- or 128-row tiles as for bf16. In the
     batch-invariant mode, on other archs or for other ``k``: the portable kernel (decode, then
-    wgmma, in the same warps) with 128-column tiles, two warpgroups and :data:`QUANT_BLOCK_K`."""
-    tiles = gemm_tiles(rows, experts, n, k, batch_invariant=batch_invariant)
+    wgmma, in the same warps) with :func:`portable_quant_tiles`."""
     if arch == toolchain.HOPPER and not batch_invariant and k % 512 == 0 and not toolchain.tcgen05_requested():
+        block_m = gemm_tiles(rows, experts, n, k)["block_m"]
         return "grouped_gemm_quant_ws", "grouped_gemm_quant_ws", {
-            "block_m": tiles["block_m"], "block_n": 256 if n >= 256 else 128, **QUANT_WS_TILES[tiles["block_m"]]}
-    return "grouped_gemm_quant", "grouped_gemm_quant", {**tiles, "block_n": 128, "threads": 256,
-                                                        "block_k": QUANT_BLOCK_K}
+            "block_m": block_m, "block_n": 256 if n >= 256 else 128, **QUANT_WS_TILES[block_m]}
+    return "grouped_gemm_quant", "grouped_gemm_quant", portable_quant_tiles(rows, experts, n, k, batch_invariant)
+
+
+def portable_quant_tiles(rows: int, experts: int, n: int, k: int, batch_invariant: bool = False) -> dict[str, int]:
+    """Tiles of the portable block-scaled kernel: :func:`gemm_tiles`' rows, always 128 columns
+    (shared memory), two consumer warpgroups (decode work) and :data:`QUANT_BLOCK_K`."""
+    return {**gemm_tiles(rows, experts, n, k, batch_invariant=batch_invariant), "block_n": 128, "threads": 256,
+            "block_k": QUANT_BLOCK_K}
 
 
 def _operand_kind(operand) -> str:

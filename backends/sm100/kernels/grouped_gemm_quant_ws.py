@@ -24,6 +24,7 @@ decode (``experiments/results/grouped_gemm_kernels_h200.txt``). Hopper only (wgm
 import tilelang
 import tilelang.language as T
 
+from deepinfer_backends.sm100.kernels import key_decode
 from deepinfer_backends.sm100.kernels.grouped_gemm_quant import BLOCK, W_FORMATS, _STORAGE
 from deepinfer_backends.sm100.kernels.grouped_gemm_ws import CONSUMERS, consume
 
@@ -36,13 +37,7 @@ SCALE_BOX = 16
 """Scale bytes per row in one TMA box (16 bytes is TMA's narrowest): 512 values of K, 8 k-blocks."""
 DECODER_BAR = 1  # named barrier of the decoder warpgroups (0 is __syncthreads)
 
-PRELUDE = r"""
-__device__ __forceinline__ unsigned gq_mul(unsigned a, unsigned b) {
-  unsigned out;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
-  return out;
-}
-
+PRELUDE = key_decode.PRELUDE + r"""
 __device__ __forceinline__ unsigned gq_prmt(unsigned word, unsigned sel) {
   unsigned out;
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(out) : "r"(word), "r"(sel));
@@ -53,13 +48,6 @@ __device__ __forceinline__ unsigned gq_prmt(unsigned word, unsigned sel) {
 // each byte beside its sign replicated, then s eeee mmm shifted to bf16 bits 15 and 10..4.
 __device__ __forceinline__ unsigned gq_e4m3x2(unsigned word, unsigned sel) {
   return (gq_prmt(word, sel) << 4) & 0x87F087F0u;
-}
-
-// bf16x2 of the two e2m1 codes of byte `k` of `word` (low nibble first), times 2^-126: s eem to
-// bits 15 and 8..6 of each half.
-__device__ __forceinline__ unsigned gq_e2m1x2(unsigned word, unsigned k) {
-  unsigned t = gq_prmt(word, 0x4440u + k) * 0x1001u;
-  return ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
 }
 
 __device__ __forceinline__ unsigned gq_pow2(unsigned exponent_field) {  // bf16x2 2^(field - 127), twice
@@ -77,8 +65,8 @@ __device__ __forceinline__ void gq_fp8x16(const void* src, int sc, void* dst0, v
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     o[i] = gq_e4m3x2(w[i / 2], i % 2 ? 0xB3A2u : 0x9180u);
-    if (WIDE) o[i] = gq_mul(o[i], 0x7B807B80u);
-    o[i] = gq_mul(o[i], f);
+    if (WIDE) o[i] = dk_mul_bf16x2(o[i], 0x7B807B80u);
+    o[i] = dk_mul_bf16x2(o[i], f);
   }
   *reinterpret_cast<uint4*>(dst0) = make_uint4(o[0], o[1], o[2], o[3]);
   *reinterpret_cast<uint4*>(dst1) = make_uint4(o[4], o[5], o[6], o[7]);
@@ -94,9 +82,9 @@ __device__ __forceinline__ void gq_fp4x32(const void* src, int sc, void* dst0, v
   unsigned f = WIDE ? (sc ? gq_pow2(sc) : 0x00400040u) : gq_pow2(sc + 126);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    o[i] = gq_e2m1x2(w[i / 4], i % 4);
-    if (WIDE) o[i] = gq_mul(o[i], 0x7E807E80u);
-    o[i] = gq_mul(o[i], f);
+    o[i] = dk_e2m1x2(gq_prmt(w[i / 4], 0x4440u + i % 4));  // byte i % 4 alone
+    if (WIDE) o[i] = dk_mul_bf16x2(o[i], 0x7E807E80u);
+    o[i] = dk_mul_bf16x2(o[i], f);
   }
   *reinterpret_cast<uint4*>(dst0) = make_uint4(o[0], o[1], o[2], o[3]);
   *reinterpret_cast<uint4*>(dst1) = make_uint4(o[4], o[5], o[6], o[7]);
@@ -104,7 +92,8 @@ __device__ __forceinline__ void gq_fp4x32(const void* src, int sc, void* dst0, v
   *reinterpret_cast<uint4*>(dst3) = make_uint4(o[12], o[13], o[14], o[15]);
 }
 """
-"""CUDA device functions ``gq_fp8x16<WIDE>`` and ``gq_fp4x32<WIDE>``: 16 raw bytes and a scale byte
+"""CUDA device functions ``gq_fp8x16<WIDE>`` and ``gq_fp4x32<WIDE>`` (beside the ``key_decode``
+functions whose bf16x2 multiply and e2m1 bit placement they use): 16 raw bytes and a scale byte
 in, 16-byte bf16 chunks out (each chunk one swizzle unit of a wgmma operand, so each takes its own
 address). The one-multiply form (``WIDE = false``) holds for scale bytes up to :data:`NARROW_SCALE`."""
 NARROW_SCALE = {"fp8": 134, "mxfp4": 128}

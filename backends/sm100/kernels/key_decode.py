@@ -53,10 +53,14 @@ __device__ __forceinline__ unsigned dk_mul_bf16x2(unsigned a, unsigned b) {
   return out;
 }
 
-__device__ __forceinline__ unsigned dk_e2m1x2_scaled(unsigned byte, unsigned scale2) {
+// bf16x2 of the byte's two e2m1 codes (low nibble first) times 2^-126: s eem to bits 15 and 8..6.
+__device__ __forceinline__ unsigned dk_e2m1x2(unsigned byte) {
   unsigned t = byte * 0x1001u;  // the byte at bit 0 and again at bit 12: both nibbles land by one shift
-  unsigned bits = ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
-  return dk_mul_bf16x2(dk_mul_bf16x2(bits, 0x7E807E80u), scale2);  // x 2^126, x scale
+  return ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
+}
+
+__device__ __forceinline__ unsigned dk_e2m1x2_scaled(unsigned byte, unsigned scale2) {
+  return dk_mul_bf16x2(dk_mul_bf16x2(dk_e2m1x2(byte), 0x7E807E80u), scale2);  // x 2^126, x scale
 }
 
 __device__ __forceinline__ void dk_fp4x8(const void* src, int scale_byte, void* dst) {
