@@ -40,6 +40,7 @@ KERNELS = {  # name -> (kernels module, factory, options), as attention.mla_kern
     "ws": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32}),
     "ws r240/168/96": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (240, 168, 96)}),
     "ws k2r4": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "key_stages": 2, "raw_stages": 4}),
+    "ws b64k2": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 64, "key_stages": 2}),
 }
 FIELDS = ("card", "date", "command", "shape", "kernel", "max_diff", "time_us", "tflop_s", "frac_dense", "gb_s",
           "frac_copy")
@@ -69,7 +70,7 @@ def run_with(kernel: tuple, fn):
     from deepinfer_backends.sm100 import attention
 
     chosen = attention.mla_kernel
-    attention.mla_kernel = lambda op, arch=None: kernel
+    attention.mla_kernel = lambda op, arch=None, batch_invariant=False: kernel
     try:
         return fn()
     finally:

@@ -24,7 +24,7 @@ INVARIANT = {
                     "over the whole K, in order (no split-K)",
     "linear": "the grouped GEMM kernel with one expert, same fixed tiles",
     "mla_sparse_decode": "split-KV off: one CTA per query row walks its key lists block by block, in order",
-    "mla_sparse_prefill": "the decode kernel on a bf16 key buffer, split-KV off",
+    "mla_sparse_prefill": "the decode kernel on a bf16 key buffer, in decode's key blocks, split-KV off",
     "rms_norm": "one CTA per row, a reduction tree fixed by the row width",
     "indexer_logits": "one CTA per (token, 128-key tile): a wgmma over the head dim, the head sum in a fixed order",
     "kv_norm_rope_store": "one CTA per token: a reduction tree and a quantization fixed by the row width",
@@ -32,7 +32,8 @@ INVARIANT = {
 """Ops in the batch-invariant table (``engine.batch_invariant=true``), with the reason each row's
 arithmetic does not depend on the batch. Ops not listed go to the fallback (or are refused)."""
 _INVARIANT_ARGS = {"grouped_gemm": {"batch_invariant": True}, "linear": {"batch_invariant": True},
-                   "mla_sparse_decode": {"split_kv": False}, "mla_sparse_prefill": {"split_kv": False}}
+                   "mla_sparse_decode": {"split_kv": False},
+                   "mla_sparse_prefill": {"split_kv": False, "batch_invariant": True}}
 
 
 class Sm100Backend(Backend):

@@ -12,21 +12,34 @@ from deepinfer_backends.sm100.launch import compiled, cuda_bf16, require
 
 HEAD_BLOCK = 64
 KEY_BLOCK = {"sparse_mla": 64, "sparse_mla_ws": 32}
-"""Keys per block of each sparse MLA kernel: a row's online softmax steps through its lists in
-blocks of this many keys, whatever the batch."""
+"""Keys per block of each sparse MLA kernel by default: a row's online softmax steps through its
+lists in blocks of this many keys, whatever the batch."""
+WS_PREFILL = {"block_k": 64, "key_stages": 2}
+"""The warp-specialised kernel's key ring for prefill outside the batch-invariant mode: 64-key
+blocks, two of them (bf16 keys leave no raw ring beside them, so they fit; decode's quantized rows
+do not). 10-11 % faster than 32-key blocks on the prefill points of the H200
+(``experiments/results/mla_kernels_h200.txt``)."""
 
 
-def mla_kernel(op: str, arch: str | None = None) -> tuple[str, str, dict]:
+def mla_kernel(op: str, arch: str | None = None, batch_invariant: bool = False) -> tuple[str, str, dict]:
     """``(kernels module, factory, options)`` of the sparse MLA kernel serving ``op`` on ``arch``
     (default: this GPU's). On Hopper, the warp-specialised kernel (``kernels/mla_sparse_ws.py``)
-    serves decode and prefill alike unless ``DEEPINFER_SM100_MLA_PORTABLE=1``; with
-    ``DEEPINFER_SM100_TCGEN05=1``, decode runs its tcgen05 variant (Blackwell only); otherwise the
-    portable kernel."""
+    unless ``DEEPINFER_SM100_MLA_PORTABLE=1``: 32-key blocks for decode, and for prefill in the
+    batch-invariant mode (so a token gets the same bits through both), :data:`WS_PREFILL` for
+    prefill otherwise. With ``DEEPINFER_SM100_TCGEN05=1``, decode runs its tcgen05 variant
+    (Blackwell only); otherwise the portable kernel."""
     if toolchain.tcgen05_requested():
         return toolchain.kernel_module(op, "mla_sparse_decode"), "sparse_mla", {}
     if not toolchain.switch(toolchain.MLA_PORTABLE_SWITCH) and (arch or toolchain.device_arch()) == toolchain.HOPPER:
+        if op == "mla_sparse_prefill" and not batch_invariant:
+            return "mla_sparse_ws", "sparse_mla_ws", dict(WS_PREFILL)
         return "mla_sparse_ws", "sparse_mla_ws", {"block_k": KEY_BLOCK["sparse_mla_ws"]}
     return "mla_sparse_decode", "sparse_mla", {}
+
+
+def key_block(kernel: tuple[str, str, dict]) -> int:
+    """Keys per block of ``kernel`` as :func:`mla_kernel` returns it."""
+    return kernel[2].get("block_k", KEY_BLOCK[kernel[1]])
 
 
 def _check_indices(op: str, name: str, indices: torch.Tensor, leading: tuple[int, ...]) -> None:
@@ -49,7 +62,7 @@ def _pad_heads(q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float, main_format: str,
-               split_kv: bool):
+               split_kv: bool, kernel: tuple[str, str, dict] | None = None):
     """Run ``sparse_mla`` on flat rows ``q [rows, h, D]``; returns ``(out [rows, h, D], lse)``."""
     rows, heads, dim = q.shape
     q_pad, sink_pad = _pad_heads(q, sink)
@@ -61,7 +74,7 @@ def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float,
     splits = split_count(rows * padded // HEAD_BLOCK, -(-main_keys // 64), -(-extra_keys // 64), q.device) \
         if split_kv else 1
     config = (padded, dim, main_keys, extra_keys, float(scale), main_format)
-    module, factory, options = mla_kernel(op, toolchain.device_arch(q.device.index or 0))
+    module, factory, options = kernel or mla_kernel(op, toolchain.device_arch(q.device.index or 0))
     out = torch.empty(rows, padded, dim, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(rows, padded, dtype=torch.float32, device=q.device)
     if rows:
@@ -121,10 +134,13 @@ def mla_sparse_decode(q, cache, indices, sink, scale, cache_format="fp8", extra_
     return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
 
 
-def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None, split_kv: bool = True):
+def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None, split_kv: bool = True,
+                       batch_invariant: bool = False):
     """HAL ``mla_sparse_prefill`` on the tensor cores: bf16 ``q [T, h, D]``, ``kv [S, D]``
     (D a multiple of 64, up to 512). With ``main_keys``, the main list is padded with ``-1`` to
-    whole key blocks, as the decode kernel pads it, so both paths walk the same blocks."""
+    whole key blocks, as the decode kernel pads it; with ``batch_invariant`` (which the
+    batch-invariant table sets, beside ``split_kv=False``) prefill walks decode's key blocks, so
+    both paths give a token the same bits."""
     op = "mla_sparse_prefill"
     cuda_bf16(op, "q", q)
     cuda_bf16(op, "kv", kv)
@@ -135,15 +151,15 @@ def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None
     _check_sink(op, sink, q.shape[1])
     if main_keys is not None and not (isinstance(main_keys, int) and 0 <= main_keys <= indices.shape[1]):
         raise ValueError(f"{op}: main_keys must be an int in [0, K={indices.shape[1]}], got {main_keys!r}")
-    block = KEY_BLOCK[mla_kernel(op, toolchain.device_arch(q.device.index or 0))[1]]
-    return _attention(op, q, kv.contiguous(), align_lists(indices, main_keys, block), None, None, sink, scale, "bf16",
-                      split_kv)
+    kernel = mla_kernel(op, toolchain.device_arch(q.device.index or 0), batch_invariant)
+    return _attention(op, q, kv.contiguous(), align_lists(indices, main_keys, key_block(kernel)), None, None, sink,
+                      scale, "bf16", split_kv, kernel)
 
 
 def align_lists(indices: torch.Tensor, main_keys: int | None, block: int | None = None) -> torch.Tensor:
     """``indices [T, K]`` with its first ``main_keys`` columns padded by ``-1`` to a multiple of
-    ``block`` (default: the serving kernel's key block) when another list follows them."""
-    block = block or KEY_BLOCK[mla_kernel("mla_sparse_prefill")[1]]
+    ``block`` (default: the decode kernel's key block) when another list follows them."""
+    block = block or key_block(mla_kernel("mla_sparse_decode"))
     pad = -(main_keys or 0) % block
     if main_keys is None or not pad or main_keys == indices.shape[1]:
         return indices

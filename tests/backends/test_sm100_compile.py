@@ -37,13 +37,16 @@ def test_every_op_is_implemented_or_declined_with_a_reason():
 
 
 def test_batch_invariant_table_turns_split_kv_off_and_fixes_the_gemm_tiles():
+    """Split-KV off for both MLA ops, and prefill in decode's key blocks; fixed GEMM tiles."""
     from deepinfer_backends.sm100 import INVARIANT, wrappers
 
     backend = get_backend("sm100")
     table = backend.implementations(batch_invariant=True)
     assert set(table) == set(INVARIANT) <= set(backend.implementations())
+    assert table["mla_sparse_decode"].keywords == {"split_kv": False}
+    assert table["mla_sparse_prefill"].keywords == {"split_kv": False, "batch_invariant": True}
     for op in ("mla_sparse_decode", "mla_sparse_prefill"):
-        assert table[op].keywords == {"split_kv": False} and table[op].func is getattr(wrappers, op)
+        assert table[op].func is getattr(wrappers, op)
     for op in ("grouped_gemm", "linear"):
         assert table[op].keywords == {"batch_invariant": True}
     assert table["rms_norm"] is wrappers.rms_norm
@@ -121,13 +124,18 @@ def test_split_count_weighs_each_ctas_fixed_cost(monkeypatch):
 
 def test_sparse_mla_kernel_is_chosen_by_arch_and_switch_and_lists_align_to_its_key_block(monkeypatch):
     from deepinfer_backends.sm100 import toolchain
-    from deepinfer_backends.sm100.attention import align_lists, mla_kernel
+    from deepinfer_backends.sm100.attention import align_lists, key_block, mla_kernel
 
     monkeypatch.delenv("DEEPINFER_SM100_MLA_PORTABLE", raising=False)
     monkeypatch.delenv("DEEPINFER_SM100_TCGEN05", raising=False)
+    ws32 = ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32})
+    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER) == ws32
+    assert mla_kernel("mla_sparse_prefill", toolchain.HOPPER, batch_invariant=True) == ws32  # decode's blocks
+    prefill = mla_kernel("mla_sparse_prefill", toolchain.HOPPER)
+    assert prefill == ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 64, "key_stages": 2}) and key_block(prefill) == 64
     for op in ("mla_sparse_decode", "mla_sparse_prefill"):
-        assert mla_kernel(op, toolchain.HOPPER) == ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32})
         assert mla_kernel(op, toolchain.BLACKWELL) == ("mla_sparse_decode", "sparse_mla", {})
+        assert key_block(mla_kernel(op, toolchain.BLACKWELL)) == 64
     monkeypatch.setenv("DEEPINFER_SM100_MLA_PORTABLE", "1")
     assert mla_kernel("mla_sparse_decode", toolchain.HOPPER) == ("mla_sparse_decode", "sparse_mla", {})
     indices = torch.arange(6, dtype=torch.int32).reshape(1, 6)
@@ -149,6 +157,8 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "mla_sparse_decode_combine": ("mla_sparse_decode", "combine", (64, 512, 4), {}, False),
     "mla_sparse_prefill": ("mla_sparse_decode", "sparse_mla", (64, 64, 8, 0, 64 ** -0.5, "bf16"), {}, True),
     "mla_sparse_ws": ("mla_sparse_ws", "sparse_mla_ws", (64, 512, 128, 512, 512 ** -0.5, "fp8"), {}, True),
+    "mla_sparse_ws_prefill": ("mla_sparse_ws", "sparse_mla_ws", (64, 512, 640, 0, 512 ** -0.5, "bf16"),
+                              {"block_k": 64, "key_stages": 2}, True),
     "mla_sparse_ws_split_bf16": ("mla_sparse_ws", "sparse_mla_ws", (128, 64, 100, 0, 0.1, "bf16"), {"splits": 3},
                                  True),
     "key_decode_fp8": ("key_decode", "decode_rows", ("fp8",), {}, False),
@@ -183,7 +193,8 @@ def test_kernel_lowers_for_hopper(name):
 
 
 @needs_tilelang
-@pytest.mark.parametrize("name", ["grouped_gemm", "grouped_gemm_ws", "mla_sparse_decode", "mla_sparse_ws", "rms_norm",
+@pytest.mark.parametrize("name", ["grouped_gemm", "grouped_gemm_ws", "mla_sparse_decode", "mla_sparse_ws",
+                                  "mla_sparse_ws_prefill", "rms_norm",
                                   "indexer_logits", "kv_norm_rope_store", "kv_norm_rope_store_index_fp4",
                                   "key_decode_fp4"])
 def test_kernel_compiles_for_hopper_on_wgmma(name):
