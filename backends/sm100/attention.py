@@ -138,9 +138,9 @@ def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None
                        batch_invariant: bool = False):
     """HAL ``mla_sparse_prefill`` on the tensor cores: bf16 ``q [T, h, D]``, ``kv [S, D]``
     (D a multiple of 64, up to 512). With ``main_keys``, the main list is padded with ``-1`` to
-    whole key blocks, as the decode kernel pads it; with ``batch_invariant`` (which the
-    batch-invariant table sets, beside ``split_kv=False``) prefill walks decode's key blocks, so
-    both paths give a token the same bits."""
+    whole key blocks of the serving kernel. With ``batch_invariant`` (which the batch-invariant
+    table sets, beside ``split_kv=False``) those are decode's key blocks, so both paths walk the
+    same blocks and give a token the same bits."""
     op = "mla_sparse_prefill"
     cuda_bf16(op, "q", q)
     cuda_bf16(op, "kv", kv)
