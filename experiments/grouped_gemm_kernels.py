@@ -32,9 +32,12 @@ from bench_ops import RESULTS, dense_rate, timed, write_csv  # noqa: E402
 from bench_points import _gemm_operand  # noqa: E402
 
 HIDDEN, INTERMEDIATE, TOP = 4096, 2048, 6
-POINTS = [  # (label, experts, rows, n, k): bench_ops's MoE points (384 experts, balanced EP ranks)
+POINTS = [  # (label, experts, rows, n, k): bench_ops's MoE points (384 experts, balanced EP ranks); "balanced":
+    # every expert gets the same rows (whole 128-row tiles), to measure what random routing's short tiles cost
     ("EP8 T=16384 w13", 48, 16384 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
     ("EP8 T=16384 w2", 48, 16384 * TOP // 8, HIDDEN, INTERMEDIATE),
+    ("EP8 T=16384 w13 balanced", 48, 16384 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
+    ("EP8 T=16384 w2 balanced", 48, 16384 * TOP // 8, HIDDEN, INTERMEDIATE),
     ("EP8 T=4096 w13", 48, 4096 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
     ("EP1 T=4096 w13", 384, 4096 * TOP, 2 * INTERMEDIATE, HIDDEN),
     ("EP8 T=256 w13", 48, 256 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
@@ -45,10 +48,12 @@ WS_VARIANTS = {  # name -> tiles of grouped_gemm_bf16_ws
     "ws 128x256 s3": {"block_m": 128, "block_n": 256, "num_stages": 3},
     "ws 64x256 s4": {"block_m": 64, "block_n": 256, "num_stages": 4},
 }
-QUANT_WS_VARIANTS = {  # name -> tiles of grouped_gemm_quant_ws (raw stages: as many as fit)
+QUANT_WS_VARIANTS = {  # name -> tiles of grouped_gemm_quant_ws (raw stages: as many as fit; "pre": prefetch before)
     "qws 128x256 s2": {"block_m": 128, "block_n": 256, "num_stages": 2},
     "qws 128x256 s3": {"block_m": 128, "block_n": 256, "num_stages": 3},
-    "qws 64x256 s2 d2": {"block_m": 64, "block_n": 256, "num_stages": 2, "decoders": 2},
+    "qws 128x256 s3 pre": {"block_m": 128, "block_n": 256, "num_stages": 3, "prefetch": "before"},
+    "qws 64x256 s2 d2 pre": {"block_m": 64, "block_n": 256, "num_stages": 2, "decoders": 2, "prefetch": "before"},
+    "qws 64x256 s3 d2 pre": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2, "prefetch": "before"},
     "qws 64x256 s3 d2": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2},
 }
 BF16_BESIDE = "(bf16 operands)"  # the kernel name's tag for the bf16 kernel timed beside the block-scaled ones
@@ -56,11 +61,15 @@ FIELDS = ("card", "date", "command", "formats", "shape", "kernel", "max_err", "t
           "frac_dense_same_flops", "frac_dense_8192")
 
 
-def routed(experts: int, rows: int, n: int, k: int, formats: tuple[str, str] = ("bf16", "bf16")):
-    """bench_ops's operands: uniformly random routing (so segments end in partial tiles), bf16
-    normals or random valid bytes of a block-scaled format."""
+def routed(experts: int, rows: int, n: int, k: int, formats: tuple[str, str] = ("bf16", "bf16"),
+           balanced: bool = False):
+    """bench_ops's operands: uniformly random routing (so segments end in partial tiles; with
+    ``balanced`` every expert gets ``rows / experts`` rows instead), bf16 normals or random valid
+    bytes of a block-scaled format."""
     g = torch.Generator("cuda").manual_seed(0)
     sizes = torch.bincount(torch.randint(0, experts, (rows,), device="cuda", generator=g), minlength=experts)
+    if balanced:
+        sizes = torch.full((experts,), rows // experts, dtype=sizes.dtype, device="cuda")
     return _gemm_operand(g, (rows, k), formats[0]), _gemm_operand(g, (experts, n, k), formats[1], k ** -0.5), sizes
 
 
@@ -168,7 +177,7 @@ def main() -> None:
         for label, experts, rows, n, k in POINTS:
             if args.only and not any(part in label for part in args.only):
                 continue
-            x, w, sizes = routed(experts, rows, n, k, formats)
+            x, w, sizes = routed(experts, rows, n, k, formats, balanced="balanced" in label)
             expected = reference(x, w, sizes)
             same = dense_rate(rows, n, k)
             flops = 2.0 * rows * n * k

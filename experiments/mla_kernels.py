@@ -39,6 +39,9 @@ KERNELS = {  # name -> (kernels module, factory, options), as attention.mla_kern
     "portable": ("mla_sparse_decode", "sparse_mla", {}),
     "ws": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32}),
     "ws r240/168/96": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (240, 168, 96)}),
+    "ws r232/160/112": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (232, 160, 112)}),
+    "ws r224/160/120": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (224, 160, 120)}),
+    "ws r240/160/104": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (240, 160, 104)}),
     "ws k2r4": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "key_stages": 2, "raw_stages": 4}),
     "ws b64k2": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 64, "key_stages": 2}),
 }

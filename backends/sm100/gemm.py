@@ -139,9 +139,10 @@ def run_quant_ws(x, x_scale, w, w_scale, schedule: torch.Tensor, y: torch.Tensor
     kernel(x, w, w_scale, schedule[0], schedule[1], schedule[2], y)
 
 
-QUANT_WS_TILES = {128: {"num_stages": 3}, 64: {"num_stages": 3, "decoders": 2}}
-"""bf16 stages and decoder warpgroups of the warp-specialised block-scaled grouped GEMM by
-``block_m`` (raw stages: as many as fit; ``experiments/results/grouped_gemm_kernels_h200.txt``):
+QUANT_WS_TILES = {128: {"num_stages": 3, "prefetch": "after"},
+                  64: {"num_stages": 3, "decoders": 2, "prefetch": "before"}}
+"""bf16 stages, decoder warpgroups and prefetch order of the warp-specialised block-scaled grouped
+GEMM by ``block_m`` (raw stages: as many as fit; ``experiments/results/grouped_gemm_kernels_h200.txt``):
 with 128-row tiles the consumers' accumulators leave registers for one decoder warpgroup only."""
 
 

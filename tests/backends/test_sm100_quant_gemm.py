@@ -147,8 +147,10 @@ def _lower_ws(w_format: str, **tiles) -> str:
 def test_warp_specialised_kernel_feeds_bf16_wgmma_from_a_decoder_ring(w_format, decoders):
     """The wrapper's two configurations (128-row tiles with one decoder warpgroup, 64-row tiles with
     two): bf16 activations by TMA, raw weights and their scale boxes by TMA, both decode paths (one
-    multiply, and the wide one) chosen once a k-block, a proxy fence before each hand-off, and a
-    ``ready`` barrier that counts the decoders and the activations' TMA."""
+    multiply, and the wide one) chosen once a k-block for each of the two register buffers, the next
+    k-block's raw units loaded after the decode (one decoder warpgroup) or before it (two), a proxy
+    fence before each hand-off, and a ``ready`` barrier that counts the decoders and the
+    activations' TMA."""
     from deepinfer_backends.sm100 import gemm
 
     block_m = 128 if decoders == 1 else 64
@@ -156,7 +158,14 @@ def test_warp_specialised_kernel_feeds_bf16_wgmma_from_a_decoder_ring(w_format, 
     assert f"__launch_bounds__({256 + 128 * decoders}, 1)" in source
     assert "tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in source
     decode = "gq_fp4x32" if w_format == "mxfp4" else "gq_fp8x16"
-    assert f"{decode}<false>(" in source and f"{decode}<true>(" in source and "if (wide[0] != 0)" in source
+    assert f"{decode}<false>(" in source and f"{decode}<true>(" in source
+    assert "if (wide0[0] != 0)" in source and "if (wide1[0] != 0)" in source
+    body = source[source.index("for (int kb2 = 0;"):]
+    next_raw, this_free, this_decode = body.index("raw_full["), body.index("free["), body.index(f"{decode}<")
+    if gemm.QUANT_WS_TILES[block_m]["prefetch"] == "before":
+        assert next_raw < this_free < this_decode
+    else:
+        assert this_free < this_decode < next_raw
     assert "tma_load(x_desc, ready[" in source and "tma_load(w_scale_desc, raw_full[" in source
     assert "x_scale" not in source  # FP8 activations are decoded before this kernel
     assert f"ready[0].init({128 * decoders + 1})" in source and "tl::fence_proxy_async();" in source
@@ -168,7 +177,9 @@ def test_warp_specialised_kernel_feeds_bf16_wgmma_from_a_decoder_ring(w_format, 
 def test_warp_specialised_kernel_refuses_what_it_cannot_run():
     """A K whose scale rows TMA cannot address (not a multiple of 512 values), a register budget
     over the launch's (``setmaxnreg.inc`` would wait forever, as seen on the H200), two decoder
-    warpgroups beside 128 x 256 accumulators' worth of registers cut to 128, bad tiles or formats."""
+    warpgroups beside 128 x 256 accumulators' worth of registers cut to 128, a raw ring of one
+    stage (the next k-block's raw tile must land while this one is decoded: four bf16 stages of
+    128 x 256 tiles leave room for one), bad tiles, formats or prefetch orders."""
     from deepinfer_backends.sm100 import toolchain
 
     _kernel_module()
@@ -178,6 +189,8 @@ def test_warp_specialised_kernel_refuses_what_it_cannot_run():
                                  ((4, 512, 1024, "fp8"), {"registers": (208, 104)}, "registers"),
                                  ((4, 512, 1024, "fp8"), {"registers": (200, 100)}, "registers"),
                                  ((4, 512, 1024, "fp8"), {"block_m": 32}, "block_m=32"),
+                                 ((4, 512, 1024, "fp8"), {"prefetch": "never"}, "prefetch"),
+                                 ((4, 512, 1024, "fp8"), {"num_stages": 4}, r"raw_stages=1 in \[2, 8\]"),
                                  ((4, 512, 1024, "fp8"), {"decoders": 2}, "ptxas needs 154"),
                                  ((4, 512, 1024, "mxfp4"), {"block_m": 64, "block_n": 64, "decoders": 2}, "evenly"),
                                  ((4, 512, 1024, "nvfp4"), {}, "w_format")):
