@@ -42,6 +42,8 @@ KERNELS = {  # name -> (kernels module, factory, options), as attention.mla_kern
     "ws r232/160/112": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (232, 160, 112)}),
     "ws r224/160/120": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (224, 160, 120)}),
     "ws r240/160/104": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (240, 160, 104)}),
+    "ws h8": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "held_calls": 8}),
+    "ws r208/168/128": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "registers": (208, 168, 128)}),
     "ws k2r4": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "key_stages": 2, "raw_stages": 4}),
     "ws b64k2": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 64, "key_stages": 2}),
 }

@@ -78,17 +78,25 @@ __device__ __forceinline__ void dk_fp4x8(const void* src, int scale_byte, void* 
 
 
 @T.macro
-def fp8x8(raw, slot, i, q, k_s, stage):
-    """Values ``8q .. 8q+7`` of raw fp8 row ``raw[slot, i]`` -> ``k_s[stage, i, 8q:8q+8]``."""
-    T.call_extern("handle", "dk_fp8x8", T.access_ptr(raw[slot, i, q * 8], "r"),
-                  T.cast(raw[slot, i, 512 + q // 4], "int32"), T.access_ptr(k_s[stage, i, q * 8], "w"))
+def load8(raw, slot, i, q, fmt: str, held, scale, c):
+    """Raw bytes of values ``8q .. 8q+7`` of ``fmt`` row ``raw[slot, i]`` (8 for ``fp8``, 4 for
+    ``fp4``) into ``held[c]`` and their scale byte into ``scale[c]``: registers, so that a thread's
+    loads for a whole block can be issued before its first decode stores."""
+    if fmt == "fp8":
+        for v in T.vectorized(8):
+            held[c, v] = raw[slot, i, q * 8 + v]
+        scale[c] = T.cast(raw[slot, i, 512 + q // 4], "int32")
+    else:
+        for v in T.vectorized(4):
+            held[c, v] = raw[slot, i, q * 4 + v]
+        scale[c] = T.cast(raw[slot, i, 256 + q // 2], "int32")
 
 
 @T.macro
-def fp4x8(raw, slot, i, q, k_s, stage):
-    """Values ``8q .. 8q+7`` of raw fp4 row ``raw[slot, i]`` -> ``k_s[stage, i, 8q:8q+8]``."""
-    T.call_extern("handle", "dk_fp4x8", T.access_ptr(raw[slot, i, q * 4], "r"),
-                  T.cast(raw[slot, i, 256 + q // 2], "int32"), T.access_ptr(k_s[stage, i, q * 8], "w"))
+def store8(held, scale, c, fmt: str, k_s, stage, i, q):
+    """Values ``8q .. 8q+7`` held by :func:`load8` in ``held[c]`` / ``scale[c]`` -> ``k_s[stage, i, 8q:8q+8]``."""
+    T.call_extern("handle", f"dk_{fmt}x8", T.access_ptr(held[c, 0], "r"), scale[c],
+                  T.access_ptr(k_s[stage, i, q * 8], "w"))
 
 
 @tilelang.jit

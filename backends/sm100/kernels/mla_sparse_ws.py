@@ -7,7 +7,9 @@ out the way FlashMLA's decode kernel is: one CTA of three warpgroups per query r
   straight into a four-stage key ring; quantized rows (``fp8`` 528 B: e4m3 x UE8M0 per 32;
   ``fp4`` 288 B: e2m1 x e4m3 per 16) into a three-stage raw ring, two blocks ahead, then
   decoded to bf16 into a three-stage key ring by the ``key_decode`` device functions (eight
-  values per call, one 16-byte store), in one rolled loop over the blocks;
+  values per call, one 16-byte store), in one rolled loop over the blocks; each thread loads its
+  raw bytes into registers :data:`HELD_CALLS` calls at a time, the first ones before it waits for
+  a free key slot;
 - consumer 0 (warpgroup 0) computes the scores ``Q K^T`` (wgmma), the online softmax, and the
   left half of ``P V``;
 - consumer 1 (warpgroup 1) computes the right half of ``P V`` from the probabilities consumer 0
@@ -25,7 +27,8 @@ alike, both with 32-key blocks).
 The default for both sparse MLA ops on Hopper (``DEEPINFER_SM100_MLA_PORTABLE=1`` picks the
 portable kernel instead). Side by side on the H200 it takes 0.45-0.53 of the portable kernel's
 time on fp8 + fp4 decode at B >= 64 (0.76-0.79 at B = 1 and 16) and 0.94-0.97 on bf16 prefill;
-the three-stage key ring and the lazy max cut its own decode time by 7-10 %
+the three-stage key ring and the lazy max cut its own decode time by 7-10 %, loading the raw
+bytes into registers ahead of the decode another 4-5 % at B = 256
 (``experiments/results/mla_kernels_h200.txt``)."""
 import tilelang
 import tilelang.language as T
@@ -47,6 +50,10 @@ LAUNCH_REGISTERS = 168
 """Registers a thread of the 384 gets at launch; a warpgroup's budget above it is raised
 (``setmaxnreg.inc``), one below it lowered (``setmaxnreg.dec``): raising to a smaller count is an
 illegal instruction."""
+HELD_CALLS = 4
+"""Decode calls whose raw bytes a producer thread loads into registers at once (of 16 a block of 32
+keys): with four, the producer fits 136 registers without spilling (eight spill a little and were
+1.5-2.4 % slower at B = 256; the whole block's would not fit)."""
 LAZY_LOG2 = 8.0
 """A row's running max moves only when a block's scores pass it by more than this (log2 units), so
 probabilities stay at most ``2**LAZY_LOG2`` and most blocks rescale nothing (the output is divided
@@ -72,7 +79,7 @@ def check_config(heads: int, dim: int, extra_keys: int, main_format: str) -> Non
 @tilelang.jit(pass_configs=_PASS_CONFIGS)
 def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: float, main_format: str = "fp8",
                   splits: int = 1, block_k: int = 32, registers: tuple | None = None, key_stages: int | None = None,
-                  raw_stages: int = 3):
+                  raw_stages: int = 3, held_calls: int = HELD_CALLS):
     """Kernel ``(q [rows, heads, dim] bf16, main, main_idx [rows, main_keys], extra uint8 [r2, 288],
     extra_idx [rows, max(extra_keys, 1)], sink f32 [heads], out, lse)`` with the layouts of
     ``sparse_mla``: ``out`` / ``lse`` bf16 / f32 when ``splits == 1``, else float32 partials
@@ -83,10 +90,11 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     producer decodes each block into a key ring of ``key_stages`` (default 3; the consumers' loops
     are unrolled over it, so their ring slots are static). ``registers``: each warpgroup's register
     budget (consumer 0, consumer 1, producer; multiples of 8, at most three times
-    :data:`LAUNCH_REGISTERS` together); by default (208, 168, 128) with quantized rows, whose
-    decoding producer spills less with more, else (240, 168, 96)."""
+    :data:`LAUNCH_REGISTERS` together); by default (208, 160, 136) with quantized rows, whose
+    decoding producer holds ``held_calls`` calls' raw bytes in registers at a time, else (240, 168,
+    96)."""
     quantized = main_format != "bf16"
-    registers = registers or ((208, 168, 128) if quantized else (240, 168, 96))
+    registers = registers or ((208, 160, 136) if quantized else (240, 168, 96))
     if len(registers) != 3 or sum(registers) > 3 * LAUNCH_REGISTERS \
             or any(count % 8 or not 24 <= count <= 256 for count in registers):
         raise ValueError(f"sparse_mla_ws: registers {registers} must be three multiples of 8 from 24 to 256 that add "
@@ -110,6 +118,11 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     shared = shared_macros(BLOCK_H, block_k, dim, main_format, scale, splits, lazy_log2=LAZY_LOG2)
     chunks_main, chunks_extra = ROW_BYTES["fp8"] // 16, ROW_BYTES["fp4"] // 16  # 16-byte cp.async units per row
     chunks_bf16 = dim * 2 // 16
+    calls = block_k * dim // 8 // 128  # decode calls of eight values a producer thread makes per block
+    if quantized and (held_calls < 1 or calls % min(calls, held_calls)):
+        raise ValueError(f"sparse_mla_ws: held_calls={held_calls} must divide the {calls} decode calls a producer "
+                         f"thread makes per block")
+    held_calls = min(calls, held_calls) if quantized else 1
 
     def rows_moved(alpha_s, warp):
         """Whether a row of ``warp`` (of its warpgroup) has to rescale its output this block."""
@@ -162,15 +175,27 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                            predicate=key >= 0)
 
     @T.macro
-    def decode(t, raw, slot, k_s, stage, p):
-        """Raw rows of block ``t`` -> bf16 keys, eight values per thread and call; a quarter-warp
+    def load_part(t, raw, slot, p, held, scale, part):
+        """This thread's raw bytes of calls ``part * held_calls ..`` of block ``t`` (fp8 main rows,
+        then fp4 extra rows) into registers, all before the part's first decode store (the compiler
+        cannot move a load past a store that may alias it)."""
+        for c in T.unroll(held_calls):
+            unit = (part * held_calls + c) * 128 + p
+            if t < main_blocks:
+                key_decode.load8(raw, slot, unit // (dim // 8), unit % (dim // 8), "fp8", held, scale, c)
+            elif extra_keys:
+                key_decode.load8(raw, slot, unit // (dim // 8), unit % (dim // 8), "fp4", held, scale, c)
+
+    @T.macro
+    def decode_part(t, k_s, stage, p, held, scale, part):
+        """The bytes :func:`load_part` holds -> bf16 keys, eight values per call; a quarter-warp
         writes one 128-byte swizzle row of ``k_s`` (no bank conflicts)."""
-        if t < main_blocks:
-            for c in T.unroll(block_k * dim // 8 // 128):
-                key_decode.fp8x8(raw, slot, (c * 128 + p) // (dim // 8), (c * 128 + p) % (dim // 8), k_s, stage)
-        elif extra_keys:
-            for c in T.unroll(block_k * dim // 8 // 128):
-                key_decode.fp4x8(raw, slot, (c * 128 + p) // (dim // 8), (c * 128 + p) % (dim // 8), k_s, stage)
+        for c in T.unroll(held_calls):
+            unit = (part * held_calls + c) * 128 + p
+            if t < main_blocks:
+                key_decode.store8(held, scale, c, "fp8", k_s, stage, unit // (dim // 8), unit % (dim // 8))
+            elif extra_keys:
+                key_decode.store8(held, scale, c, "fp4", k_s, stage, unit // (dim // 8), unit % (dim // 8))
 
     @T.prim_func
     def kernel(q: T.Tensor((rows, heads, dim), "bfloat16"), main: T.Tensor(main_shape, main_dtype),
@@ -276,6 +301,8 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
             else:  # producer: gather (and decode) key blocks into the ring
                 T.set_max_nreg(registers[2], int(registers[2] >= LAUNCH_REGISTERS))
                 p = tx - 256
+                held = T.alloc_local((held_calls, 8), "uint8")  # raw bytes, 8 (fp8) or 4 (fp4) a call
+                scale = T.alloc_local((held_calls,), "int32")
                 if quantized:
                     for d in T.unroll(ahead):
                         if d < blocks:
@@ -289,8 +316,12 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                         if t + ahead < blocks:
                             fetch_raw(main, extra, keys_s, t + ahead, raw, (t + ahead) % raw_stages, p)
                         T.ptx_commit_group()
+                        load_part(t, raw, t % raw_stages, p, held, scale, 0)  # before the wait for a free slot
                         T.barrier_wait(k_free[stage], ((t // k_stages) & 1) ^ 1)
-                        decode(t, raw, t % raw_stages, k_s, stage, p)
+                        for part in T.unroll(calls // held_calls):
+                            if part > 0:
+                                load_part(t, raw, t % raw_stages, p, held, scale, part)
+                            decode_part(t, k_s, stage, p, held, scale, part)
                         T.fence_proxy_async()  # the generic-proxy stores must be visible to wgmma
                         T.barrier_arrive(k_ready[stage])
                     else:

@@ -9,7 +9,7 @@ from deepinfer.hal.registry import OpTable
 from deepinfer.hal.spec import Tolerance
 from deepinfer.models.deepseek_v41.block import Block, YocoState
 from deepinfer.models.deepseek_v41.bounded_replay import enter_consumer_half
-from deepinfer.models.deepseek_v41.cache import LayerCache, ModelCaches
+from deepinfer.models.deepseek_v41.cache import ModelCaches
 from deepinfer.models.deepseek_v41.config import ROPE_DIM, DeepseekV41Config
 from deepinfer.models.deepseek_v41.draft import DraftBlock, HyperHead
 from deepinfer.models.deepseek_v41.mhc import first_stream_mix
