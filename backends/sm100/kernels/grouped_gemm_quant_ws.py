@@ -14,7 +14,7 @@ float32 result), with the decode taken off the tensor cores' critical path:
   two-multiply form, a branch taken once per k-block so that each path is straight-line code), and
   hand each stage to the consumers on an mbarrier that also counts the activations' TMA; each
   thread loads its raw units of the next k-block into registers while it works on this one
-  (3-4 % faster at 64-row tiles and with FP8 weights at 128-row ones, measured beside the
+  (2.6-4.5 % faster at 64-row tiles and with FP8 weights at 128-row ones, measured beside the
   one-block form);
 - two consumer warpgroups run the wgmmas as
   :func:`~deepinfer_backends.sm100.kernels.grouped_gemm_ws.grouped_gemm_bf16_ws` does (one k-block
