@@ -161,6 +161,10 @@ def grouped_gemm_quant_ws(experts: int, n: int, k: int, w_format: str, block_m: 
     dec_threads = 128 * decoders
     iters = block_n * units // dec_threads
 
+    def row_and_unit(i, d):
+        """Weight row and 16-byte raw unit of it that decoder thread ``d`` takes in its call ``i``."""
+        return (i * dec_threads + d) // units, (i * dec_threads + d) % units
+
     @T.macro
     def issue_raw(w, w_scale, w_raw, w_scale_s, raw_full, expert, bn, kb, slot):
         """TMA of k-block ``kb``'s raw weight tile into raw slot ``slot`` (with its scale box first
@@ -182,7 +186,7 @@ def grouped_gemm_quant_ws(experts: int, n: int, k: int, w_format: str, block_m: 
     @T.macro
     def decode(w_in, w_sc, w_s, stage, d, wide: bool):
         for i in T.unroll(iters):
-            r, c = (i * dec_threads + d) // units, (i * dec_threads + d) % units
+            r, c = row_and_unit(i, d)
             if mxfp4:
                 T.call_extern("handle", f"gq_fp4x32<{str(wide).lower()}>", T.access_ptr(w_in[i, 0], "r"), w_sc[i],
                               *[T.access_ptr(w_s[stage, r, c * 32 + q * 8], "w") for q in range(4)])
@@ -198,7 +202,7 @@ def grouped_gemm_quant_ws(experts: int, n: int, k: int, w_format: str, block_m: 
         T.barrier_wait(raw_full[slot], (kb // raw_stages) & 1)
         wide[0] = 0
         for i in T.unroll(iters):
-            r, c = (i * dec_threads + d) // units, (i * dec_threads + d) % units
+            r, c = row_and_unit(i, d)
             for v in T.vectorized(16):
                 w_in[i, v] = w_raw[slot, r, c * 16 + v]
             w_sc[i] = T.cast(w_scale_s[box, r, byte0 + (c if mxfp4 else c // 2)], "int32")

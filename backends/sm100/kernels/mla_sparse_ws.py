@@ -122,7 +122,13 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     if quantized and (held_calls < 1 or calls % min(calls, held_calls)):
         raise ValueError(f"sparse_mla_ws: held_calls={held_calls} must divide the {calls} decode calls a producer "
                          f"thread makes per block")
-    held_calls = min(calls, held_calls) if quantized else 1
+    held_calls = min(calls, held_calls)
+
+    def row_and_chunk(part, c, p):
+        """Row of the block and 8-value chunk of it that producer thread ``p`` decodes in its call
+        ``c`` of register batch ``part``."""
+        unit = (part * held_calls + c) * 128 + p
+        return unit // (dim // 8), unit % (dim // 8)
 
     def rows_moved(alpha_s, warp):
         """Whether a row of ``warp`` (of its warpgroup) has to rescale its output this block."""
@@ -180,22 +186,22 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
         then fp4 extra rows) into registers, all before the part's first decode store (the compiler
         cannot move a load past a store that may alias it)."""
         for c in T.unroll(held_calls):
-            unit = (part * held_calls + c) * 128 + p
+            i, q = row_and_chunk(part, c, p)
             if t < main_blocks:
-                key_decode.load8(raw, slot, unit // (dim // 8), unit % (dim // 8), "fp8", held, scale, c)
+                key_decode.load8(raw, slot, i, q, "fp8", held, scale, c)
             elif extra_keys:
-                key_decode.load8(raw, slot, unit // (dim // 8), unit % (dim // 8), "fp4", held, scale, c)
+                key_decode.load8(raw, slot, i, q, "fp4", held, scale, c)
 
     @T.macro
     def decode_part(t, k_s, stage, p, held, scale, part):
         """The bytes :func:`load_part` holds -> bf16 keys, eight values per call; a quarter-warp
         writes one 128-byte swizzle row of ``k_s`` (no bank conflicts)."""
         for c in T.unroll(held_calls):
-            unit = (part * held_calls + c) * 128 + p
+            i, q = row_and_chunk(part, c, p)
             if t < main_blocks:
-                key_decode.store8(held, scale, c, "fp8", k_s, stage, unit // (dim // 8), unit % (dim // 8))
+                key_decode.store8(held, scale, c, "fp8", k_s, stage, i, q)
             elif extra_keys:
-                key_decode.store8(held, scale, c, "fp4", k_s, stage, unit // (dim // 8), unit % (dim // 8))
+                key_decode.store8(held, scale, c, "fp4", k_s, stage, i, q)
 
     @T.prim_func
     def kernel(q: T.Tensor((rows, heads, dim), "bfloat16"), main: T.Tensor(main_shape, main_dtype),
@@ -301,9 +307,9 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
             else:  # producer: gather (and decode) key blocks into the ring
                 T.set_max_nreg(registers[2], int(registers[2] >= LAUNCH_REGISTERS))
                 p = tx - 256
-                held = T.alloc_local((held_calls, 8), "uint8")  # raw bytes, 8 (fp8) or 4 (fp4) a call
-                scale = T.alloc_local((held_calls,), "int32")
                 if quantized:
+                    held = T.alloc_local((held_calls, 8), "uint8")  # raw bytes, 8 (fp8) or 4 (fp4) a call
+                    scale = T.alloc_local((held_calls,), "int32")
                     for d in T.unroll(ahead):
                         if d < blocks:
                             fetch_raw(main, extra, keys_s, d, raw, d, p)
