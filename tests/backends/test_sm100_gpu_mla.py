@@ -11,13 +11,12 @@ import torch
 from deepinfer.hal import SPECS, get_backend
 from deepinfer.hal.ops.mla import _decode_case, _prefill_case
 from deepinfer.hal.spec import compare
+from tests.backends.test_sm100_gpu_invariance import MLA_KERNELS
 from tests.hal.oracle import _clone
 from tests.hal.test_parity import _to_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("tilelang") is None,
                                                   reason="the sm100 backend needs tilelang")]
-MLA_KERNELS = {"portable": "1", "warp_specialised": "0"}
-"""The sparse MLA kernels on Hopper (value of ``DEEPINFER_SM100_MLA_PORTABLE``)."""
 DECODE = {  # name -> (rows b, s_q, heads, main keys, extra keys, main format)
     "fp8 20 keys": (2, 1, 64, 20, 0, "fp8"),
     "fp8 70 keys": (2, 2, 64, 70, 0, "fp8"),
