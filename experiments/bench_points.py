@@ -60,7 +60,7 @@ def _per_row_indices(g, batch: int, keys: int, region: int) -> torch.Tensor:
     return (local + torch.arange(batch, device="cuda")[:, None, None] * region).int()
 
 
-def mla_decode(heads: int, batch: int, context: int, **kw) -> Point:
+def mla_decode(heads: int, batch: int, context: int, topk: int = TOPK, **kw) -> Point:
     extra_region = min(context // 4, (1 << 22) // batch)
 
     def build(ops):
@@ -68,14 +68,14 @@ def mla_decode(heads: int, batch: int, context: int, **kw) -> Point:
         args = dict(q=torch.randn(batch, 1, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g),
                     cache=_fp8_rows(g, batch * 2 * WINDOW), indices=_per_row_indices(g, batch, WINDOW, 2 * WINDOW),
                     extra_cache=_fp4_rows(g, batch * extra_region),
-                    extra_indices=_per_row_indices(g, batch, TOPK, extra_region),
+                    extra_indices=_per_row_indices(g, batch, topk, extra_region),
                     sink=torch.randn(heads, device="cuda", generator=g), scale=512 ** -0.5, cache_format="fp8",
                     extra_format="fp4")
         return lambda: ops.mla_sparse_decode(**args)
 
-    keys = WINDOW + TOPK
-    moved = batch * (WINDOW * FP8_ROW + TOPK * FP4_ROW + keys * 4 + 2 * heads * 512 * 2 + heads * 4)
-    return Point("mla_sparse_decode", f"h={heads} B={batch} ctx={context} keys={WINDOW}+{TOPK} fp8+fp4", moved,
+    keys = WINDOW + topk
+    moved = batch * (WINDOW * FP8_ROW + topk * FP4_ROW + keys * 4 + 2 * heads * 512 * 2 + heads * 4)
+    return Point("mla_sparse_decode", f"h={heads} B={batch} ctx={context} keys={WINDOW}+{topk} fp8+fp4", moved,
                  4.0 * batch * heads * keys * 512, build, **kw)
 
 

@@ -12,7 +12,7 @@ torch's dense bf16 matmul of the same total FLOPs (``rows x n x k`` in one GEMM)
 same run.
 
     python experiments/grouped_gemm_kernels.py [--formats bf16 fp8:mxfp4 ...] [--only LABEL_PART ...]
-        [--kernels NAME_PART ...] [--out DIR]
+        [--kernels NAME_PART ...] [--ws-module ALIAS=MODULE ...] [--out DIR]
 
 Prints a table and writes ``grouped_gemm_kernels_<card>.csv`` under ``experiments/results/`` or ``--out``.
 """
@@ -56,6 +56,9 @@ QUANT_WS_VARIANTS = {  # name -> tiles of grouped_gemm_quant_ws (raw stages: as 
     "qws 64x256 s3 d2 pre": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2, "prefetch": "before"},
     "qws 64x256 s3 d2": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2},
 }
+EXTRA_WS_MODULES: dict[str, str] = {}
+"""alias -> kernels module also run with each ``WS_VARIANTS`` tile (``--ws-module``: an earlier copy put beside
+the current one, timed side by side)."""
 BF16_BESIDE = "(bf16 operands)"  # the kernel name's tag for the bf16 kernel timed beside the block-scaled ones
 FIELDS = ("card", "date", "command", "formats", "shape", "kernel", "max_err", "time_us", "tflop_s",
           "frac_dense_same_flops", "frac_dense_8192")
@@ -122,6 +125,8 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
                  launcher("grouped_gemm", "grouped_gemm_bf16", portable)}
         for name, tiles in WS_VARIANTS.items():
             table[name] = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", tiles)
+            for alias, module in EXTRA_WS_MODULES.items():
+                table[f"{alias}{name[2:]}"] = launcher(module, "grouped_gemm_bf16_ws", tiles)
         return table
     quant = gemm.portable_quant_tiles(rows, experts, n, k)
     table = {f"portable q {quant['block_m']}x128": launcher("grouped_gemm_quant", "grouped_gemm_quant", quant,
@@ -164,8 +169,11 @@ def main() -> None:
                         help="bf16, or X:W block-scaled pairs (fp8:fp8, fp8:mxfp4, bf16:fp8, bf16:mxfp4)")
     parser.add_argument("--only", nargs="*", default=None, help="keep points whose label contains one of these")
     parser.add_argument("--kernels", nargs="*", default=None, help="keep kernels whose name contains one of these")
+    parser.add_argument("--ws-module", nargs="*", default=[], metavar="ALIAS=MODULE",
+                        help="also run kernels.MODULE.grouped_gemm_bf16_ws with each ws tile, named ALIAS ...")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    EXTRA_WS_MODULES.update(spec.split("=") for spec in args.ws_module)
     card = torch.cuda.get_device_name().replace(" ", "_")
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dense = 2 * 8192 ** 3 / timed(lambda: a @ b, reps=5, graph=False)[0]

@@ -8,7 +8,7 @@ the time (CUDA-graph replay, median of 5 rounds), TFLOP/s, and the fraction of t
 and of the copy bandwidth measured in the same run.
 
     python experiments/mla_kernels.py [--only LABEL_PART ...] [--kernels NAME ...]
-                                      [--module NAME=MODULE ...] [--out DIR]
+                                      [--module NAME=MODULE[,OPTION=INT...] ...] [--out DIR]
 
 Prints a table and writes ``mla_kernels_<card>.csv`` under ``experiments/results/`` or ``--out``.
 """
@@ -68,6 +68,8 @@ def bf16_decode(heads: int, batch: int, keys: int):
 
 
 POINTS["decode h=64 B=64 bf16"] = bf16_decode(64, 64, 640)  # no decode step: the kernels without decoding
+for _topk in (128, 512, 1024, 2048):  # one wave, one CTA a row: time against key count = fixed + per-block cost
+    POINTS[f"decode h=64 B=132 topk={_topk}"] = mla_decode(64, 132, 65536, topk=_topk)
 
 
 def run_with(kernel: tuple, fn):
@@ -87,12 +89,14 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="keep points whose label contains one of these")
     parser.add_argument("--kernels", nargs="*", default=None, help=f"kernels to run (default all: {list(KERNELS)})")
     parser.add_argument("--module", nargs="*", default=[], metavar="NAME=MODULE",
-                        help="also run kernels.MODULE.sparse_mla_ws as NAME (e.g. an earlier copy put beside it)")
+                        help="also run kernels.MODULE.sparse_mla_ws as NAME (e.g. an earlier copy put beside it); "
+                             "NAME=MODULE,block_k=64,key_stages=2 sets its integer options")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     for spec in args.module:
-        name, module = spec.split("=")
-        KERNELS[name] = (module, "sparse_mla_ws", {"block_k": 32})
+        name, module, *options = spec.replace(",", "=").split("=")
+        options = {key: int(value) for key, value in zip(options[::2], options[1::2])}
+        KERNELS[name] = (module, "sparse_mla_ws", {"block_k": 32} | options)
     ops = _op_table([], "sm100")
     card = torch.cuda.get_device_name().replace(" ", "_")
     peaks = ceilings()

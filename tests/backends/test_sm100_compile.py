@@ -233,6 +233,48 @@ def test_warp_specialised_mla_splits_its_warpgroups_and_decodes_in_one_rolled_lo
 
 
 @needs_tilelang
+def test_warp_specialised_kernels_start_early_and_store_whole_vectors():
+    """Sparse MLA: the key lists are read first and only the consumers copy (and wait for) the
+    queries, so the producer's first gather does not queue behind them; the output leaves through
+    shared memory as 16-byte vectors of consecutive addresses, not as 4-byte stores from the
+    accumulator layout (those took 4-9 us a row on the H200). The bf16 grouped GEMM stores its tile
+    the same way, through its weight ring; the key decode uses no float conversion instruction."""
+    from deepinfer_backends.sm100.kernels import key_decode
+
+    source = _lower("mla_sparse_ws", "sm_90a")
+    producer = source[source.index("warpgroup_reg_dealloc<136>"):]
+    prologue = source[:source.index("warpgroup_reg_alloc<208>")]
+    assert prologue.index("main_idx[") < prologue.index("cp_async_gs<16>") < prologue.rindex("__syncthreads()")
+    assert "cp_async_wait<0>" not in prologue and "cp_async_wait<0>" not in producer
+    assert "if (((int)threadIdx.x) < 256) {" in prologue
+    stores = [line for line in source.splitlines() if "(out + " in line and "= " in line]
+    assert len(stores) == 2 and all(line.lstrip().startswith("*(uint4*)(out + ") and "q_s" in line
+                                    for line in stores)
+    gemm = _lower("grouped_gemm_ws", "sm_90a")
+    y_stores = [line for line in gemm.splitlines() if "(y + " in line and "= " in line]
+    assert y_stores and all(line.lstrip().startswith("*(uint4*)(y + ") and "w_s" in line for line in y_stores)
+    assert "cvt." not in key_decode.PRELUDE and "mul.rn.bf16x2" in key_decode.PRELUDE
+
+
+@needs_tilelang
+def test_the_mla_trace_tool_still_finds_its_anchors_in_the_kernel():
+    """``experiments/mla_trace.py`` patches a copy of ``mla_sparse_ws.py`` at anchor lines; after a
+    change to the kernel its copy must still lower, with every phase stamp in place."""
+    from pathlib import Path
+
+    from deepinfer_backends.sm100 import toolchain
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "mla_trace.py"
+    spec = importlib.util.spec_from_file_location("mla_trace", path)
+    mla_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mla_trace)
+    mla_trace.load_traced()
+    traced = sys.modules[f"deepinfer_backends.sm100.kernels.{mla_trace.TRACE_MODULE}"]
+    source = toolchain.lower_source(traced.sparse_mla_ws, 64, 512, 128, 512, 512 ** -0.5)
+    assert source.count("mla_clock()") == 13 + 1 and source.count("mla_dump(") == 2  # 13 stamps; definitions
+
+
+@needs_tilelang
 def test_warp_specialised_mla_lowers_a_budget_under_the_launch_registers_and_refuses_bad_ones():
     """A warpgroup budget under the 168 registers a thread gets at launch is lowered
     (``setmaxnreg.dec``: raising to a smaller count is an illegal instruction, as seen on the H200),

@@ -41,22 +41,6 @@ SCALE_BOX = 16
 DECODER_BAR = 1  # named barrier of the decoder warpgroups (0 is __syncthreads)
 
 PRELUDE = key_decode.PRELUDE + r"""
-__device__ __forceinline__ unsigned gq_prmt(unsigned word, unsigned sel) {
-  unsigned out;
-  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(out) : "r"(word), "r"(sel));
-  return out;
-}
-
-// bf16x2 of the two e4m3 bytes picked by `sel` (0x9180: bytes 0, 1; 0xB3A2: bytes 2, 3), times 2^-120:
-// each byte beside its sign replicated, then s eeee mmm shifted to bf16 bits 15 and 10..4.
-__device__ __forceinline__ unsigned gq_e4m3x2(unsigned word, unsigned sel) {
-  return (gq_prmt(word, sel) << 4) & 0x87F087F0u;
-}
-
-__device__ __forceinline__ unsigned gq_pow2(unsigned exponent_field) {  // bf16x2 2^(field - 127), twice
-  return (exponent_field << 7) * 0x10001u;
-}
-
 // Sixteen e4m3 values with UE8M0 scale byte `sc` -> two 8-value bf16 chunks. WIDE = false: times
 // 2^(sc-7) in one exact multiply, for sc <= 134 (a normal bf16); true: times 2^120, then 2^(sc-127),
 // for any sc (the bf16 2^-127 of sc = 0 is subnormal, still exact).
@@ -64,10 +48,10 @@ template <bool WIDE>
 __device__ __forceinline__ void gq_fp8x16(const void* src, int sc, void* dst0, void* dst1) {
   uint4 v = *reinterpret_cast<const uint4*>(src);
   unsigned w[4] = {v.x, v.y, v.z, v.w}, o[8];
-  unsigned f = WIDE ? (sc ? gq_pow2(sc) : 0x00400040u) : gq_pow2(sc + 120);
+  unsigned f = WIDE ? (sc ? dk_pow2(sc) : 0x00400040u) : dk_pow2(sc + 120);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    o[i] = gq_e4m3x2(w[i / 2], i % 2 ? 0xB3A2u : 0x9180u);
+    o[i] = dk_e4m3x2(w[i / 2], i % 2 ? 0xB3A2u : 0x9180u);
     if (WIDE) o[i] = dk_mul_bf16x2(o[i], 0x7B807B80u);
     o[i] = dk_mul_bf16x2(o[i], f);
   }
@@ -82,10 +66,10 @@ __device__ __forceinline__ void gq_fp4x32(const void* src, int sc, void* dst0, v
                                           void* dst3) {
   uint4 v = *reinterpret_cast<const uint4*>(src);
   unsigned w[4] = {v.x, v.y, v.z, v.w}, o[16];
-  unsigned f = WIDE ? (sc ? gq_pow2(sc) : 0x00400040u) : gq_pow2(sc + 126);
+  unsigned f = WIDE ? (sc ? dk_pow2(sc) : 0x00400040u) : dk_pow2(sc + 126);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    o[i] = dk_e2m1x2(gq_prmt(w[i / 4], 0x4440u + i % 4));  // byte i % 4 alone
+    o[i] = dk_e2m1x2(dk_prmt(w[i / 4], 0x4440u + i % 4));  // byte i % 4 alone
     if (WIDE) o[i] = dk_mul_bf16x2(o[i], 0x7E807E80u);
     o[i] = dk_mul_bf16x2(o[i], f);
   }
@@ -96,9 +80,10 @@ __device__ __forceinline__ void gq_fp4x32(const void* src, int sc, void* dst0, v
 }
 """
 """CUDA device functions ``gq_fp8x16<WIDE>`` and ``gq_fp4x32<WIDE>`` (beside the ``key_decode``
-functions whose bf16x2 multiply and e2m1 bit placement they use): 16 raw bytes and a scale byte
-in, 16-byte bf16 chunks out (each chunk one swizzle unit of a wgmma operand, so each takes its own
-address). The one-multiply form (``WIDE = false``) holds for scale bytes up to :data:`NARROW_SCALE`."""
+functions whose bf16x2 multiply, e4m3 and e2m1 bit placement and powers of two they use): 16 raw
+bytes and a scale byte in, 16-byte bf16 chunks out (each chunk one swizzle unit of a wgmma operand,
+so each takes its own address). The one-multiply form (``WIDE = false``) holds for scale bytes up
+to :data:`NARROW_SCALE`."""
 NARROW_SCALE = {"fp8": 134, "mxfp4": 128}
 """Largest UE8M0 byte for which ``2^(byte - 127)`` times the decode's bit-placement offset (2^120
 for e4m3, 2^126 for e2m1) is a normal bf16."""

@@ -9,48 +9,46 @@ The rows are those of the reference document §1.5 / §6.1 (``deepinfer.hal.form
 
 Each function reads eight values (8 B of e4m3 or 4 B of e2m1) and their scale byte, and writes
 eight bf16 (16 B, one swizzle chunk of a wgmma operand) with one vector store. The results are
-bit-identical to the reference decode: fp8 is converted exactly (``cvt.rn.f16x2.e4m3x2``), scaled
-in float32 without flushing subnormals and rounded once to bf16; an e2m1 code ``s eee`` becomes
-the bf16 with those bits at 15 and 8..6 (the value times ``2^-126``, subnormal for 0 and 0.5),
-which two exact bf16 products scale by ``2^126`` and by the e4m3 scale (2 x 4 significant bits
-fit bf16's 8). Both replace per-element float conversions and a 16-entry table."""
+bit-identical to the reference decode (float32 products rounded once to bf16), by bit placement and
+exact bf16 multiplies only, with no float conversion instruction (those go through the SM's
+quarter-rate conversion unit): an e4m3 code ``s eeee mmm`` becomes the bf16 with those bits at 15
+and 10..4 (the value times ``2^-120``) and an e2m1 code ``s eem`` the bf16 with them at 15 and 8..6
+(times ``2^-126``, subnormal for 0 and 0.5); two bf16 products a pair then scale them, split so
+that only the first can round (a subnormal result of a tiny UE8M0 scale). The e4m3 NaN codes
+(``0x7F`` / ``0xFF``, as values or as fp4 scales) decode to finite values: the encoders saturate
+and never write them."""
 import tilelang
 import tilelang.language as T
 
 from deepinfer.hal.formats import token_format
 
 PRELUDE = r"""
-__device__ __forceinline__ unsigned dk_pack_bf16x2(float lo, float hi) {
-  unsigned out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
-  return out;
-}
-
-__device__ __forceinline__ unsigned dk_e4m3x2_scaled(unsigned pair, float scale) {
-  unsigned h2;
-  asm("{\n .reg .b16 p;\n cvt.u16.u32 p, %1;\n cvt.rn.f16x2.e4m3x2 %0, p;\n}" : "=r"(h2) : "r"(pair));
-  unsigned short lo = h2 & 0xFFFFu, hi = h2 >> 16;
-  float flo, fhi;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(flo) : "h"(lo));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(fhi) : "h"(hi));
-  return dk_pack_bf16x2(flo * scale, fhi * scale);
-}
-
-__device__ __forceinline__ void dk_fp8x8(const void* src, int scale_byte, void* dst) {
-  uint2 v = *reinterpret_cast<const uint2*>(src);
-  float scale = __int_as_float(scale_byte ? scale_byte << 23 : 0x00400000);  // byte 0: 2^-127, subnormal
-  uint4 o;
-  o.x = dk_e4m3x2_scaled(v.x & 0xFFFFu, scale);
-  o.y = dk_e4m3x2_scaled(v.x >> 16, scale);
-  o.z = dk_e4m3x2_scaled(v.y & 0xFFFFu, scale);
-  o.w = dk_e4m3x2_scaled(v.y >> 16, scale);
-  *reinterpret_cast<uint4*>(dst) = o;
-}
-
 __device__ __forceinline__ unsigned dk_mul_bf16x2(unsigned a, unsigned b) {
   unsigned out;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
   return out;
+}
+
+__device__ __forceinline__ unsigned dk_prmt(unsigned word, unsigned sel) {
+  unsigned out;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(out) : "r"(word), "r"(sel));
+  return out;
+}
+
+__device__ __forceinline__ unsigned dk_prmt2(unsigned lo, unsigned hi, unsigned sel) {
+  unsigned out;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(lo), "r"(hi), "r"(sel));
+  return out;
+}
+
+// bf16x2 of the two e4m3 bytes picked by `sel` (0x9180: bytes 0, 1; 0xB3A2: bytes 2, 3), times 2^-120:
+// each byte beside its sign replicated, then s eeee mmm shifted to bf16 bits 15 and 10..4.
+__device__ __forceinline__ unsigned dk_e4m3x2(unsigned word, unsigned sel) {
+  return (dk_prmt(word, sel) << 4) & 0x87F087F0u;
+}
+
+__device__ __forceinline__ unsigned dk_pow2(unsigned exponent_field) {  // bf16x2 2^(field - 127), twice
+  return (exponent_field << 7) * 0x10001u;
 }
 
 // bf16x2 of the byte's two e2m1 codes (low nibble first) times 2^-126: s eem to bits 15 and 8..6.
@@ -59,22 +57,37 @@ __device__ __forceinline__ unsigned dk_e2m1x2(unsigned byte) {
   return ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
 }
 
-__device__ __forceinline__ unsigned dk_e2m1x2_scaled(unsigned byte, unsigned scale2) {
-  return dk_mul_bf16x2(dk_mul_bf16x2(dk_e2m1x2(byte), 0x7E807E80u), scale2);  // x 2^126, x scale
+// Eight e4m3 values times 2^(sc - 127) (sc = 0: 2^-127) as two exact bf16x2 multiplies a pair, split
+// so that the first is the only one that rounds: by 2^(min(sc, 127) - 7), then by 2^(max(sc, 127) - 127).
+__device__ __forceinline__ void dk_fp8x8(const void* src, int sc, void* dst) {
+  uint2 v = *reinterpret_cast<const uint2*>(src);
+  unsigned low = dk_pow2(min(sc, 127) + 120), high = dk_pow2(max(sc, 127));
+  uint4 o;
+  o.x = dk_mul_bf16x2(dk_mul_bf16x2(dk_e4m3x2(v.x, 0x9180u), low), high);
+  o.y = dk_mul_bf16x2(dk_mul_bf16x2(dk_e4m3x2(v.x, 0xB3A2u), low), high);
+  o.z = dk_mul_bf16x2(dk_mul_bf16x2(dk_e4m3x2(v.y, 0x9180u), low), high);
+  o.w = dk_mul_bf16x2(dk_mul_bf16x2(dk_e4m3x2(v.y, 0xB3A2u), low), high);
+  *reinterpret_cast<uint4*>(dst) = o;
 }
 
-__device__ __forceinline__ void dk_fp4x8(const void* src, int scale_byte, void* dst) {
+// Eight e2m1 values (4 bytes, low nibble first) times the e4m3 scale `sb`: each nibble moved to the top
+// of a byte of its own, then, beside its sign replicated, shifted to bf16 bits 15 and 8..6 (times
+// 2^-126); two exact multiplies, by 2^126 and by the scale (its e4m3 byte placed the same way, times 2^120).
+__device__ __forceinline__ void dk_fp4x8(const void* src, int sb, void* dst) {
   unsigned x = *reinterpret_cast<const unsigned*>(src);
-  unsigned scale2 = dk_e4m3x2_scaled(scale_byte | (scale_byte << 8), 1.0f);
+  unsigned scale2 = dk_mul_bf16x2(dk_e4m3x2(sb, 0x8080u), 0x7B807B80u);
+  unsigned lo = (x << 4) & 0xF0F0F0F0u, hi = x & 0xF0F0F0F0u;
   uint4 o;
-  o.x = dk_e2m1x2_scaled(x & 0xFFu, scale2);
-  o.y = dk_e2m1x2_scaled((x >> 8) & 0xFFu, scale2);
-  o.z = dk_e2m1x2_scaled((x >> 16) & 0xFFu, scale2);
-  o.w = dk_e2m1x2_scaled(x >> 24, scale2);
+  o.x = dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, 0xC480u) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
+  o.y = dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, 0xD591u) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
+  o.z = dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, 0xE6A2u) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
+  o.w = dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, 0xF7B3u) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
   *reinterpret_cast<uint4*>(dst) = o;
 }
 """
-"""CUDA device functions ``dk_fp8x8`` and ``dk_fp4x8`` ``(src, scale_byte, dst)``."""
+"""CUDA device functions ``dk_fp8x8`` and ``dk_fp4x8`` ``(src, scale_byte, dst)``, and the pieces
+they are made of (bf16x2 multiply, byte permutes, e4m3 and e2m1 bit placement, powers of two), which
+the block-scaled GEMM's decoder (``grouped_gemm_quant_ws.PRELUDE``) uses too."""
 
 
 @T.macro

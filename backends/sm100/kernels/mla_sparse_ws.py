@@ -13,7 +13,10 @@ out the way FlashMLA's decode kernel is: one CTA of three warpgroups per query r
 - consumer 0 (warpgroup 0) computes the scores ``Q K^T`` (wgmma), the online softmax, and the
   left half of ``P V``;
 - consumer 1 (warpgroup 1) computes the right half of ``P V`` from the probabilities consumer 0
-  left in shared memory.
+  left in shared memory;
+- the key lists are read first and only the consumers copy (and wait for) the queries, so the
+  producer's first gather does not queue behind them; each consumer stores its half of the output
+  through the queries' buffer as 16-byte vectors.
 
 The running max is lazy (:data:`LAZY_LOG2`): it moves only when a block's scores pass it by more
 than a factor 256, so after the first blocks almost no block rescales the output, and a warp
@@ -28,8 +31,10 @@ The default for both sparse MLA ops on Hopper (``DEEPINFER_SM100_MLA_PORTABLE=1`
 portable kernel instead). Side by side on the H200 it takes 0.45-0.53 of the portable kernel's
 time on fp8 + fp4 decode at B >= 64 (0.76-0.79 at B = 1 and 16) and 0.94-0.97 on bf16 prefill;
 the three-stage key ring and the lazy max cut its own decode time by 7-10 %, loading the raw
-bytes into registers ahead of the decode another 4-5 % at B = 256
-(``experiments/results/mla_kernels_h200.txt``)."""
+bytes into registers ahead of the decode another 4-5 % at B = 256, and the bit-placement decode,
+the early start and the staged output store together 1.20x at B = 256 and 1.14-1.16x on prefill
+(``experiments/results/mla_kernels_h200.txt``; ``experiments/mla_trace.py`` shows where a CTA's
+time goes)."""
 import tilelang
 import tilelang.language as T
 
@@ -45,7 +50,7 @@ _PASS_CONFIGS = {
     # each iteration of the producer's decode loop.
     tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
 }
-CONSUMER0_BAR, PRODUCER_BAR = 1, 2  # named barrier ids (0 is __syncthreads)
+CONSUMER0_BAR, PRODUCER_BAR, CONSUMERS_BAR, CONSUMER1_BAR = 1, 2, 3, 4  # named barrier ids (0 is __syncthreads)
 LAUNCH_REGISTERS = 168
 """Registers a thread of the 384 gets at launch; a warpgroup's budget above it is raised
 (``setmaxnreg.inc``), one below it lowered (``setmaxnreg.dec``): raising to a smaller count is an
@@ -133,6 +138,27 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     def rows_moved(alpha_s, warp):
         """Whether a row of ``warp`` (of its warpgroup) has to rescale its output this block."""
         return T.call_extern("int32", "mla_rows_moved", T.access_ptr(alpha_s[0], "r"), warp) != 0
+
+    @T.macro
+    def store_half(acc_o, q_s, out, row, hb, split, col0, bar):
+        """A consumer's half of the output, ``[64, half]``, from its accumulators. bf16 goes through
+        shared memory (the queries' buffer, free once the last scores are in) so that the stores to
+        global memory are whole 16-byte vectors of consecutive addresses: 4-byte stores straight from
+        the accumulator layout took 4-9 us at the end of every row. Float32 partials (split-KV) would
+        need twice that buffer and go straight."""
+        if splits == 1:
+            T.copy(acc_o, q_s[:, col0:col0 + half])
+            T.sync_threads(bar, 128)
+            T.copy(q_s[:, col0:col0 + half], out[row, hb * BLOCK_H:(hb + 1) * BLOCK_H, col0:col0 + half])
+        else:
+            T.copy(acc_o, out[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H, col0:col0 + half])
+
+    @T.macro
+    def wait_for_q():
+        """A consumer thread's wait until both consumers' copies of q have landed."""
+        T.ptx_wait_group(0)
+        T.fence_proxy_async()  # q is read by wgmma
+        T.sync_threads(CONSUMERS_BAR, 256)
 
     @T.macro
     def load_keys(main_idx, extra_idx, main_rows, extra_rows, row, split, keys_s):
@@ -224,19 +250,20 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
             done = T.alloc_barrier(arrive_count=128)
 
             tx = T.get_thread_binding()
-            for c in T.unroll(-(-BLOCK_H * dim // 8 // 384)):  # q by cp.async: 16 bytes a thread at a time
-                unit = c * 384 + tx
-                if unit < BLOCK_H * dim // 8:
-                    T.ptx_cp_async(T.access_ptr(q_s[unit // (dim // 8), (unit % (dim // 8)) * 8], "w", 8),
-                                   T.access_ptr(q[row, hb * BLOCK_H + unit // (dim // 8), (unit % (dim // 8)) * 8], "r",
-                                                8), 8)
-            T.ptx_commit_group()
-            load_keys(main_idx, extra_idx, main_rows, extra_rows, row, split, keys_s)
-            T.ptx_wait_group(0)
-            T.sync_threads()
+            load_keys(main_idx, extra_idx, main_rows, extra_rows, row, split, keys_s)  # first: the producer needs it
+            if tx < 256:  # the consumers copy q (cp.async, 16 bytes a thread at a time); only they wait for it
+                for c in T.unroll(-(-BLOCK_H * dim // 8 // 256)):
+                    unit = c * 256 + tx
+                    if unit < BLOCK_H * dim // 8:
+                        T.ptx_cp_async(T.access_ptr(q_s[unit // (dim // 8), (unit % (dim // 8)) * 8], "w", 8),
+                                       T.access_ptr(q[row, hb * BLOCK_H + unit // (dim // 8), (unit % (dim // 8)) * 8],
+                                                    "r", 8), 8)
+                T.ptx_commit_group()
+            T.sync_threads()  # the key list is whole; the producer starts its gather while q lands
 
             if tx < 128:  # consumer 0: scores, softmax, left half of P V
                 T.set_max_nreg(registers[0], int(registers[0] >= LAUNCH_REGISTERS))
+                wait_for_q()
                 acc_s = T.alloc_fragment((BLOCK_H, block_k), "float")
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 m = T.alloc_fragment((BLOCK_H,), "float")
@@ -274,14 +301,14 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 T.barrier_arrive(done)
                 for i, jj in T.Parallel(BLOCK_H, half):
                     acc_o[i, jj] *= gate[i]
+                store_half(acc_o, q_s, out, row, hb, split, 0, CONSUMER0_BAR)
                 if splits == 1:
-                    T.copy(acc_o, out[row, hb * BLOCK_H:(hb + 1) * BLOCK_H, 0:half])
                     T.copy(lse_row, lse[row, hb * BLOCK_H:(hb + 1) * BLOCK_H])
                 else:
-                    T.copy(acc_o, out[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H, 0:half])
                     T.copy(lse_row, lse[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H])
             elif tx < 256:  # consumer 1: right half of P V
                 T.set_max_nreg(registers[1], int(registers[1] >= LAUNCH_REGISTERS))
+                wait_for_q()
                 acc_o = T.alloc_fragment((BLOCK_H, half), "float")
                 T.fill(acc_o, 0)
                 for r in T.serial(rounds):
@@ -300,10 +327,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 T.barrier_wait(done, 0)
                 for i, jj in T.Parallel(BLOCK_H, half):
                     acc_o[i, jj] *= gate_s[i]
-                if splits == 1:
-                    T.copy(acc_o, out[row, hb * BLOCK_H:(hb + 1) * BLOCK_H, half:dim])
-                else:
-                    T.copy(acc_o, out[split, row, hb * BLOCK_H:(hb + 1) * BLOCK_H, half:dim])
+                store_half(acc_o, q_s, out, row, hb, split, half, CONSUMER1_BAR)
             else:  # producer: gather (and decode) key blocks into the ring
                 T.set_max_nreg(registers[2], int(registers[2] >= LAUNCH_REGISTERS))
                 p = tx - 256
