@@ -51,8 +51,8 @@ STAMPS = [
 PHASES = [  # label, from slot, to slot (0: CTA start, 12: CTA end)
     ("key lists read", 0, 1), ("q landed (consumer 0 ready)", 0, 2), ("first raw block landed", 0, 9),
     ("first block decoded", 0, 10), ("consumer 0 has block 0", 0, 3), ("consumer 1 has P 0", 0, 7),
-    ("block 0 -> last block (consumer 0)", 3, 4), ("last block (consumer 0)", 4, 5),
-    ("epilogue (consumer 0)", 5, 6), ("epilogue (consumer 1, from consumer 0's last block)", 5, 8),
+    ("block 0 -> last block (consumer 0)", 3, 4), ("last block and row stats (consumer 0)", 4, 5),
+    ("output store (consumer 0)", 5, 6), ("output store (consumer 1, from consumer 0's row stats)", 5, 8),
     ("producer's last block decoded", 0, 11), ("CTA end", 0, 12),
 ]
 
@@ -102,6 +102,7 @@ def load_traced() -> None:
 
 
 def report(label: str, lse: torch.Tensor, seconds: float) -> None:
+    """Print each of :data:`PHASES` over the CTAs from the stamps the traced kernel left in ``lse``."""
     stamps = lse.reshape(lse.shape[0], -1)[:, :SLOTS].contiguous().view(torch.int32).long().cpu() & 0xFFFFFFFF
     span = lambda a, b: ((stamps[:, b] - stamps[:, a]) & 0xFFFFFFFF).double()  # noqa: E731 (cycles, or ns: 13, 14)
     ghz = (span(0, 12) / span(13, 14)).median().item()
