@@ -70,18 +70,25 @@ __device__ __forceinline__ void dk_fp8x8(const void* src, int sc, void* dst) {
   *reinterpret_cast<uint4*>(dst) = o;
 }
 
-// Eight e2m1 values (4 bytes, low nibble first) times the e4m3 scale `sb`: each nibble moved to the top
-// of a byte of its own, then, beside its sign replicated, shifted to bf16 bits 15 and 8..6 (times
-// 2^-126); two exact multiplies, by 2^126 and by the scale (its e4m3 byte placed the same way, times 2^120).
+// Byte j's two e2m1 codes times the scale pair `scale2`, from `lo` / `hi`, the word's low / high nibbles
+// each moved to the top of a byte of its own: beside its sign replicated (prmt), a nibble shifts to bf16
+// bits 15 and 8..6 (times 2^-126); then two exact multiplies, by 2^126 and by the scale.
+__device__ __forceinline__ unsigned dk_e2m1x2_scaled(unsigned lo, unsigned hi, unsigned j, unsigned scale2) {
+  unsigned sel = j | (8u | j) << 4 | (4u + j) << 8 | (12u + j) << 12;  // lo byte j, its sign, hi byte j, its sign
+  return dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, sel) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
+}
+
+// Eight e2m1 values (4 bytes, low nibble first) times the e4m3 scale `sb` (its byte placed as an e4m3
+// value, times 2^120).
 __device__ __forceinline__ void dk_fp4x8(const void* src, int sb, void* dst) {
   unsigned x = *reinterpret_cast<const unsigned*>(src);
   unsigned scale2 = dk_mul_bf16x2(dk_e4m3x2(sb, 0x8080u), 0x7B807B80u);
   unsigned lo = (x << 4) & 0xF0F0F0F0u, hi = x & 0xF0F0F0F0u;
   uint4 o;
-  o.x = dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, 0xC480u) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
-  o.y = dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, 0xD591u) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
-  o.z = dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, 0xE6A2u) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
-  o.w = dk_mul_bf16x2(dk_mul_bf16x2((dk_prmt2(lo, hi, 0xF7B3u) << 2) & 0x81C081C0u, 0x7E807E80u), scale2);
+  o.x = dk_e2m1x2_scaled(lo, hi, 0, scale2);
+  o.y = dk_e2m1x2_scaled(lo, hi, 1, scale2);
+  o.z = dk_e2m1x2_scaled(lo, hi, 2, scale2);
+  o.w = dk_e2m1x2_scaled(lo, hi, 3, scale2);
   *reinterpret_cast<uint4*>(dst) = o;
 }
 """
