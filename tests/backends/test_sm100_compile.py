@@ -214,7 +214,8 @@ def test_kernel_compiles_for_hopper_on_wgmma(name):
 def test_warp_specialised_mla_splits_its_warpgroups_and_decodes_in_one_rolled_loop():
     """Consumer 0 raises its register budget, consumer 1 and the producer lower theirs; the producer
     gathers by predicated cp.async (zero-filled padding), loads its first raw bytes of a block into
-    registers before waiting for a free key slot, decodes through the ``key_decode`` functions in
+    registers before waiting for a free key slot (a lane per key row: four calls' bytes in 16-byte
+    loads), decodes through the ``key_decode`` functions in
     one rolled loop and meets the others on mbarriers, with one producer barrier per key block.
     Each consumer rescales its output only when a row of its warp moved its max, and walks a
     three-stage key ring (quantized rows) unrolled over its stages."""
@@ -227,7 +228,8 @@ def test_warp_specialised_mla_splits_its_warpgroups_and_decodes_in_one_rolled_lo
     assert "cp_async_gs_conditional<16>" in producer and "k_ready[" in producer and "k_free[" in producer
     assert producer.count("__sync_thread_partial") == 1
     assert producer.count("dk_fp8x8(") == 1 and producer.count("dk_fp4x8(") == 1
-    assert producer.index("*(uint2*)(held + ") < producer.index("k_free[(t % 3)].wait(") < producer.index("dk_fp8x8(")
+    assert producer.index("*(uint4*)(held + ") < producer.index("k_free[(t % 3)].wait(") < producer.index("dk_fp8x8(")
+    assert "*(uint2*)(held + " not in producer and "*(uint*)(held + " not in producer  # whole runs, not a call each
     bf16 = _lower("mla_sparse_ws_split_bf16", "sm_90a")
     assert "mbarrier_cp_async_arrive_noinc" in bf16[bf16.index("warpgroup_reg_dealloc<96>"):]
 
@@ -279,7 +281,8 @@ def test_warp_specialised_mla_lowers_a_budget_under_the_launch_registers_and_ref
     """A warpgroup budget under the 168 registers a thread gets at launch is lowered
     (``setmaxnreg.dec``: raising to a smaller count is an illegal instruction, as seen on the H200),
     one above it raised; budgets that are not multiples of 8 or add up to more than 504 are refused,
-    and so is a producer register batch (``held_calls``) that does not divide a block's decode calls."""
+    and so is a producer register batch (``held_calls``) that does not divide a block's decode calls,
+    and a quantized key block other than 32 rows (the decode maps a lane to a row)."""
     from deepinfer_backends.sm100 import toolchain
     from deepinfer_backends.sm100.kernels.mla_sparse_ws import sparse_mla_ws
 
@@ -293,6 +296,8 @@ def test_warp_specialised_mla_lowers_a_budget_under_the_launch_registers_and_ref
     for bad in (0, 3):
         with pytest.raises(ValueError, match=f"held_calls={bad} must divide the 16 decode calls"):
             toolchain.lower_source(sparse_mla_ws, *args, held_calls=bad)
+    with pytest.raises(ValueError, match="block_k=64 must be 32 with quantized rows"):
+        toolchain.lower_source(sparse_mla_ws, *args, block_k=64, key_stages=2)
 
 
 @needs_tilelang

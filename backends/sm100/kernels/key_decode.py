@@ -98,24 +98,25 @@ the block-scaled GEMM's decoder (``grouped_gemm_quant_ws.PRELUDE``) uses too."""
 
 
 @T.macro
-def load8(raw, slot, i, q, fmt: str, held, scale, c):
-    """Raw bytes of values ``8q .. 8q+7`` of ``fmt`` row ``raw[slot, i]`` (8 for ``fp8``, 4 for
-    ``fp4``) into ``held[c]`` and their scale byte into ``scale[c]``: registers, so that a thread's
-    loads for a whole block can be issued before its first decode stores."""
-    if fmt == "fp8":
-        for v in T.vectorized(8):
-            held[c, v] = raw[slot, i, q * 8 + v]
-        scale[c] = T.cast(raw[slot, i, 512 + q // 4], "int32")
-    else:
-        for v in T.vectorized(4):
-            held[c, v] = raw[slot, i, q * 4 + v]
-        scale[c] = T.cast(raw[slot, i, 256 + q // 2], "int32")
+def load_run(raw, slot, i, q, fmt: str, held, scale, n: int):
+    """Raw bytes of values ``8q .. 8(q+n)-1`` of ``fmt`` row ``raw[slot, i]`` (8 a call for ``fp8``, 4
+    for ``fp4``; ``q`` a multiple of ``n``, so that they load as whole vectors) into ``held`` and
+    each call's scale byte into ``scale[c]``: registers, so that a thread's loads for a run of calls
+    are all issued before its first decode store, in a few wide loads."""
+    per_call = 8 if fmt == "fp8" else 4
+    for v in T.vectorized(n * per_call):
+        held[v] = raw[slot, i, q * per_call + v]
+    for c in T.unroll(n):
+        if fmt == "fp8":
+            scale[c] = T.cast(raw[slot, i, 512 + (q + c) // 4], "int32")
+        else:
+            scale[c] = T.cast(raw[slot, i, 256 + (q + c) // 2], "int32")
 
 
 @T.macro
 def store8(held, scale, c, fmt: str, k_s, stage, i, q):
-    """Values ``8q .. 8q+7`` held by :func:`load8` in ``held[c]`` / ``scale[c]`` -> ``k_s[stage, i, 8q:8q+8]``."""
-    T.call_extern("handle", f"dk_{fmt}x8", T.access_ptr(held[c, 0], "r"), scale[c],
+    """Values ``8q .. 8q+7``, call ``c`` of a run :func:`load_run` holds -> ``k_s[stage, i, 8q:8q+8]``."""
+    T.call_extern("handle", f"dk_{fmt}x8", T.access_ptr(held[c * (8 if fmt == "fp8" else 4)], "r"), scale[c],
                   T.access_ptr(k_s[stage, i, q * 8], "w"))
 
 

@@ -7,9 +7,10 @@ out the way FlashMLA's decode kernel is: one CTA of three warpgroups per query r
   straight into a four-stage key ring; quantized rows (``fp8`` 528 B: e4m3 x UE8M0 per 32;
   ``fp4`` 288 B: e2m1 x e4m3 per 16) into a three-stage raw ring, two blocks ahead, then
   decoded to bf16 into a three-stage key ring by the ``key_decode`` device functions (eight
-  values per call, one 16-byte store), in one rolled loop over the blocks; each thread loads its
-  raw bytes into registers :data:`HELD_CALLS` calls at a time, the first ones before it waits for
-  a free key slot;
+  values per call, one 16-byte store), in one rolled loop over the blocks; a lane per key row,
+  each warp a quarter of the row, so that each thread loads its raw bytes into registers
+  :data:`HELD_CALLS` calls at a time in a few 16-byte loads, the first ones before it waits for a
+  free key slot;
 - consumer 0 (warpgroup 0) computes the scores ``Q K^T`` (wgmma), the online softmax, and the
   left half of ``P V``;
 - consumer 1 (warpgroup 1) computes the right half of ``P V`` from the probabilities consumer 0
@@ -32,7 +33,8 @@ portable kernel instead). Side by side on the H200 it takes 0.45-0.53 of the por
 time on fp8 + fp4 decode at B >= 64 (0.76-0.79 at B = 1 and 16) and 0.94-0.97 on bf16 prefill;
 the three-stage key ring and the lazy max cut its own decode time by 7-10 %, loading the raw
 bytes into registers ahead of the decode another 4-5 % at B = 256, and the bit-placement decode,
-the early start and the staged output store together 1.20x at B = 256 and 1.14-1.16x on prefill
+the early start and the staged output store together 1.20x at B = 256 and 1.14-1.16x on prefill,
+and a lane per key row in the decode another 1-3 % at B >= 132
 (``experiments/results/mla_kernels_h200.txt``; ``experiments/mla_trace.py`` shows where a CTA's
 time goes)."""
 import tilelang
@@ -56,9 +58,9 @@ LAUNCH_REGISTERS = 168
 (``setmaxnreg.inc``), one below it lowered (``setmaxnreg.dec``): raising to a smaller count is an
 illegal instruction."""
 HELD_CALLS = 4
-"""Decode calls whose raw bytes a producer thread loads into registers at once (of 16 a block of 32
-keys): with four, the producer fits 136 registers without spilling (eight spill a little and were
-1.5-2.4 % slower at B = 256; the whole block's would not fit)."""
+"""Decode calls whose raw bytes a producer thread loads into registers at once (of its 16 a block of
+32 keys, consecutive in one row: 32 bytes of fp8 or 16 of fp4): with four the producer does not
+spill (eight spill a little and were 1.5-2.4 % slower at B = 256)."""
 LAZY_LOG2 = 8.0
 """A row's running max moves only when a block's scores pass it by more than this (log2 units), so
 probabilities stay at most ``2**LAZY_LOG2`` and most blocks rescale nothing (the output is divided
@@ -124,6 +126,8 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     chunks_main, chunks_extra = ROW_BYTES["fp8"] // 16, ROW_BYTES["fp4"] // 16  # 16-byte cp.async units per row
     chunks_bf16 = dim * 2 // 16
     calls = block_k * dim // 8 // 128  # decode calls of eight values a producer thread makes per block
+    if quantized and block_k != 32:
+        raise ValueError(f"sparse_mla_ws: block_k={block_k} must be 32 with quantized rows (a lane per row)")
     if quantized and (held_calls < 1 or calls % min(calls, held_calls)):
         raise ValueError(f"sparse_mla_ws: held_calls={held_calls} must divide the {calls} decode calls a producer "
                          f"thread makes per block")
@@ -131,9 +135,10 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
 
     def row_and_chunk(part, c, p):
         """Row of the block and 8-value chunk of it that producer thread ``p`` decodes in its call
-        ``c`` of register batch ``part``."""
-        unit = (part * held_calls + c) * 128 + p
-        return unit // (dim // 8), unit % (dim // 8)
+        ``c`` of register batch ``part``: a lane per row, each warp a quarter of the row's chunks in
+        order, so that a batch's raw bytes are one run (a few wide shared-memory loads) and a
+        quarter-warp's stores land in eight rows' distinct swizzle chunks (no bank conflicts)."""
+        return p % 32, (p // 32) * calls + part * held_calls + c
 
     def rows_moved(alpha_s, warp):
         """Whether a row of ``warp`` (of its warpgroup) has to rescale its output this block."""
@@ -211,17 +216,15 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
         """This thread's raw bytes of calls ``part * held_calls ..`` of block ``t`` (fp8 main rows,
         then fp4 extra rows) into registers, all before the part's first decode store (the compiler
         cannot move a load past a store that may alias it)."""
-        for c in T.unroll(held_calls):
-            i, q = row_and_chunk(part, c, p)
-            if t < main_blocks:
-                key_decode.load8(raw, slot, i, q, "fp8", held, scale, c)
-            elif extra_keys:
-                key_decode.load8(raw, slot, i, q, "fp4", held, scale, c)
+        i, q = row_and_chunk(part, 0, p)
+        if t < main_blocks:
+            key_decode.load_run(raw, slot, i, q, "fp8", held, scale, held_calls)
+        elif extra_keys:
+            key_decode.load_run(raw, slot, i, q, "fp4", held, scale, held_calls)
 
     @T.macro
     def decode_part(t, k_s, stage, p, held, scale, part):
-        """The bytes :func:`load_part` holds -> bf16 keys, eight values per call; a quarter-warp
-        writes one 128-byte swizzle row of ``k_s`` (no bank conflicts)."""
+        """The bytes :func:`load_part` holds -> bf16 keys, eight values per call."""
         for c in T.unroll(held_calls):
             i, q = row_and_chunk(part, c, p)
             if t < main_blocks:
@@ -332,7 +335,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                 T.set_max_nreg(registers[2], int(registers[2] >= LAUNCH_REGISTERS))
                 p = tx - 256
                 if quantized:
-                    held = T.alloc_local((held_calls, 8), "uint8")  # raw bytes, 8 (fp8) or 4 (fp4) a call
+                    held = T.alloc_local((held_calls * 8,), "uint8")  # raw bytes, 8 (fp8) or 4 (fp4) a call
                     scale = T.alloc_local((held_calls,), "int32")
                     for d in T.unroll(ahead):
                         if d < blocks:
