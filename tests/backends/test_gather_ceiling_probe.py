@@ -31,7 +31,7 @@ print("ok")
 
 
 def test_the_probe_kernel_sums_exactly_the_gathered_rows():
-    """Row sizes of fp4, fp8 and bf16 keys; the last case spans two programs (2100 rows x 64 units)."""
+    """Row sizes of fp4, fp8 and bf16 keys; the last spans 66 programs (2100 rows of 64 units)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", CHECK, str(ROOT / "experiments")], env=env, capture_output=True,
                           text=True, timeout=600)
