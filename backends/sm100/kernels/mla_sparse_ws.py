@@ -59,8 +59,8 @@ LAUNCH_REGISTERS = 168
 illegal instruction."""
 HELD_CALLS = 4
 """Decode calls whose raw bytes a producer thread loads into registers at once (of its 16 a block of
-32 keys, consecutive in one row: 32 bytes of fp8 or 16 of fp4): with four the producer does not
-spill (eight spill a little and were 1.5-2.4 % slower at B = 256)."""
+32 keys, consecutive in one row: 32 bytes of fp8 or 16 of fp4): four is the fastest measured (two
+were 5-6 % slower, sixteen 7-10 %, eight with the earlier row order 1.5-2.4 %)."""
 LAZY_LOG2 = 8.0
 """A row's running max moves only when a block's scores pass it by more than this (log2 units), so
 probabilities stay at most ``2**LAZY_LOG2`` and most blocks rescale nothing (the output is divided
