@@ -60,15 +60,20 @@ def _per_row_indices(g, batch: int, keys: int, region: int) -> torch.Tensor:
     return (local + torch.arange(batch, device="cuda")[:, None, None] * region).int()
 
 
+def extra_region(batch: int, context: int) -> int:
+    """Rows of the fp4 cache each decode query picks its top-k from (capped so all fit in 2^22 rows)."""
+    return min(context // 4, (1 << 22) // batch)
+
+
 def mla_decode(heads: int, batch: int, context: int, topk: int = TOPK, **kw) -> Point:
-    extra_region = min(context // 4, (1 << 22) // batch)
+    region = extra_region(batch, context)
 
     def build(ops):
         g = _gen()
         args = dict(q=torch.randn(batch, 1, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g),
                     cache=_fp8_rows(g, batch * 2 * WINDOW), indices=_per_row_indices(g, batch, WINDOW, 2 * WINDOW),
-                    extra_cache=_fp4_rows(g, batch * extra_region),
-                    extra_indices=_per_row_indices(g, batch, topk, extra_region),
+                    extra_cache=_fp4_rows(g, batch * region),
+                    extra_indices=_per_row_indices(g, batch, topk, region),
                     sink=torch.randn(heads, device="cuda", generator=g), scale=512 ** -0.5, cache_format="fp8",
                     extra_format="fp4")
         return lambda: ops.mla_sparse_decode(**args)

@@ -25,7 +25,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import RESULTS, ceilings, timed, write_csv  # noqa: E402
-from bench_points import FP4_ROW, FP8_ROW, TOPK, WINDOW, _gen, _per_row_indices  # noqa: E402
+from bench_points import (FP4_ROW, FP8_ROW, TOPK, WINDOW, _fp4_rows, _fp8_rows, _gen, _per_row_indices,  # noqa: E402
+                          extra_region)
 
 BLOCK = 2048
 FIELDS = ("card", "date", "command", "case", "rows", "row_bytes", "time_us", "gb_s", "frac_copy")
@@ -57,13 +58,12 @@ def cases(batch: int, context: int) -> dict[str, tuple[torch.Tensor, torch.Tenso
     """name -> (cache, keys): the decode point's two lists as ``bench_points.mla_decode`` builds them,
     a bf16-row list like prefill's, and each read in order."""
     g = _gen()
-    extra_region = min(context // 4, (1 << 22) // batch)
-    fp8 = torch.randint(0, 256, (batch * 2 * WINDOW, FP8_ROW), dtype=torch.uint8, device="cuda", generator=g)
-    fp4 = torch.randint(0, 256, (batch * extra_region, FP4_ROW), dtype=torch.uint8, device="cuda", generator=g)
+    region = extra_region(batch, context)
+    fp8, fp4 = _fp8_rows(g, batch * 2 * WINDOW), _fp4_rows(g, batch * region)
     bf16_rows = max(1 << 16, batch * (WINDOW + TOPK))
     bf16 = torch.randint(0, 256, (bf16_rows, 1024), dtype=torch.uint8, device="cuda", generator=g)
     main = _per_row_indices(g, batch, WINDOW, 2 * WINDOW)
-    extra = _per_row_indices(g, batch, TOPK, extra_region)
+    extra = _per_row_indices(g, batch, TOPK, region)
     rows = torch.randint(0, 1 << 16, (batch * (WINDOW + TOPK),), dtype=torch.int32, device="cuda", generator=g)
     ordered = {name: torch.arange(keys.numel(), dtype=torch.int32, device="cuda")
                for name, keys in (("main", main), ("extra", extra), ("bf16", rows))}

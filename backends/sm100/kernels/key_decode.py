@@ -97,26 +97,28 @@ they are made of (bf16x2 multiply, byte permutes, e4m3 and e2m1 bit placement, p
 the block-scaled GEMM's decoder (``grouped_gemm_quant_ws.PRELUDE``) uses too."""
 
 
+RAW_LAYOUT = {"fp8": (8, 512, 4), "fp4": (4, 256, 2)}
+"""Per format: raw bytes of one call's eight values, offset of the scale bytes in the row, and calls
+per scale byte."""
+
+
 @T.macro
 def load_run(raw, slot, i, q, fmt: str, held, scale, n: int):
     """Raw bytes of values ``8q .. 8(q+n)-1`` of ``fmt`` row ``raw[slot, i]`` (8 a call for ``fp8``, 4
     for ``fp4``; ``q`` a multiple of ``n``, so that they load as whole vectors) into ``held`` and
     each call's scale byte into ``scale[c]``: registers, so that a thread's loads for a run of calls
     are all issued before its first decode store, in a few wide loads."""
-    per_call = 8 if fmt == "fp8" else 4
+    per_call, scales, calls_per_scale = RAW_LAYOUT[fmt]
     for v in T.vectorized(n * per_call):
         held[v] = raw[slot, i, q * per_call + v]
     for c in T.unroll(n):
-        if fmt == "fp8":
-            scale[c] = T.cast(raw[slot, i, 512 + (q + c) // 4], "int32")
-        else:
-            scale[c] = T.cast(raw[slot, i, 256 + (q + c) // 2], "int32")
+        scale[c] = T.cast(raw[slot, i, scales + (q + c) // calls_per_scale], "int32")
 
 
 @T.macro
 def store8(held, scale, c, fmt: str, k_s, stage, i, q):
     """Values ``8q .. 8q+7``, call ``c`` of a run :func:`load_run` holds -> ``k_s[stage, i, 8q:8q+8]``."""
-    T.call_extern("handle", f"dk_{fmt}x8", T.access_ptr(held[c * (8 if fmt == "fp8" else 4)], "r"), scale[c],
+    T.call_extern("handle", f"dk_{fmt}x8", T.access_ptr(held[c * RAW_LAYOUT[fmt][0]], "r"), scale[c],
                   T.access_ptr(k_s[stage, i, q * 8], "w"))
 
 
@@ -130,11 +132,8 @@ def decode_rows(fmt: str):
     def kernel(rows: T.Tensor((n, token_format(fmt).bytes_per_token), "uint8"), out: T.Tensor((n, 512), "bfloat16")):
         with T.Kernel(n, threads=64, prelude=PRELUDE) as row:
             q = T.get_thread_binding()
-            if fmt == "fp8":
-                T.call_extern("handle", "dk_fp8x8", T.access_ptr(rows[row, q * 8], "r"),
-                              T.cast(rows[row, 512 + q // 4], "int32"), T.access_ptr(out[row, q * 8], "w"))
-            else:
-                T.call_extern("handle", "dk_fp4x8", T.access_ptr(rows[row, q * 4], "r"),
-                              T.cast(rows[row, 256 + q // 2], "int32"), T.access_ptr(out[row, q * 8], "w"))
+            per_call, scales, calls_per_scale = RAW_LAYOUT[fmt]
+            T.call_extern("handle", f"dk_{fmt}x8", T.access_ptr(rows[row, q * per_call], "r"),
+                          T.cast(rows[row, scales + q // calls_per_scale], "int32"), T.access_ptr(out[row, q * 8], "w"))
 
     return kernel
