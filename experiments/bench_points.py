@@ -120,6 +120,14 @@ def _gemm_operand(g, shape: tuple[int, ...], fmt: str, spread: float = 1.0):
     return Quantized(data, scale, fmt, 32)
 
 
+def gemm_bytes(experts: int, rows: int, n: int, k: int, x_format: str = "bf16", w_format: str = "bf16") -> float:
+    """Bytes a grouped GEMM must move: its rows, the weights of at most ``rows`` experts, the result
+    (float32 for quantized operands)."""
+    plain = x_format == w_format == "bf16"
+    return (rows * k * BYTES_PER_VALUE[x_format] + min(experts, rows) * n * k * BYTES_PER_VALUE[w_format]
+            + rows * n * (2 if plain else 4))
+
+
 def grouped(experts: int, rows: int, n: int, k: int, label: str, x_format: str = "bf16", w_format: str = "bf16",
             **kw) -> Point:
     def build(ops):
@@ -129,10 +137,8 @@ def grouped(experts: int, rows: int, n: int, k: int, label: str, x_format: str =
         w = _gemm_operand(g, (experts, n, k), w_format, k ** -0.5)
         return lambda: ops.grouped_gemm(x, w, sizes)
 
-    touched = min(experts, rows)
     plain = x_format == w_format == "bf16"
-    moved = (rows * k * BYTES_PER_VALUE[x_format] + touched * n * k * BYTES_PER_VALUE[w_format]
-             + rows * n * (2 if plain else 4))  # quantized operands give a float32 result
+    moved = gemm_bytes(experts, rows, n, k, x_format, w_format)
     formats = "" if plain else f" x={x_format} w={w_format}"
     return Point("grouped_gemm", f"{label} E={experts} M={rows} N={n} K={k}{formats}", moved, 2.0 * rows * n * k,
                  build, dense_shape=(rows, n, k), reps=5, **kw)

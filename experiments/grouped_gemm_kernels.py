@@ -4,12 +4,14 @@ few tile variants. bf16 (``--formats bf16``, the default): the portable kernel
 hand-placed barriers (``kernels/grouped_gemm_ws.py``). Block-scaled (``--formats fp8:mxfp4`` and
 so on, x format first): the decode-then-wgmma kernel (``kernels/grouped_gemm_quant.py``) and the
 warp-specialised one whose decoder warpgroup feeds a bf16 ring (``kernels/grouped_gemm_quant_ws.py``),
+the one for few rows per expert that decodes into ``mma.sync`` registers (``kernels/grouped_gemm_quant_skinny.py``),
 beside the bf16 warp-specialised kernel on bf16 operands of the same shape.
 
 Per point: each kernel's error against a float32 torch result (for block-scaled operands, of the
 decoded values), its time (CUDA-graph replay, median of 5 rounds), TFLOP/s, and its ratio to
 torch's dense bf16 matmul of the same total FLOPs (``rows x n x k`` in one GEMM) measured in the
-same run.
+same run, and the bytes it must move (``bench_points.gemm_bytes``) per second, as a share of the copy
+bandwidth measured in the same run.
 
     python experiments/grouped_gemm_kernels.py [--formats bf16 fp8:mxfp4 ...] [--only LABEL_PART ...]
         [--kernels NAME_PART ...] [--ws-module ALIAS=MODULE ...] [--out DIR]
@@ -28,8 +30,8 @@ import torch
 from deepinfer.hal.formats import Quantized
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import RESULTS, dense_rate, timed, write_csv  # noqa: E402
-from bench_points import _gemm_operand  # noqa: E402
+from bench_ops import RESULTS, ceilings, dense_rate, timed, write_csv  # noqa: E402
+from bench_points import _gemm_operand, gemm_bytes  # noqa: E402
 
 HIDDEN, INTERMEDIATE, TOP = 4096, 2048, 6
 POINTS = [  # (label, experts, rows, n, k): bench_ops's MoE points (384 experts, balanced EP ranks); "balanced":
@@ -40,7 +42,11 @@ POINTS = [  # (label, experts, rows, n, k): bench_ops's MoE points (384 experts,
     ("EP8 T=16384 w2 balanced", 48, 16384 * TOP // 8, HIDDEN, INTERMEDIATE),
     ("EP8 T=4096 w13", 48, 4096 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
     ("EP1 T=4096 w13", 384, 4096 * TOP, 2 * INTERMEDIATE, HIDDEN),
+    ("EP8 T=1024 w13", 48, 1024 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
+    ("EP8 T=512 w13", 48, 512 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
     ("EP8 T=256 w13", 48, 256 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
+    ("EP1 T=256 w13", 384, 256 * TOP, 2 * INTERMEDIATE, HIDDEN),
+    ("EP8 T=256 w2", 48, 256 * TOP // 8, HIDDEN, INTERMEDIATE),
     ("dense 8192^3", 1, 8192, 8192, 8192),
 ]
 WS_VARIANTS = {  # name -> tiles of grouped_gemm_bf16_ws
@@ -56,12 +62,26 @@ QUANT_WS_VARIANTS = {  # name -> tiles of grouped_gemm_quant_ws (raw stages: as 
     "qws 64x256 s3 d2 pre": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2, "prefetch": "before"},
     "qws 64x256 s3 d2": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2},
 }
+SKINNY_VARIANTS = {  # name -> tiles of grouped_gemm_quant_skinny (rows a tile, chunks held ahead, warps a CTA)
+    "skinny t8 d2": {"block_t": 8, "warps": 4, "depth": 2},
+    "skinny t8 d1": {"block_t": 8, "warps": 4, "depth": 1},
+    "skinny t8 d4": {"block_t": 8, "warps": 4, "depth": 4},
+    "skinny t8 w2": {"block_t": 8, "warps": 2, "depth": 2},
+    "skinny t8 w8": {"block_t": 8, "warps": 8, "depth": 2},
+    "skinny t16": {"block_t": 16, "warps": 4, "depth": 2},
+    "skinny t16 d1": {"block_t": 16, "warps": 4, "depth": 1},
+    "skinny t16 d4": {"block_t": 16, "warps": 4, "depth": 4},
+    "skinny t16 w2": {"block_t": 16, "warps": 2, "depth": 2},
+    "skinny t32": {"block_t": 32, "warps": 4, "depth": 2},
+    "skinny t64 d1": {"block_t": 64, "warps": 4, "depth": 1},
+}
 EXTRA_WS_MODULES: dict[str, str] = {}
-"""alias -> kernels module also run with each ``WS_VARIANTS`` tile (``--ws-module``: an earlier copy put beside
-the current one, timed side by side)."""
+EXTRA_SKINNY_MODULES: dict[str, str] = {}
+"""alias -> kernels module also run with each ``WS_VARIANTS`` (``SKINNY_VARIANTS``) tile (``--ws-module``,
+``--skinny-module``: an earlier copy put beside the current one, timed side by side)."""
 BF16_BESIDE = "(bf16 operands)"  # the kernel name's tag for the bf16 kernel timed beside the block-scaled ones
 FIELDS = ("card", "date", "command", "formats", "shape", "kernel", "max_err", "time_us", "tflop_s",
-          "frac_dense_same_flops", "frac_dense_8192")
+          "frac_dense_same_flops", "frac_dense_8192", "gb_s", "frac_copy")
 
 
 def routed(experts: int, rows: int, n: int, k: int, formats: tuple[str, str] = ("bf16", "bf16"),
@@ -103,8 +123,11 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
 
     def launcher(module, factory, tiles, *formats_args, dtype=torch.bfloat16):
         def call(x, w, sizes):  # compiled on first use, so a filtered-out kernel costs nothing
-            schedule = tile_schedule(sizes, rows, tiles["block_m"])
+            schedule = tile_schedule(sizes, rows, tiles.get("block_m") or tiles["block_t"])
             y = torch.empty(rows, n, dtype=dtype, device="cuda")
+            if factory == "grouped_gemm_quant_skinny":
+                gemm.run_quant_skinny(*_parts(x), *_parts(w), schedule, y, formats[1], tiles, module)
+                return y
             if module == "grouped_gemm_quant_ws":
                 gemm.run_quant_ws(*_parts(x), *_parts(w), schedule, y, formats[1], tiles)
                 return y
@@ -133,6 +156,10 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
                                                            *formats, dtype=torch.float32)}
     for name, tiles in QUANT_WS_VARIANTS.items():
         table[name] = launcher("grouped_gemm_quant_ws", "grouped_gemm_quant_ws", tiles, *formats, dtype=torch.float32)
+    for name, tiles in SKINNY_VARIANTS.items():
+        table[name] = launcher("grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny", tiles, dtype=torch.float32)
+        for alias, module in EXTRA_SKINNY_MODULES.items():
+            table[f"{alias}{name[6:]}"] = launcher(module, "grouped_gemm_quant_skinny", tiles, dtype=torch.float32)
     bf16_call, bf16_operands = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", ws_bf16), []
 
     def on_bf16(x, w, sizes):
@@ -171,13 +198,16 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="*", default=None, help="keep kernels whose name contains one of these")
     parser.add_argument("--ws-module", nargs="*", default=[], metavar="ALIAS=MODULE",
                         help="also run kernels.MODULE.grouped_gemm_bf16_ws with each ws tile, named ALIAS ...")
+    parser.add_argument("--skinny-module", nargs="*", default=[], metavar="ALIAS=MODULE",
+                        help="also run kernels.MODULE.grouped_gemm_quant_skinny with each skinny tile, named ALIAS ...")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     EXTRA_WS_MODULES.update(spec.split("=") for spec in args.ws_module)
+    EXTRA_SKINNY_MODULES.update(spec.split("=") for spec in args.skinny_module)
     card = torch.cuda.get_device_name().replace(" ", "_")
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    dense = 2 * 8192 ** 3 / timed(lambda: a @ b, reps=5, graph=False)[0]
-    print(f"{card}: dense bf16 8192^3 {dense / 1e12:.0f} TFLOP/s")
+    peaks = ceilings()
+    dense, copy = peaks["dense_bf16"], peaks["copy_bw"]
+    print(f"{card}: dense bf16 8192^3 {dense / 1e12:.0f} TFLOP/s, copy {copy / 1e9:.0f} GB/s")
     stamp, command = datetime.datetime.now().isoformat(timespec="minutes"), " ".join(sys.argv)
     rows_out = []
     for formats in (tuple((f.split(":") * 2)[:2]) for f in args.formats):
@@ -189,6 +219,7 @@ def main() -> None:
             expected = reference(x, w, sizes)
             same = dense_rate(rows, n, k)
             flops = 2.0 * rows * n * k
+            moved = gemm_bytes(experts, rows, n, k, *formats)
             for name, call in kernels(experts, n, k, rows, formats).items():
                 if args.kernels and not any(part in name for part in args.kernels):
                     continue
@@ -202,11 +233,13 @@ def main() -> None:
                 row = {"card": card, "date": stamp, "command": command, "formats": ":".join(formats),
                        "shape": f"{label} E={experts} M={rows} N={n} K={k}", "kernel": name, "max_err": err,
                        "time_us": seconds * 1e6, "tflop_s": flops / seconds / 1e12,
-                       "frac_dense_same_flops": flops / seconds / same, "frac_dense_8192": flops / seconds / dense}
+                       "frac_dense_same_flops": flops / seconds / same, "frac_dense_8192": flops / seconds / dense,
+                       "gb_s": moved / seconds / 1e9, "frac_copy": moved / seconds / copy}
                 rows_out.append(row)
                 print(f"{':'.join(formats):11s} {label:18s} {name:18s} err {err:.1e} {row['time_us']:9.1f} us "
                       f"{row['tflop_s']:6.1f} TF/s same-FLOPs dense {same / 1e12:4.0f}: "
-                      f"{row['frac_dense_same_flops']:.2f}  8192^3: {row['frac_dense_8192']:.2f}", flush=True)
+                      f"{row['frac_dense_same_flops']:.2f}  8192^3: {row['frac_dense_8192']:.2f}  "
+                      f"{row['gb_s']:6.0f} GB/s copy: {row['frac_copy']:.2f}", flush=True)
     path = write_csv(args.out / f"grouped_gemm_kernels_{card.split('_')[-1].lower()}.csv", FIELDS, rows_out)
     print(f"wrote {path}")
 

@@ -1,7 +1,8 @@
 """sm100 GEMM wrappers (HAL ``grouped_gemm`` and ``linear``): bf16 operands on the TMA + wgmma
 kernels, block-scaled FP8 / MXFP4 operands on the decode-to-bf16 kernels (each warp-specialised on
-Hopper); bf16 ``linear`` is the portable grouped GEMM with one expert. Tiles are picked from the
-shape, or fixed in the batch-invariant mode."""
+Hopper, and for few rows per expert the register-decode ``mma.sync`` kernel); bf16 ``linear`` is the
+portable grouped GEMM with one expert. Tiles are picked from the shape, or fixed in the
+batch-invariant mode."""
 from __future__ import annotations
 
 import functools
@@ -110,8 +111,11 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
 
     y = torch.empty(rows, w_shape[1], dtype=torch.float32, device=x_data.device)
     if rows:
-        schedule = tile_schedule(group_sizes.to(x_data.device), rows, tiles["block_m"])
-        if module == "grouped_gemm_quant_ws":
+        schedule = tile_schedule(group_sizes.to(x_data.device), rows, tiles.get("block_m") or tiles["block_t"])
+        if module == "grouped_gemm_quant_skinny":
+            run_quant_skinny(x_data.contiguous(), x_scale, weight.data.contiguous(), weight.scale.contiguous(),
+                             schedule, y, weight.fmt, tiles)
+        elif module == "grouped_gemm_quant_ws":
             run_quant_ws(x_data.contiguous(), x_scale, weight.data.contiguous(), weight.scale.contiguous(), schedule, y,
                          weight.fmt, tiles)
         else:
@@ -130,13 +134,28 @@ def run_quant_ws(x, x_scale, w, w_scale, schedule: torch.Tensor, y: torch.Tensor
     are first decoded to bf16 by ``decode_fp8_rows`` (exact, once per row rather than once per
     output tile), bf16 ones go straight in."""
     k = w_scale.shape[2] * 32
-    if x_scale is not None:
-        decoded = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-        compiled("grouped_gemm_quant_ws", "decode_fp8_rows", k, 128 if k % 2048 == 0 else 32)(
-            x, x_scale.contiguous(), decoded)
-        x = decoded
     kernel = compiled("grouped_gemm_quant_ws", "grouped_gemm_quant_ws", w.shape[0], w.shape[1], k, w_format, **tiles)
-    kernel(x, w, w_scale, schedule[0], schedule[1], schedule[2], y)
+    kernel(bf16_rows(x, x_scale), w, w_scale, schedule[0], schedule[1], schedule[2], y)
+
+
+def run_quant_skinny(x, x_scale, w, w_scale, schedule: torch.Tensor, y: torch.Tensor, w_format: str,
+                     tiles: dict[str, int], module: str = "grouped_gemm_quant_skinny") -> None:
+    """Launch ``kernels/grouped_gemm_quant_skinny.py`` into ``y`` over a schedule of ``tiles["block_t"]``
+    rows, FP8 activations decoded to bf16 first (:func:`bf16_rows`)."""
+    compiled(module, "grouped_gemm_quant_skinny", w.shape[0], w.shape[1], x.shape[1], w_format, **tiles)(
+        bf16_rows(x, x_scale), w, w_scale, *schedule, y)
+
+
+def bf16_rows(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` itself if bf16, else its FP8 rows decoded exactly to bf16 by ``decode_fp8_rows`` (``k`` a
+    multiple of 512), once for every output tile that reads them."""
+    if x_scale is None:
+        return x
+    k = x.shape[1]
+    decoded = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    compiled("grouped_gemm_quant_ws", "decode_fp8_rows", k, 128 if k % 2048 == 0 else 32)(x, x_scale.contiguous(),
+                                                                                             decoded)
+    return decoded
 
 
 QUANT_WS_TILES = {128: {"num_stages": 3, "prefetch": "after"},
@@ -146,14 +165,28 @@ GEMM by ``block_m`` (raw stages: as many as fit; ``experiments/results/grouped_g
 with 128-row tiles the consumers' accumulators leave registers for one decoder warpgroup only."""
 
 
+SKINNY_ROWS_PER_EXPERT = 8
+SKINNY_TILES = {"block_t": 8, "warps": 4, "depth": 2}
+"""Rows per expert (on average) up to which the block-scaled grouped GEMM takes the kernel for few
+rows (``grouped_gemm_quant_skinny``: weights decoded in registers into ``mma.sync``, the rows on
+the MMA's N side), and its tiles. On the H200 it takes 0.47-0.66 of ``grouped_gemm_quant_ws``'s time
+at 4 rows per expert, 0.71-0.83 at 8, and 1.16-1.37 at 16, in 8-row tiles; 16-, 32- and 64-row
+tiles were slower at 4 rows, and at 16 rows 16-row tiles beat 8-row ones but not the tile kernel
+(``experiments/results/grouped_gemm_kernels_h200.txt``)."""
+
+
 def quant_kernel(rows: int, experts: int, n: int, k: int, arch: str,
                  batch_invariant: bool = False) -> tuple[str, str, dict[str, int]]:
     """``(kernels module, factory, tiles)`` of the block-scaled grouped GEMM on ``arch``. On Hopper,
-    with ``k`` a multiple of 512: the warp-specialised kernel (``grouped_gemm_quant_ws``: a decoder
-    warpgroup feeds the wgmmas a bf16 ring), 64- or 128-row tiles as for bf16. In the
+    with ``k`` a multiple of 512: up to :data:`SKINNY_ROWS_PER_EXPERT` rows per expert on average the
+    kernel for few rows (``grouped_gemm_quant_skinny``), else the warp-specialised kernel
+    (``grouped_gemm_quant_ws``: a decoder warpgroup feeds the wgmmas a bf16 ring), 64- or 128-row
+    tiles as for bf16. In the
     batch-invariant mode, on other archs or for other ``k``: the portable kernel (decode, then
     wgmma, in the same warps) with :func:`portable_quant_tiles`."""
     if arch == toolchain.HOPPER and not batch_invariant and k % 512 == 0 and not toolchain.tcgen05_requested():
+        if rows <= SKINNY_ROWS_PER_EXPERT * experts:
+            return "grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny", dict(SKINNY_TILES)
         block_m = gemm_tiles(rows, experts, n, k)["block_m"]
         return "grouped_gemm_quant_ws", "grouped_gemm_quant_ws", {
             "block_m": block_m, "block_n": 256 if n >= 256 else 128, **QUANT_WS_TILES[block_m]}

@@ -59,30 +59,85 @@ def _block_scaled(g, shape, fmt):
     return Quantized(data, torch.randint(0, 141, (*lead, k // 32), generator=g, dtype=torch.uint8), fmt, 32)
 
 
+QUANT_SEGMENTS = {**SEGMENTS, "few_rows": [0, 1, 5, 9, 0, 2, 8, 3]}  # 28 rows over 8 experts: the skinny kernel
+
+
 @pytest.mark.parametrize("n,k", [(512, 1024), (40, 1024), (512, 384)])
-@pytest.mark.parametrize("segments", sorted(SEGMENTS))
+@pytest.mark.parametrize("segments", sorted(QUANT_SEGMENTS))
 @pytest.mark.parametrize("x_format,w_format", QUANT_PAIRS)
 def test_block_scaled_grouped_gemm_matches_float64_on_ragged_segments(x_format, w_format, segments, n, k):
-    """The kernel the wrapper picks (warp-specialised for K a multiple of 512 on Hopper, the
-    portable one for K = 384; N = 40 leaves most of a column tile empty) against float64 sums of
-    the exactly decoded operands."""
+    """The kernel the wrapper picks (on Hopper for K a multiple of 512 the one for few rows per expert
+    on "few_rows", the warp-specialised one otherwise; the portable one for K = 384; N = 40 leaves
+    most of a column tile empty) against float64 sums of the exactly decoded operands."""
     from deepinfer.hal.formats import Quantized
     from deepinfer_backends.sm100 import gemm, toolchain
 
-    sizes = torch.tensor(SEGMENTS[segments])
+    sizes = torch.tensor(QUANT_SEGMENTS[segments])
     g = torch.Generator().manual_seed(2)
     x, w = _block_scaled(g, (int(sizes.sum()), k), x_format), _block_scaled(g, (len(sizes), n, k), w_format)
     module, _, tiles = gemm.quant_kernel(int(sizes.sum()), len(sizes), n, k, toolchain.device_arch())
-    assert tiles["block_m"] == (64 if segments == "64_row_tiles" else 128)
     if toolchain.device_arch() == toolchain.HOPPER:
-        assert module == ("grouped_gemm_quant_ws" if k % 512 == 0 else "grouped_gemm_quant")
+        assert module == ("grouped_gemm_quant" if k % 512 else "grouped_gemm_quant_skinny"
+                          if segments == "few_rows" else "grouped_gemm_quant_ws")
+    if module != "grouped_gemm_quant_skinny":
+        assert tiles["block_m"] == (128 if segments == "128_row_tiles" else 64)
     on_gpu = [Quantized(t.data.cuda(), t.scale.cuda(), t.fmt, t.block) if isinstance(t, Quantized) else t.cuda()
               for t in (x, w)]
     y = get_backend("sm100").implementations()["grouped_gemm"](*on_gpu, sizes.cuda())
+    _assert_matches_float64(y, x, w, sizes)
+
+
+def _assert_matches_float64(y, x, w, sizes):
+    """``y`` against float64 sums of the exactly decoded operands, segment by segment."""
+    from deepinfer.hal.formats import Quantized
+
     xs, ws = (t.dequantize().double() if isinstance(t, Quantized) else t.double() for t in (x, w))
-    expected, start = torch.empty(xs.shape[0], n, dtype=torch.float64), 0
+    expected, start = torch.empty(xs.shape[0], ws.shape[1], dtype=torch.float64), 0
     for expert, size in enumerate(sizes.tolist()):
         expected[start:start + size] = xs[start:start + size] @ ws[expert].T
         start += size
     assert y.dtype == torch.float32 and y.shape == expected.shape
     torch.testing.assert_close(y.cpu().double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+SKINNY_TILES = [{"block_t": 8, "warps": 4, "depth": 2}, {"block_t": 16, "warps": 1, "depth": 4},
+                {"block_t": 32, "warps": 8, "depth": 1}, {"block_t": 64, "warps": 2, "depth": 2}]
+
+
+@pytest.mark.parametrize("tiles", SKINNY_TILES, ids=lambda t: "t{block_t}w{warps}d{depth}".format(**t))
+@pytest.mark.parametrize("x_format,w_format", QUANT_PAIRS)
+def test_skinny_block_scaled_kernel_matches_float64(x_format, w_format, tiles):
+    """The kernel for few rows per expert, launched directly with each kind of tile: segments empty,
+    of one row, shorter than a tile, of several tiles with a short last one; ``n = 40`` (a warp's
+    16 weight rows half past ``n``) and ``n = 512``; scale bytes over both decode paths."""
+    from deepinfer.hal.formats import Quantized
+    from deepinfer_backends.sm100 import gemm
+    from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
+
+    sizes = torch.tensor([0, 1, 7, 8, 9, 0, 70, 3])
+    g = torch.Generator().manual_seed(3)
+    for n in (40, 512):
+        x, w = _block_scaled(g, (int(sizes.sum()), 1024), x_format), _block_scaled(g, (len(sizes), n, 1024), w_format)
+        x_data, x_scale = (x.data.cuda(), x.scale.cuda()) if isinstance(x, Quantized) else (x.cuda(), None)
+        y = torch.full((x_data.shape[0], n), float("nan"), device="cuda")
+        schedule = tile_schedule(sizes.cuda(), x_data.shape[0], tiles["block_t"])
+        gemm.run_quant_skinny(x_data, x_scale, w.data.cuda(), w.scale.cuda(), schedule, y, w_format, tiles)
+        _assert_matches_float64(y, x, w, sizes)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("x_format,w_format", [("fp8", "fp8"), ("fp8", "mxfp4"), ("bf16", "fp8")])
+def test_block_scaled_linear_of_a_decode_batch_matches_float64(x_format, w_format, rows):
+    """``linear`` with a block-scaled weight on a decode batch (at most 8 rows: the skinny kernel with
+    one expert) against float64."""
+    from deepinfer.hal.formats import Quantized
+    from deepinfer_backends.sm100 import gemm, toolchain
+
+    g = torch.Generator().manual_seed(4)
+    x, w = _block_scaled(g, (rows, 1024), x_format), _block_scaled(g, (1, 1280, 1024), w_format)
+    if toolchain.device_arch() == toolchain.HOPPER:
+        assert gemm.quant_kernel(rows, 1, 1280, 1024, toolchain.HOPPER)[0] == "grouped_gemm_quant_skinny"
+    weight = Quantized(w.data[0].cuda(), w.scale[0].cuda(), w.fmt, w.block)
+    x_gpu = Quantized(x.data.cuda(), x.scale.cuda(), x.fmt, x.block) if isinstance(x, Quantized) else x.cuda()
+    y = get_backend("sm100").implementations()["linear"](x_gpu, weight)
+    _assert_matches_float64(y, x, w, torch.tensor([rows]))

@@ -119,12 +119,13 @@ def test_lowers_for_blackwell_on_mma():
 
 
 def test_wrapper_picks_the_warp_specialised_kernel_on_hopper_for_k_a_multiple_of_512():
-    """64- or 128-row tiles as for bf16, on the decoder-fed kernel; the portable kernel elsewhere."""
+    """64- or 128-row tiles as for bf16, on the decoder-fed kernel (past 8 rows per expert, see
+    test_sm100_quant_skinny.py); the portable kernel elsewhere."""
     from deepinfer_backends.sm100 import gemm, toolchain
 
     module, _, tiles = gemm.quant_kernel(16384, 48, 4096, 4096, toolchain.HOPPER)
     assert module == "grouped_gemm_quant_ws" and tiles == {"block_m": 128, "block_n": 256, **gemm.QUANT_WS_TILES[128]}
-    module, _, tiles = gemm.quant_kernel(192, 48, 4096, 2048, toolchain.HOPPER)
+    module, _, tiles = gemm.quant_kernel(1536, 48, 4096, 2048, toolchain.HOPPER)
     assert module == "grouped_gemm_quant_ws" and tiles == {"block_m": 64, "block_n": 256, **gemm.QUANT_WS_TILES[64]}
     for rows, k, arch, invariant in ((192, 384, toolchain.HOPPER, False), (192, 4096, toolchain.HOPPER, True),
                                      (192, 4096, toolchain.BLACKWELL, False)):
