@@ -34,13 +34,11 @@ import tilelang.language as T
 
 from deepinfer_backends.sm100.kernels import key_decode
 from deepinfer_backends.sm100.kernels.grouped_gemm_quant import BLOCK, W_FORMATS, _STORAGE
+from deepinfer_backends.sm100.kernels.grouped_gemm_quant_ws import NARROW_SCALE
 
 _PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}  # every index is clamped by hand
 CHUNK = 128
 """K values a warp takes per step: 32 per thread, one scale block."""
-NARROW_SCALE = {"fp8": 134, "mxfp4": 128}
-"""Largest UE8M0 byte for which one bf16 multiply by ``2^(byte - 127)`` times the bit placement's
-offset (2^120 for e4m3, 2^126 for e2m1) is exact: the factor is then a normal bf16."""
 
 PRELUDE = key_decode.PRELUDE + r"""
 // bf16x2 pair p (values 2p, 2p+1) of a thread's 32-value run, times the scale, from its raw words. MXFP4:
@@ -61,9 +59,9 @@ __device__ __forceinline__ unsigned sk_pair(const unsigned* raw, const unsigned*
 }
 
 // One chunk: 32 values per thread (one scale block) of weight rows g and g+8 (raw runs r0 / r1, scale
-// bytes s0 / s1) times the tile's row groups (GROUPS runs of 32 bf16 in x, STRIDE words apart, one per 8
+// bytes s0 / s1) times the tile's row groups (GROUPS runs of 32 bf16 in x, 16 words apart, one per 8
 // rows) into acc[4 * group + i].
-template <bool FP4, bool WIDE, int GROUPS, int STRIDE>
+template <bool FP4, bool WIDE, int GROUPS>
 __device__ __forceinline__ void sk_block(const unsigned* w0, const unsigned* w1, int s0, int s1, const unsigned* xv,
                                          float* acc) {
   unsigned lo0[4], hi0[4], lo1[4], hi1[4];  // MXFP4: each word's low / high nibbles at the top of their bytes
@@ -94,25 +92,26 @@ __device__ __forceinline__ void sk_block(const unsigned* w0, const unsigned* w1,
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
           "{%0, %1, %2, %3};"
           : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xv[STRIDE * j + 2 * s]), "r"(xv[STRIDE * j + 2 * s + 1]));
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xv[16 * j + 2 * s]), "r"(xv[16 * j + 2 * s + 1]));
     }
   }
 }
 
-// A chunk, with one multiply a pair when every scale byte of the warp allows it (a uniform branch), else two.
+// A chunk, with one multiply a pair when every scale byte of the warp allows it (a uniform branch), else two
+// (grouped_gemm_quant_ws.NARROW_SCALE).
 template <bool FP4, int GROUPS>
 __device__ __forceinline__ void sk_chunk(const void* r0, const void* r1, int s0, int s1, const void* x, float* acc) {
-  const int narrow = FP4 ? 128 : 134;
+  const int narrow = FP4 ? NARROW_MXFP4 : NARROW_FP8;
   const unsigned* w0 = reinterpret_cast<const unsigned*>(r0);
   const unsigned* w1 = reinterpret_cast<const unsigned*>(r1);
   const unsigned* xv = reinterpret_cast<const unsigned*>(x);
   if (__any_sync(0xffffffffu, s0 > narrow || s1 > narrow)) {
-    sk_block<FP4, true, GROUPS, 16>(w0, w1, s0, s1, xv, acc);
+    sk_block<FP4, true, GROUPS>(w0, w1, s0, s1, xv, acc);
   } else {
-    sk_block<FP4, false, GROUPS, 16>(w0, w1, s0, s1, xv, acc);
+    sk_block<FP4, false, GROUPS>(w0, w1, s0, s1, xv, acc);
   }
 }
-"""
+""".replace("NARROW_MXFP4", str(NARROW_SCALE["mxfp4"])).replace("NARROW_FP8", str(NARROW_SCALE["fp8"]))
 """CUDA device functions: ``sk_chunk<FP4, GROUPS>`` decodes a thread's two raw weight runs of a
 chunk and issues the chunk's ``mma.sync`` against its ``GROUPS`` activation runs."""
 
