@@ -62,8 +62,12 @@ QUANT_WS_VARIANTS = {  # name -> tiles of grouped_gemm_quant_ws (raw stages: as 
     "qws 64x256 s3 d2 pre": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2, "prefetch": "before"},
     "qws 64x256 s3 d2": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2},
 }
-SKINNY_VARIANTS = {  # name -> tiles of grouped_gemm_quant_skinny (rows a tile, chunks held ahead, warps a CTA)
+SKINNY_VARIANTS = {  # name -> tiles of grouped_gemm_quant_skinny (rows a tile, m: MMA tiles a warp, chunks held
+    # ahead, warps a CTA); the m2 / m4 ones are compiled but not yet measured
     "skinny t8 d2": {"block_t": 8, "warps": 4, "depth": 2},
+    "skinny t8 m2 d2": {"block_t": 8, "warps": 4, "depth": 2, "tiles_m": 2},
+    "skinny t8 m2 d1": {"block_t": 8, "warps": 4, "depth": 1, "tiles_m": 2},
+    "skinny t8 m4 d1": {"block_t": 8, "warps": 4, "depth": 1, "tiles_m": 4},
     "skinny t8 d1": {"block_t": 8, "warps": 4, "depth": 1},
     "skinny t8 d4": {"block_t": 8, "warps": 4, "depth": 4},
     "skinny t8 w2": {"block_t": 8, "warps": 2, "depth": 2},

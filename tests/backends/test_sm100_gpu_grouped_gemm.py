@@ -100,16 +100,17 @@ def _assert_matches_float64(y, x, w, sizes):
     torch.testing.assert_close(y.cpu().double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-SKINNY_TILES = [{"block_t": 8, "warps": 4, "depth": 2}, {"block_t": 16, "warps": 1, "depth": 4},
-                {"block_t": 32, "warps": 8, "depth": 1}, {"block_t": 64, "warps": 2, "depth": 2}]
+SKINNY_TILES = [{"block_t": 8, "warps": 4, "depth": 2, "tiles_m": 1}, {"block_t": 16, "warps": 1, "depth": 4, "tiles_m": 1},
+                {"block_t": 32, "warps": 8, "depth": 1, "tiles_m": 1}, {"block_t": 64, "warps": 2, "depth": 2, "tiles_m": 1},
+                {"block_t": 8, "warps": 2, "depth": 2, "tiles_m": 2}, {"block_t": 16, "warps": 4, "depth": 1, "tiles_m": 4}]
 
 
-@pytest.mark.parametrize("tiles", SKINNY_TILES, ids=lambda t: "t{block_t}w{warps}d{depth}".format(**t))
+@pytest.mark.parametrize("tiles", SKINNY_TILES, ids=lambda t: "t{block_t}w{warps}d{depth}m{tiles_m}".format(**t))
 @pytest.mark.parametrize("x_format,w_format", QUANT_PAIRS)
 def test_skinny_block_scaled_kernel_matches_float64(x_format, w_format, tiles):
     """The kernel for few rows per expert, launched directly with each kind of tile: segments empty,
     of one row, shorter than a tile, of several tiles with a short last one; ``n = 40`` (a warp's
-    16 weight rows half past ``n``) and ``n = 512``; scale bytes over both decode paths."""
+    weight rows partly past ``n``) and ``n = 512``; scale bytes over both decode paths."""
     from deepinfer.hal.formats import Quantized
     from deepinfer_backends.sm100 import gemm
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule

@@ -75,7 +75,7 @@ def test_skinny_kernel_decodes_in_registers_into_mma_sync(w_format):
     source = _lower(w_format, **gemm.SKINNY_TILES)
     assert "__launch_bounds__(128, 1)" in source and "__shared__" not in source
     body = source[source.index("extern \"C\" __global__"):]
-    assert body.count(f"sk_chunk<{str(w_format == 'mxfp4').lower()}, 1>(") == 1  # the loop over two register slots
+    assert body.count(f"sk_chunk<{str(w_format == 'mxfp4').lower()}, 1, 1>(") == 1  # the loop over two register slots
     assert "for (int c0 = 0; c0 < 4; ++c0)" in body  # 1024 / 128 chunks, two a turn
     vector = "uint4" if w_format == "mxfp4" else "fp8_e4_16_t"
     assert body.count(f"*({vector}*)(w + ") == 2 and body.count("*(uint4*)(x + ") == 2  # prologue, loop
@@ -87,6 +87,15 @@ def test_skinny_kernel_decodes_in_registers_into_mma_sync(w_format):
     assert "vote.sync.any.pred" in ptx and "mul.rn.bf16x2" in ptx and ".shared" not in ptx
 
 
+def test_skinny_kernel_shares_activation_runs_between_mma_tiles():
+    """``tiles_m = 2``: each thread decodes four weight rows (``g``, ``g + 8`` of two MMA tiles, 32
+    rows a warp) against one set of activation runs, and stores both tiles."""
+    source = _lower("mxfp4", block_t=8, warps=4, depth=2, tiles_m=2)
+    body = source[source.index("extern \"C\" __global__"):]
+    assert body.count("sk_chunk<true, 1, 2>(") == 1 and "for (int r = 0; r < 4; ++r)" in body
+    assert "(((int)threadIdx.x) >> 5) * 32)" in body  # 32 weight rows a warp
+
+
 def test_skinny_kernel_refuses_tiles_it_cannot_run():
     pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
     from deepinfer_backends.sm100 import toolchain
@@ -96,6 +105,7 @@ def test_skinny_kernel_refuses_tiles_it_cannot_run():
                                  ((4, 64, 1024, "fp8"), {"block_t": 12}, "block_t=12"),
                                  ((4, 64, 1024, "fp8"), {"block_t": 72}, "block_t=72"),
                                  ((4, 64, 1024, "fp8"), {"warps": 3}, "warps=3"),
+                                 ((4, 64, 1024, "fp8"), {"tiles_m": 3}, "tiles_m=3"),
                                  ((4, 64, 384, "fp8"), {"depth": 2}, "k=384"),
                                  ((4, 64, 1024, "fp8"), {"depth": 0}, "depth=0")):
         with pytest.raises(ValueError, match=message):

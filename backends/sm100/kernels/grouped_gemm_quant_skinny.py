@@ -28,7 +28,8 @@ activations are read by every warp of the grid's column, so decoding them here w
 
 On the H200 (``experiments/results/grouped_gemm_kernels_h200.txt``, 19:39), at 4 rows per expert:
 0.82-1.02 of the copy bandwidth with FP8 weights and 0.52-0.67 with MXFP4 ones, 1.5-2.1x faster than
-:mod:`grouped_gemm_quant_ws`. ncu puts the limit in the L1 (93 % busy, DRAM 44 %, MXFP4)."""
+:mod:`grouped_gemm_quant_ws`. ncu puts the limit in the L1's data pipe (93-95 % of its wavefronts busy,
+DRAM 44 %), two thirds of whose bytes are activations that each warp reads for only 16 weight rows."""
 import tilelang
 import tilelang.language as T
 
@@ -97,51 +98,65 @@ __device__ __forceinline__ void sk_block(const unsigned* w0, const unsigned* w1,
   }
 }
 
-// A chunk, with one multiply a pair when every scale byte of the warp allows it (a uniform branch), else two
+// A chunk of TILES pairs of weight rows (raw runs ROW words apart in `raw`, scale bytes in `sc`, rows 2i / 2i+1
+// the g / g+8 of tile i) against the same activation runs, each tile into its own 4 * GROUPS accumulators; one
+// multiply a pair when every scale byte of the warp allows it (a uniform branch), else two
 // (grouped_gemm_quant_ws.NARROW_SCALE).
-template <bool FP4, int GROUPS>
-__device__ __forceinline__ void sk_chunk(const void* r0, const void* r1, int s0, int s1, const void* x, float* acc) {
-  const int narrow = FP4 ? NARROW_MXFP4 : NARROW_FP8;
-  const unsigned* w0 = reinterpret_cast<const unsigned*>(r0);
-  const unsigned* w1 = reinterpret_cast<const unsigned*>(r1);
+template <bool FP4, int GROUPS, int TILES>
+__device__ __forceinline__ void sk_chunk(const void* raw, const int* sc, const void* x, float* acc) {
+  const int narrow = FP4 ? NARROW_MXFP4 : NARROW_FP8, row = FP4 ? 4 : 8;  // a row's raw words
+  const unsigned* w = reinterpret_cast<const unsigned*>(raw);
   const unsigned* xv = reinterpret_cast<const unsigned*>(x);
-  if (__any_sync(0xffffffffu, s0 > narrow || s1 > narrow)) {
-    sk_block<FP4, true, GROUPS>(w0, w1, s0, s1, xv, acc);
+  bool wide = false;
+#pragma unroll
+  for (int r = 0; r < 2 * TILES; ++r) wide |= sc[r] > narrow;
+  if (__any_sync(0xffffffffu, wide)) {
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+      sk_block<FP4, true, GROUPS>(w + 2 * i * row, w + (2 * i + 1) * row, sc[2 * i], sc[2 * i + 1], xv,
+                                  acc + 4 * GROUPS * i);
   } else {
-    sk_block<FP4, false, GROUPS>(w0, w1, s0, s1, xv, acc);
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+      sk_block<FP4, false, GROUPS>(w + 2 * i * row, w + (2 * i + 1) * row, sc[2 * i], sc[2 * i + 1], xv,
+                                   acc + 4 * GROUPS * i);
   }
 }
 """.replace("NARROW_MXFP4", str(NARROW_SCALE["mxfp4"])).replace("NARROW_FP8", str(NARROW_SCALE["fp8"]))
-"""CUDA device functions: ``sk_chunk<FP4, GROUPS>`` decodes a thread's two raw weight runs of a
-chunk and issues the chunk's ``mma.sync`` against its ``GROUPS`` activation runs."""
+"""CUDA device functions: ``sk_chunk<FP4, GROUPS, TILES>`` decodes a thread's ``2 * TILES`` raw weight
+runs of a chunk and issues the chunk's ``mma.sync`` against its ``GROUPS`` activation runs."""
 
 
 @tilelang.jit(pass_configs=_PASS_CONFIGS)
 def grouped_gemm_quant_skinny(experts: int, n: int, k: int, w_format: str, block_t: int = 8, warps: int = 4,
-                              depth: int = 2):
+                              depth: int = 2, tiles_m: int = 1):
     """Kernel ``(x bf16 [m, k], w [experts, n, k or k/2], w_scale uint8 [experts, n, k/32],
     tile_expert, tile_row, tile_end [tiles], y float32 [m, n])`` over a tile schedule of
     ``block_t`` rows (``tile_expert[t] >= experts`` marks an unused tile). A CTA is ``warps`` warps,
-    ``16 * warps`` weight rows; each thread keeps ``depth`` chunks of raw weights and activations in
+    each of ``16 * tiles_m`` weight rows (``tiles_m`` MMA tiles sharing its activation runs: fewer
+    activation bytes through the L1 per weight byte; ``tiles_m`` 2 and 4 compile but have not yet run
+    on a GPU, so the wrapper keeps 1); each thread keeps ``depth`` chunks of raw weights and activations in
     registers (``k`` a multiple of ``128 * depth``)."""
     if w_format not in W_FORMATS:
         raise ValueError(f"w_format={w_format!r}; expected one of {W_FORMATS}")
-    if block_t % 8 or not 8 <= block_t <= 64 or warps not in (1, 2, 4, 8) or depth < 1 or k % (CHUNK * depth):
-        raise ValueError(f"block_t={block_t} must be a multiple of 8 in [8, 64], warps={warps} 1, 2, 4 or 8, and "
-                         f"k={k} a multiple of {CHUNK} * depth={depth}")
+    if block_t % 8 or not 8 <= block_t <= 64 or warps not in (1, 2, 4, 8) or tiles_m not in (1, 2, 4) \
+            or depth < 1 or k % (CHUNK * depth):
+        raise ValueError(f"block_t={block_t} must be a multiple of 8 in [8, 64], warps={warps} 1, 2, 4 or 8, "
+                         f"tiles_m={tiles_m} 1, 2 or 4, and k={k} a multiple of {CHUNK} * depth={depth}")
     m = T.dynamic("m")
     tiles = T.dynamic("tiles")
     fp4 = w_format == "mxfp4"
     run = BLOCK // (2 if fp4 else 1)  # raw bytes a thread takes of one weight row per chunk
     groups = block_t // 8
-    rows_per_cta = 16 * warps
+    rows = 2 * tiles_m  # weight rows a thread decodes: g and g + 8 of each MMA tile
+    rows_per_cta = 16 * tiles_m * warps
     chunks = k // CHUNK
     per_byte = 2 if fp4 else 1
 
     @T.macro
     def load(x, w, w_scale, w_in, w_sc, x_in, expert, feature, token, t, slot, c):
         """Chunk ``c``'s raw weight runs, scale bytes and activation runs into register slot ``slot``."""
-        for r in T.unroll(2):
+        for r in T.unroll(rows):
             for v in T.vectorized(run):
                 w_in[slot, r, v] = w[expert, feature[r], c * CHUNK // per_byte + t * run + v]
             w_sc[slot, r] = T.cast(w_scale[expert, feature[r], c * (CHUNK // BLOCK) + t], "int32")
@@ -156,11 +171,11 @@ def grouped_gemm_quant_skinny(experts: int, n: int, k: int, w_format: str, block
                y: T.Tensor((m, n), "float")):
         with T.Kernel(T.ceildiv(n, rows_per_cta), tiles, threads=32 * warps,
                       prelude=PRELUDE) as (bn, bt):
-            w_in = T.alloc_local((depth, 2, run), _STORAGE[w_format])
-            w_sc = T.alloc_local((depth, 2), "int32")
+            w_in = T.alloc_local((depth, rows, run), _STORAGE[w_format])
+            w_sc = T.alloc_local((depth, rows), "int32")
             x_in = T.alloc_local((depth, groups, BLOCK), "bfloat16")
-            acc = T.alloc_local((groups * 4,), "float")
-            feature = T.alloc_local((2,), "int32")
+            acc = T.alloc_local((tiles_m * groups * 4,), "float")
+            feature = T.alloc_local((rows,), "int32")
             token = T.alloc_local((groups,), "int32")
             tx = T.get_thread_binding()
             lane = tx % 32
@@ -168,28 +183,29 @@ def grouped_gemm_quant_skinny(experts: int, n: int, k: int, w_format: str, block
             expert, row0, end = tile_expert[bt], tile_row[bt], tile_end[bt]
 
             if expert < experts:
-                base = bn * rows_per_cta + (tx // 32) * 16 + g
-                for r in T.unroll(2):  # rows past n read row n - 1 and are not stored
+                base = bn * rows_per_cta + (tx // 32) * 16 * tiles_m + g
+                for r in T.unroll(rows):  # rows past n read row n - 1 and are not stored
                     feature[r] = T.min(base + 8 * r, n - 1)
                 for j in T.unroll(groups):  # rows past the segment read its last row and are not stored
                     token[j] = T.min(row0 + 8 * j + g, end - 1)
-                for i in T.unroll(groups * 4):
+                for i in T.unroll(tiles_m * groups * 4):
                     acc[i] = T.float32(0)
                 for d in T.unroll(depth):
                     load(x, w, w_scale, w_in, w_sc, x_in, expert, feature, token, t, d, d)
                 for c0 in T.serial(chunks // depth):
                     for d in T.unroll(depth):
-                        T.call_extern("handle", f"sk_chunk<{str(fp4).lower()}, {groups}>",
-                                      T.access_ptr(w_in[d, 0, 0], "r"), T.access_ptr(w_in[d, 1, 0], "r"),
-                                      w_sc[d, 0], w_sc[d, 1], T.access_ptr(x_in[d, 0, 0], "r"),
-                                      T.access_ptr(acc[0], "rw"))
+                        T.call_extern("handle", f"sk_chunk<{str(fp4).lower()}, {groups}, {tiles_m}>",
+                                      T.access_ptr(w_in[d, 0, 0], "r"), T.access_ptr(w_sc[d, 0], "r"),
+                                      T.access_ptr(x_in[d, 0, 0], "r"), T.access_ptr(acc[0], "rw"))
                         if (c0 + 1) * depth + d < chunks:
                             load(x, w, w_scale, w_in, w_sc, x_in, expert, feature, token, t, d,
                                  (c0 + 1) * depth + d)
-                for j in T.unroll(groups):
-                    for i in T.unroll(4):
-                        if row0 + 8 * j + 2 * t + i % 2 < end:
-                            if base + 8 * (i // 2) < n:
-                                y[row0 + 8 * j + 2 * t + i % 2, base + 8 * (i // 2)] = acc[4 * j + i]
+                for tile in T.unroll(tiles_m):
+                    for j in T.unroll(groups):
+                        for i in T.unroll(4):
+                            if row0 + 8 * j + 2 * t + i % 2 < end:
+                                if base + 16 * tile + 8 * (i // 2) < n:
+                                    y[row0 + 8 * j + 2 * t + i % 2, base + 16 * tile + 8 * (i // 2)] = \
+                                        acc[(tile * groups + j) * 4 + i]
 
     return kernel
