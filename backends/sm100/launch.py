@@ -1,10 +1,16 @@
 """What every sm100 wrapper shares: compiling a kernel once per shape key (the first call for a
 shape compiles; TileLang's disk cache makes later processes fast; ``tilelang`` is imported on
 first use), and refusing inputs the kernels do not cover with
-:class:`~deepinfer.hal.backend.UnsupportedInput`."""
+:class:`~deepinfer.hal.backend.UnsupportedInput`.
+
+With ``DEEPINFER_SM100_COMPILE_LOG=path`` each kernel compiled is appended to ``path`` as a JSON
+line (module, factory, arguments, arch), which ``experiments/prewarm_kernels.py`` replays on a
+machine without a GPU to fill a TileLang cache ahead of a GPU session."""
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from typing import Any
 
 import torch
@@ -15,16 +21,28 @@ from deepinfer_backends.sm100 import toolchain
 _COMPILED: dict[tuple, Any] = {}
 
 
+COMPILE_LOG = "DEEPINFER_SM100_COMPILE_LOG"
+
+
 def compiled(module: str, factory: str, *args, **kwargs):
     """The kernel ``kernels.<module>.<factory>(*args, **kwargs)``, compiled for this GPU once."""
     key = (module, factory, args, tuple(sorted(kwargs.items())))
     if key not in _COMPILED:
-        import tilelang
-
-        jit = getattr(importlib.import_module(f"deepinfer_backends.sm100.kernels.{module}"), factory)
-        _COMPILED[key] = tilelang.compile(jit.get_tir(*args, **kwargs), target=toolchain.target(toolchain.device_arch()),
-                                          pass_configs=jit.pass_configs)
+        arch = toolchain.device_arch()
+        _COMPILED[key] = compile_kernel(module, factory, args, kwargs, arch)
+        if os.environ.get(COMPILE_LOG):
+            with open(os.environ[COMPILE_LOG], "a") as log:
+                log.write(json.dumps({"module": module, "factory": factory, "args": args, "kwargs": kwargs,
+                                      "arch": arch}) + "\n")
     return _COMPILED[key]
+
+
+def compile_kernel(module: str, factory: str, args, kwargs: dict, arch: str):
+    """``kernels.<module>.<factory>(*args, **kwargs)`` compiled by TileLang for ``arch`` (no GPU needed)."""
+    import tilelang
+
+    jit = getattr(importlib.import_module(f"deepinfer_backends.sm100.kernels.{module}"), factory)
+    return tilelang.compile(jit.get_tir(*args, **kwargs), target=toolchain.target(arch), pass_configs=jit.pass_configs)
 
 
 def require(condition: bool, op: str, message: str) -> None:
