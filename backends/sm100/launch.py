@@ -33,7 +33,7 @@ def compiled(module: str, factory: str, *args, **kwargs):
         if os.environ.get(COMPILE_LOG):
             with open(os.environ[COMPILE_LOG], "a") as log:
                 log.write(json.dumps({"module": module, "factory": factory, "args": args, "kwargs": kwargs,
-                                      "arch": arch}) + "\n")
+                                      "arch": arch}, default=repr) + "\n")  # never fails a run
     return _COMPILED[key]
 
 
