@@ -10,8 +10,8 @@ side (``y^T = w x^T``), so the tensor-core work follows the real rows (``block_t
 multiple of 8), and what sets the pace is reading and decoding each weight byte once, as a
 bandwidth-bound kernel should.
 
-Each warp owns 16 weight rows (output columns) of one expert and one tile of rows, and walks K in
-chunks of 128. ``mma.m16n8k16`` gives thread ``(g, t)`` (lane ``4g + t``) the K positions ``2t,
+Each warp owns 16 weight rows (output columns; ``16 * tiles_m`` with ``tiles_m`` MMA tiles) of one
+expert and one tile of rows, and walks K in chunks of 128. ``mma.m16n8k16`` gives thread ``(g, t)`` (lane ``4g + t``) the K positions ``2t,
 2t+1, 2t+8, 2t+9`` of each 16-wide step, of A (weight rows ``g`` and ``g + 8``) and of B (row ``g``
 of the tile) alike. Any bijection between those positions and K serves, as long as A and B use the
 same: thread ``t`` takes the 32 values ``32t .. 32t + 31`` of the chunk, step ``s`` the four from
