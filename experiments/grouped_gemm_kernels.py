@@ -42,6 +42,7 @@ POINTS = [  # (label, experts, rows, n, k): bench_ops's MoE points (384 experts,
     ("EP8 T=16384 w2 balanced", 48, 16384 * TOP // 8, HIDDEN, INTERMEDIATE),
     ("EP8 T=4096 w13", 48, 4096 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
     ("EP1 T=4096 w13", 384, 4096 * TOP, 2 * INTERMEDIATE, HIDDEN),
+    ("EP8 T=2048 w13", 48, 2048 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
     ("EP8 T=1024 w13", 48, 1024 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
     ("EP8 T=512 w13", 48, 512 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
     ("EP8 T=256 w13", 48, 256 * TOP // 8, 2 * INTERMEDIATE, HIDDEN),
@@ -63,11 +64,14 @@ QUANT_WS_VARIANTS = {  # name -> tiles of grouped_gemm_quant_ws (raw stages: as 
     "qws 64x256 s3 d2": {"block_m": 64, "block_n": 256, "num_stages": 3, "decoders": 2},
 }
 SKINNY_VARIANTS = {  # name -> tiles of grouped_gemm_quant_skinny (rows a tile, m: MMA tiles a warp, chunks held
-    # ahead, warps a CTA); the m2 / m4 ones are compiled but not yet measured
+    # ahead, warps a CTA); gemm.skinny_tiles picks "t8 m2 d2" and "t16 m2 d1" / "t16 m2 d2" (fp8 / mxfp4 weights)
     "skinny t8 d2": {"block_t": 8, "warps": 4, "depth": 2},
     "skinny t8 m2 d2": {"block_t": 8, "warps": 4, "depth": 2, "tiles_m": 2},
     "skinny t8 m2 d1": {"block_t": 8, "warps": 4, "depth": 1, "tiles_m": 2},
     "skinny t8 m4 d1": {"block_t": 8, "warps": 4, "depth": 1, "tiles_m": 4},
+    "skinny t16 m2 d1": {"block_t": 16, "warps": 4, "depth": 1, "tiles_m": 2},
+    "skinny t16 m2 d2": {"block_t": 16, "warps": 4, "depth": 2, "tiles_m": 2},
+    "skinny t32 m2 d1": {"block_t": 32, "warps": 4, "depth": 1, "tiles_m": 2},
     "skinny t8 d1": {"block_t": 8, "warps": 4, "depth": 1},
     "skinny t8 d4": {"block_t": 8, "warps": 4, "depth": 4},
     "skinny t8 w2": {"block_t": 8, "warps": 2, "depth": 2},

@@ -106,7 +106,7 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
     require(all(t.dtype == torch.uint8 for t in (x_scale, weight.scale) if t is not None), op,
              "scales must be uint8 (UE8M0 bytes)")
     module, factory, tiles = quant_kernel(rows, *w_shape, toolchain.device_arch(x_data.device.index or 0),
-                                          batch_invariant)
+                                          batch_invariant, weight.fmt)
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
 
     y = torch.empty(rows, w_shape[1], dtype=torch.float32, device=x_data.device)
@@ -165,18 +165,37 @@ GEMM by ``block_m`` (raw stages: as many as fit; ``experiments/results/grouped_g
 with 128-row tiles the consumers' accumulators leave registers for one decoder warpgroup only."""
 
 
-SKINNY_ROWS_PER_EXPERT = 8
-SKINNY_TILES = {"block_t": 8, "warps": 4, "depth": 2}
+SKINNY_ROWS_PER_EXPERT = 16
+SKINNY_TILES = {"block_t": 8, "warps": 4, "depth": 2, "tiles_m": 2}
+SKINNY_WIDE_TILES = {"fp8": {"block_t": 16, "warps": 4, "depth": 1, "tiles_m": 2},
+                     "mxfp4": {"block_t": 16, "warps": 4, "depth": 2, "tiles_m": 2}}
 """Rows per expert (on average) up to which the block-scaled grouped GEMM takes the kernel for few
 rows (``grouped_gemm_quant_skinny``: weights decoded in registers into ``mma.sync``, the rows on
-the MMA's N side), and its tiles. On the H200 it takes 0.47-0.66 of ``grouped_gemm_quant_ws``'s time
-at 4 rows per expert, 0.71-0.83 at 8, and 1.16-1.37 at 16, in 8-row tiles; 16-, 32- and 64-row
-tiles were slower at 4 rows, and at 16 rows 16-row tiles beat 8-row ones but not the tile kernel
-(``experiments/results/grouped_gemm_kernels_h200.txt``)."""
+the MMA's N side), and its tiles: 8-row tiles up to 4 rows per expert, 16-row tiles (by weight
+format) above; two MMA tiles a warp. On the H200 (``experiments/results/grouped_gemm_kernels_h200.txt``,
+EP8 w13, each ratio side by side in one run) it takes 0.53-0.64 of ``grouped_gemm_quant_ws``'s time
+at 4 rows per expert, 0.59-0.70 at 8, 0.79-0.93 at 16, and 1.18-1.26 at 32 (its best tiles there),
+hence the threshold; 8-row tiles beat 16-row ones at 4 rows and lose at 8. Two MMA tiles a warp
+(one read of the activations for 32 weight rows) took 1-14 % off at EP8 with 4 and 8 rows per
+expert, and added 1 % with FP8 weights at EP1 (384 experts, 4 rows each)."""
+SKINNY_MIN_CTAS = 2 * 132
+"""With fewer CTAs than this (two per SM of an H200) at two MMA tiles a warp, the kernel for few rows
+keeps one (twice the CTAs): a one-expert ``linear`` with a few thousand output columns would
+otherwise leave most SMs idle."""
 
 
-def quant_kernel(rows: int, experts: int, n: int, k: int, arch: str,
-                 batch_invariant: bool = False) -> tuple[str, str, dict[str, int]]:
+def skinny_tiles(rows: int, experts: int, n: int, w_format: str) -> dict[str, int]:
+    """Tiles of ``grouped_gemm_quant_skinny`` for ``rows`` over ``experts`` of ``n`` output columns:
+    :data:`SKINNY_TILES` up to 4 rows per expert, else :data:`SKINNY_WIDE_TILES`; one MMA tile a
+    warp where two would leave fewer than :data:`SKINNY_MIN_CTAS` CTAs."""
+    tiles = dict(SKINNY_TILES if rows <= 4 * experts else SKINNY_WIDE_TILES[w_format])
+    if experts * -(-n // (16 * tiles["warps"] * tiles["tiles_m"])) < SKINNY_MIN_CTAS:
+        tiles["tiles_m"] = 1
+    return tiles
+
+
+def quant_kernel(rows: int, experts: int, n: int, k: int, arch: str, batch_invariant: bool = False,
+                 w_format: str = "fp8") -> tuple[str, str, dict[str, int]]:
     """``(kernels module, factory, tiles)`` of the block-scaled grouped GEMM on ``arch``. On Hopper,
     with ``k`` a multiple of 512: up to :data:`SKINNY_ROWS_PER_EXPERT` rows per expert on average the
     kernel for few rows (``grouped_gemm_quant_skinny``), else the warp-specialised kernel
@@ -186,7 +205,7 @@ def quant_kernel(rows: int, experts: int, n: int, k: int, arch: str,
     wgmma, in the same warps) with :func:`portable_quant_tiles`."""
     if arch == toolchain.HOPPER and not batch_invariant and k % 512 == 0 and not toolchain.tcgen05_requested():
         if rows <= SKINNY_ROWS_PER_EXPERT * experts:
-            return "grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny", dict(SKINNY_TILES)
+            return "grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny", skinny_tiles(rows, experts, n, w_format)
         block_m = gemm_tiles(rows, experts, n, k)["block_m"]
         return "grouped_gemm_quant_ws", "grouped_gemm_quant_ws", {
             "block_m": block_m, "block_n": 256 if n >= 256 else 128, **QUANT_WS_TILES[block_m]}

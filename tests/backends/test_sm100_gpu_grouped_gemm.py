@@ -59,7 +59,10 @@ def _block_scaled(g, shape, fmt):
     return Quantized(data, torch.randint(0, 141, (*lead, k // 32), generator=g, dtype=torch.uint8), fmt, 32)
 
 
-QUANT_SEGMENTS = {**SEGMENTS, "few_rows": [0, 1, 5, 9, 0, 2, 8, 3]}  # 28 rows over 8 experts: the skinny kernel
+QUANT_SEGMENTS = {**SEGMENTS,
+                  "64_row_tiles": [0, 1, 5, 63, 0, 2, 40, 33],  # 144 rows over 8 experts: past the skinny kernel's 16
+                  "few_rows": [0, 1, 5, 9, 0, 2, 8, 3],  # 28 rows over 8 experts: the skinny kernel, 8-row tiles
+                  "few_rows_wide": [0, 1, 5, 19, 0, 2, 30, 33]}  # 90 rows: the skinny kernel, 16-row tiles
 
 
 @pytest.mark.parametrize("n,k", [(512, 1024), (40, 1024), (512, 384)])
@@ -67,7 +70,7 @@ QUANT_SEGMENTS = {**SEGMENTS, "few_rows": [0, 1, 5, 9, 0, 2, 8, 3]}  # 28 rows o
 @pytest.mark.parametrize("x_format,w_format", QUANT_PAIRS)
 def test_block_scaled_grouped_gemm_matches_float64_on_ragged_segments(x_format, w_format, segments, n, k):
     """The kernel the wrapper picks (on Hopper for K a multiple of 512 the one for few rows per expert
-    on "few_rows", the warp-specialised one otherwise; the portable one for K = 384; N = 40 leaves
+    on the "few_rows" cases, the warp-specialised one otherwise; the portable one for K = 384; N = 40 leaves
     most of a column tile empty) against float64 sums of the exactly decoded operands."""
     from deepinfer.hal.formats import Quantized
     from deepinfer_backends.sm100 import gemm, toolchain
@@ -75,10 +78,13 @@ def test_block_scaled_grouped_gemm_matches_float64_on_ragged_segments(x_format, 
     sizes = torch.tensor(QUANT_SEGMENTS[segments])
     g = torch.Generator().manual_seed(2)
     x, w = _block_scaled(g, (int(sizes.sum()), k), x_format), _block_scaled(g, (len(sizes), n, k), w_format)
-    module, _, tiles = gemm.quant_kernel(int(sizes.sum()), len(sizes), n, k, toolchain.device_arch())
+    module, _, tiles = gemm.quant_kernel(int(sizes.sum()), len(sizes), n, k, toolchain.device_arch(),
+                                         w_format=w_format)
     if toolchain.device_arch() == toolchain.HOPPER:
         assert module == ("grouped_gemm_quant" if k % 512 else "grouped_gemm_quant_skinny"
-                          if segments == "few_rows" else "grouped_gemm_quant_ws")
+                          if segments.startswith("few_rows") else "grouped_gemm_quant_ws")
+        if module == "grouped_gemm_quant_skinny":
+            assert tiles["block_t"] == (16 if segments == "few_rows_wide" else 8)
     if module != "grouped_gemm_quant_skinny":
         assert tiles["block_m"] == (128 if segments == "128_row_tiles" else 64)
     on_gpu = [Quantized(t.data.cuda(), t.scale.cuda(), t.fmt, t.block) if isinstance(t, Quantized) else t.cuda()
@@ -100,8 +106,8 @@ def _assert_matches_float64(y, x, w, sizes):
     torch.testing.assert_close(y.cpu().double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-SKINNY_TILES = [dict(zip(("block_t", "warps", "depth", "tiles_m"), tiles))  # tiles_m > 1 not yet run (stop 22)
-                for tiles in ((8, 4, 2, 1), (16, 1, 4, 1), (32, 8, 1, 1), (64, 2, 2, 1), (8, 2, 2, 2), (16, 4, 1, 4))]
+SKINNY_TILES = [dict(zip(("block_t", "warps", "depth", "tiles_m"), tiles)) for tiles in (
+    (8, 4, 2, 1), (16, 1, 4, 1), (32, 8, 1, 1), (64, 2, 2, 1), (8, 4, 2, 2), (16, 4, 1, 2), (16, 4, 2, 2), (16, 4, 1, 4))]
 
 
 @pytest.mark.parametrize("tiles", SKINNY_TILES, ids=lambda t: "t{block_t}w{warps}d{depth}m{tiles_m}".format(**t))
@@ -125,18 +131,19 @@ def test_skinny_block_scaled_kernel_matches_float64(x_format, w_format, tiles):
         _assert_matches_float64(y, x, w, sizes)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("x_format,w_format", [("fp8", "fp8"), ("fp8", "mxfp4"), ("bf16", "fp8")])
 def test_block_scaled_linear_of_a_decode_batch_matches_float64(x_format, w_format, rows):
-    """``linear`` with a block-scaled weight on a decode batch (at most 8 rows: the skinny kernel with
-    one expert) against float64."""
+    """``linear`` with a block-scaled weight on a decode batch (at most 16 rows: the skinny kernel with
+    one expert, 8- and 16-row tiles) against float64."""
     from deepinfer.hal.formats import Quantized
     from deepinfer_backends.sm100 import gemm, toolchain
 
     g = torch.Generator().manual_seed(4)
     x, w = _block_scaled(g, (rows, 1024), x_format), _block_scaled(g, (1, 1280, 1024), w_format)
     if toolchain.device_arch() == toolchain.HOPPER:
-        assert gemm.quant_kernel(rows, 1, 1280, 1024, toolchain.HOPPER)[0] == "grouped_gemm_quant_skinny"
+        assert gemm.quant_kernel(rows, 1, 1280, 1024, toolchain.HOPPER, w_format=w_format)[0] == \
+            "grouped_gemm_quant_skinny"
     weight = Quantized(w.data[0].cuda(), w.scale[0].cuda(), w.fmt, w.block)
     x_gpu = Quantized(x.data.cuda(), x.scale.cuda(), x.fmt, x.block) if isinstance(x, Quantized) else x.cuda()
     y = get_backend("sm100").implementations()["linear"](x_gpu, weight)

@@ -119,7 +119,7 @@ def test_lowers_for_blackwell_on_mma():
 
 
 def test_wrapper_picks_the_warp_specialised_kernel_on_hopper_for_k_a_multiple_of_512():
-    """64- or 128-row tiles as for bf16, on the decoder-fed kernel (past 8 rows per expert, see
+    """64- or 128-row tiles as for bf16, on the decoder-fed kernel (past 16 rows per expert, see
     test_sm100_quant_skinny.py); the portable kernel elsewhere."""
     from deepinfer_backends.sm100 import gemm, toolchain
 

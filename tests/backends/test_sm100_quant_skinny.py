@@ -9,15 +9,27 @@ import pytest
 import torch
 
 
-def test_wrapper_picks_the_skinny_kernel_up_to_eight_rows_per_expert():
+def test_wrapper_picks_the_skinny_kernel_and_its_tiles_by_rows_per_expert():
     from deepinfer_backends.sm100 import gemm, toolchain
 
-    assert gemm.SKINNY_ROWS_PER_EXPERT == 8
-    for rows, experts in ((192, 48), (384, 48), (1, 1), (8, 1), (1536, 384)):
-        assert gemm.quant_kernel(rows, experts, 4096, 4096, toolchain.HOPPER) == \
-            ("grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny", gemm.SKINNY_TILES)
-    assert gemm.quant_kernel(385, 48, 4096, 4096, toolchain.HOPPER)[0] == "grouped_gemm_quant_ws"
-    assert gemm.quant_kernel(9, 1, 4096, 4096, toolchain.HOPPER)[0] == "grouped_gemm_quant_ws"
+    skinny = ("grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny")
+    narrow = {"block_t": 8, "warps": 4, "depth": 2, "tiles_m": 2}
+    wide = {"fp8": {"block_t": 16, "warps": 4, "depth": 1, "tiles_m": 2},
+            "mxfp4": {"block_t": 16, "warps": 4, "depth": 2, "tiles_m": 2}}
+    for w_format in ("fp8", "mxfp4"):
+        def pick(rows, experts, n=4096):
+            return gemm.quant_kernel(rows, experts, n, 4096, toolchain.HOPPER, w_format=w_format)
+
+        for rows, experts in ((192, 48), (1536, 384), (1, 48)):  # at most 4 rows per expert: 8-row tiles
+            assert pick(rows, experts) == (*skinny, narrow)
+        for rows, experts in ((193, 48), (384, 48), (768, 48), (6144, 384)):  # up to 16: 16-row tiles
+            assert pick(rows, experts) == (*skinny, wide[w_format])
+        assert pick(769, 48)[0] == pick(6145, 384)[0] == "grouped_gemm_quant_ws"
+        # one expert (linear): 4096 columns make 32 CTAs at two MMA tiles a warp, so one a warp (64 CTAs)
+        assert pick(3, 1) == (*skinny, {**narrow, "tiles_m": 1})
+        assert pick(16, 1) == (*skinny, {**wide[w_format], "tiles_m": 1})
+        assert pick(17, 1)[0] == "grouped_gemm_quant_ws"
+        assert pick(3, 1, n=128 * 264)[2]["tiles_m"] == 2 and pick(3, 1, n=128 * 263)[2]["tiles_m"] == 1
     for k, arch, invariant in ((384, toolchain.HOPPER, False), (4096, toolchain.HOPPER, True),
                                (4096, toolchain.BLACKWELL, False)):
         assert gemm.quant_kernel(192, 48, 4096, k, arch, batch_invariant=invariant)[0] == "grouped_gemm_quant"
@@ -75,7 +87,8 @@ def test_skinny_kernel_decodes_in_registers_into_mma_sync(w_format):
     source = _lower(w_format, **gemm.SKINNY_TILES)
     assert "__launch_bounds__(128, 1)" in source and "__shared__" not in source
     body = source[source.index("extern \"C\" __global__"):]
-    assert body.count(f"sk_chunk<{str(w_format == 'mxfp4').lower()}, 1, 1>(") == 1  # the loop over two register slots
+    call = f"sk_chunk<{str(w_format == 'mxfp4').lower()}, 1, {gemm.SKINNY_TILES['tiles_m']}>("
+    assert body.count(call) == 1  # the loop over two register slots
     assert "for (int c0 = 0; c0 < 4; ++c0)" in body  # 1024 / 128 chunks, two a turn
     vector = "uint4" if w_format == "mxfp4" else "fp8_e4_16_t"
     assert body.count(f"*({vector}*)(w + ") == 2 and body.count("*(uint4*)(x + ") == 2  # prologue, loop

@@ -26,10 +26,11 @@ FP8 activations are decoded to bf16 once per row first
 activations are read by every warp of the grid's column, so decoding them here would repeat it
 ``n / 16`` times. ``mma.sync`` runs on sm_80 and later, Blackwell included.
 
-On the H200 (``experiments/results/grouped_gemm_kernels_h200.txt``, 19:39), at 4 rows per expert:
-0.82-1.02 of the copy bandwidth with FP8 weights and 0.52-0.67 with MXFP4 ones, 1.5-2.1x faster than
-:mod:`grouped_gemm_quant_ws`. ncu puts the limit in the L1's data pipe (93-95 % of its wavefronts busy,
-DRAM 44 %), two thirds of whose bytes are activations that each warp reads for only 16 weight rows."""
+On the H200 (``experiments/results/grouped_gemm_kernels_h200.txt``), at 4 rows per expert: 0.82-1.02
+of the copy bandwidth with FP8 weights and 0.52-0.67 with MXFP4 ones, 1.5-2.1x faster than
+:mod:`grouped_gemm_quant_ws` (19:39, one MMA tile a warp). ncu put the limit in the L1's data pipe
+(93-95 % of its wavefronts busy, DRAM 44 %), two thirds of whose bytes were activations that each warp
+read for only 16 weight rows; two MMA tiles a warp halve those and took 1-14 % off (21:27)."""
 import tilelang
 import tilelang.language as T
 
@@ -134,9 +135,9 @@ def grouped_gemm_quant_skinny(experts: int, n: int, k: int, w_format: str, block
     tile_expert, tile_row, tile_end [tiles], y float32 [m, n])`` over a tile schedule of
     ``block_t`` rows (``tile_expert[t] >= experts`` marks an unused tile). A CTA is ``warps`` warps,
     each of ``16 * tiles_m`` weight rows (``tiles_m`` MMA tiles sharing its activation runs: fewer
-    activation bytes through the L1 per weight byte; ``tiles_m`` 2 and 4 compile but have not yet run
-    on a GPU, so the wrapper keeps 1); each thread keeps ``depth`` chunks of raw weights and activations in
-    registers (``k`` a multiple of ``128 * depth``)."""
+    activation bytes through the L1 per weight byte; the wrapper takes 2, :func:`gemm.skinny_tiles`);
+    each thread keeps ``depth`` chunks of raw weights and activations in registers (``k`` a multiple
+    of ``128 * depth``)."""
     if w_format not in W_FORMATS:
         raise ValueError(f"w_format={w_format!r}; expected one of {W_FORMATS}")
     if block_t % 8 or not 8 <= block_t <= 64 or warps not in (1, 2, 4, 8) or tiles_m not in (1, 2, 4) \
