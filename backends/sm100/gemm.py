@@ -181,7 +181,7 @@ expert, and added 1 % with FP8 weights at EP1 (384 experts, 4 rows each)."""
 SKINNY_MIN_CTAS = 2 * 132
 """With fewer CTAs than this (two per SM of an H200) at two MMA tiles a warp, the kernel for few rows
 keeps one (twice the CTAs): a one-expert ``linear`` with a few thousand output columns would
-otherwise leave most SMs idle."""
+otherwise leave most SMs idle (reasoned from the grid, not measured: the bench has no such point)."""
 
 
 def skinny_tiles(rows: int, experts: int, n: int, w_format: str) -> dict[str, int]:
