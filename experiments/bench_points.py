@@ -84,9 +84,7 @@ def mla_decode(heads: int, batch: int, context: int, topk: int = TOPK, **kw) -> 
                  4.0 * batch * heads * keys * 512, build, **kw)
 
 
-def mla_prefill(heads: int, tokens: int, kv_rows: int = 1 << 16, **kw) -> Point:
-    keys = WINDOW + TOPK
-
+def mla_prefill(heads: int, tokens: int, kv_rows: int = 1 << 16, keys: int = WINDOW + TOPK, **kw) -> Point:
     def build(ops):
         g = _gen()
         args = dict(q=torch.randn(tokens, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g),
