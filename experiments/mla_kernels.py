@@ -67,9 +67,9 @@ def bf16_decode(heads: int, batch: int, keys: int):
                  build)
 
 
-POINTS["decode h=64 B=64 bf16"] = bf16_decode(64, 64, 640)
-for _rows, _keys in ((8192, 640), (1 << 16, 2048), (8192, 2048)):  # key rows the L2 holds; fixed cost a row
-    POINTS[f"prefill h=64 T=1024 kv={_rows} keys={_keys}"] = mla_prefill(64, 1024, kv_rows=_rows, keys=_keys)  # no decode step: the kernels without decoding
+POINTS["decode h=64 B=64 bf16"] = bf16_decode(64, 64, 640)  # no decode step: the kernels without decoding
+for _rows, _keys in ((8192, 640), (1 << 16, 2048), (8192, 2048)):  # key rows the L2 holds; time against key count
+    POINTS[f"prefill h=64 T=1024 kv={_rows} keys={_keys}"] = mla_prefill(64, 1024, kv_rows=_rows, keys=_keys)
 for _topk in (128, 512, 1024, 2048):  # one wave, one CTA a row: time against key count = fixed + per-block cost
     POINTS[f"decode h=64 B=132 topk={_topk}"] = mla_decode(64, 132, 65536, topk=_topk)
 

@@ -198,11 +198,11 @@ def quant_kernel(rows: int, experts: int, n: int, k: int, arch: str, batch_invar
                  w_format: str = "fp8") -> tuple[str, str, dict[str, int]]:
     """``(kernels module, factory, tiles)`` of the block-scaled grouped GEMM on ``arch``. On Hopper,
     with ``k`` a multiple of 512: up to :data:`SKINNY_ROWS_PER_EXPERT` rows per expert on average the
-    kernel for few rows (``grouped_gemm_quant_skinny``), else the warp-specialised kernel
-    (``grouped_gemm_quant_ws``: a decoder warpgroup feeds the wgmmas a bf16 ring), 64- or 128-row
-    tiles as for bf16. In the
-    batch-invariant mode, on other archs or for other ``k``: the portable kernel (decode, then
-    wgmma, in the same warps) with :func:`portable_quant_tiles`."""
+    kernel for few rows (``grouped_gemm_quant_skinny``, tiles from :func:`skinny_tiles` by ``w_format``),
+    else the warp-specialised kernel (``grouped_gemm_quant_ws``: a decoder warpgroup feeds the wgmmas
+    a bf16 ring), 64- or 128-row tiles as for bf16. In the batch-invariant mode, on other archs or
+    for other ``k``: the portable kernel (decode, then wgmma, in the same warps) with
+    :func:`portable_quant_tiles`."""
     if arch == toolchain.HOPPER and not batch_invariant and k % 512 == 0 and not toolchain.tcgen05_requested():
         if rows <= SKINNY_ROWS_PER_EXPERT * experts:
             return "grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny", skinny_tiles(rows, experts, n, w_format)

@@ -107,7 +107,8 @@ def _assert_matches_float64(y, x, w, sizes):
 
 
 SKINNY_TILES = [dict(zip(("block_t", "warps", "depth", "tiles_m"), tiles)) for tiles in (
-    (8, 4, 2, 1), (16, 1, 4, 1), (32, 8, 1, 1), (64, 2, 2, 1), (8, 4, 2, 2), (16, 4, 1, 2), (16, 4, 2, 2), (16, 4, 1, 4))]
+    (8, 4, 2, 1), (16, 1, 4, 1), (32, 8, 1, 1), (64, 2, 2, 1),
+    (8, 4, 2, 2), (16, 4, 1, 2), (16, 4, 2, 2), (16, 4, 1, 4))]
 
 
 @pytest.mark.parametrize("tiles", SKINNY_TILES, ids=lambda t: "t{block_t}w{warps}d{depth}m{tiles_m}".format(**t))
