@@ -13,13 +13,14 @@ bandwidth-bound kernel should.
 Each warp owns 16 weight rows (output columns; ``16 * tiles_m`` with ``tiles_m`` MMA tiles) of one
 expert and one tile of rows, and walks K in chunks of 128. ``mma.m16n8k16`` gives thread ``(g, t)``
 (lane ``4g + t``) the K positions ``2t, 2t+1, 2t+8, 2t+9`` of each 16-wide step, of A (weight rows
-``g`` and ``g + 8``) and of B (row ``g`` of the tile) alike. Any bijection between those positions
-and K serves, as long as A and B use the same: thread ``t`` takes the 32 values ``32t .. 32t + 31`` of the chunk, step ``s`` the four from
-``4s``. So each thread's raw weight bytes of a chunk are one contiguous run with a single scale byte
-(16 bytes of MXFP4, 32 of FP8), its activations one 64-byte run of bf16, and the decode feeds the
-MMA without going through shared memory. Runs of ``depth`` chunks are loaded ahead into registers.
-The decode is the bit placement and exact bf16 multiplies of ``key_decode`` (one multiply a pair of
-values when a warp's scale bytes allow it, a warp-uniform choice per chunk, else two).
+``g`` and ``g + 8``) and of B (row ``g`` of the tile) alike. Any bijection between those positions and
+K serves, as long as A and B use the same: thread ``t`` takes the 32 values ``32t .. 32t + 31`` of the
+chunk, step ``s`` the four from ``4s``. So each thread's raw weight bytes of a chunk are one
+contiguous run with a single scale byte (16 bytes of MXFP4, 32 of FP8), its activations one 64-byte
+run of bf16, and the decode feeds the MMA without going through shared memory. Runs of ``depth``
+chunks are loaded ahead into registers. The decode is the bit placement and exact bf16 multiplies of
+``key_decode`` (one multiply a pair of values when a warp's scale bytes allow it, a warp-uniform
+choice per chunk, else two).
 
 FP8 activations are decoded to bf16 once per row first
 (:func:`~deepinfer_backends.sm100.kernels.grouped_gemm_quant_ws.decode_fp8_rows`): each tile's
