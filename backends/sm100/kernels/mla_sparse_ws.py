@@ -118,6 +118,7 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
     main_blocks, extra_blocks = -(-main_keys // (block_k * splits)), -(-extra_keys // (block_k * splits))
     blocks = main_blocks + extra_blocks
     half = dim // 2
+    head_blocks = heads // BLOCK_H
     k_stages = key_stages or (3 if quantized else 4)
     raw_stages = raw_stages if quantized else 1
     if k_stages < 2 or raw_stages < (2 if quantized else 1):
@@ -240,9 +241,9 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                main_idx: T.Tensor((rows, main_keys), "int32"), extra: T.Tensor((extra_rows, 288), "uint8"),
                extra_idx: T.Tensor((rows, max(extra_keys, 1)), "int32"), sink: T.Tensor((heads,), "float"),
                out: T.Tensor(out_shape, out_dtype), lse: T.Tensor(lse_shape, "float")):
-        with T.Kernel(rows * (heads // BLOCK_H), splits, threads=384,
+        with T.Kernel(rows * head_blocks, splits, threads=384,
                       prelude=key_decode.PRELUDE + ROWS_MOVED) as (bx, split):
-            row, hb = bx // (heads // BLOCK_H), bx % (heads // BLOCK_H)  # a row's head blocks run together
+            row, hb = bx // head_blocks, bx % head_blocks  # a row's head blocks run together
             q_s = T.alloc_shared((BLOCK_H, dim), "bfloat16")
             k_s = T.alloc_shared((k_stages, block_k, dim), "bfloat16")
             raw = T.alloc_shared((raw_stages, block_k if quantized else 1, ROW_BYTES["fp8"]), "uint8")
