@@ -24,7 +24,7 @@ import torch
 
 from deepinfer.hal.formats import Quantized
 from deepinfer.hal.ops import indexer, mla
-from deepinfer.hal.ops.grouped_gemm import expert_weight, grouped_gemm_segments, linear
+from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm, grouped_gemm_tiled, linear, result_dtype
 from deepinfer.hal.spec import SPECS
 
 ROW_TILE = 32
@@ -109,16 +109,11 @@ _indexer_rows = row_tiled(indexer.indexer_logits, ("q", "weights"))
 
 
 def grouped_gemm(x: Rows, weight: Rows, group_sizes: torch.Tensor) -> torch.Tensor:
-    """:func:`~deepinfer.hal.ops.grouped_gemm.grouped_gemm`, each expert's segment on row tiles."""
-    sizes = grouped_gemm_segments(x, weight, group_sizes)
-    if not sum(sizes):
-        return SPECS["grouped_gemm"].reference(x, weight, group_sizes)
-    segments, start = [], 0
-    for expert, size in enumerate(sizes):
-        if size:
-            segments.append(_linear(_slice(x, start, start + size), expert_weight(weight, expert)))
-            start += size
-    return torch.cat(segments)
+    """:func:`~deepinfer.hal.ops.grouped_gemm.grouped_gemm` on tiles of exactly :func:`row_tile`
+    rows, each starting at its expert's segment start plus a multiple of the tile."""
+    check_grouped_gemm(x, weight, group_sizes)
+    out = grouped_gemm_tiled(x, weight, group_sizes, row_tile(_device(x)), linear)
+    return out.to(result_dtype(x, weight))
 
 
 def mla_sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
@@ -146,8 +141,18 @@ def mla_sparse_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
 
 
 def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_format: str | None = "mxfp4"):
-    """:func:`~deepinfer.hal.ops.indexer.indexer_logits` on tiles of query rows x key columns."""
-    if q.dim() != 3 or k.dim() != 2 or not q.shape[0] or not k.shape[0]:
+    """:func:`~deepinfer.hal.ops.indexer.indexer_logits` on tiles of query rows x key columns; with
+    per-sequence keys ``[B, S, d]``, sequence by sequence, its key tiles from its first key."""
+    indexer.check_indexer_logits(q, k, weights, q_format)
+    if k.dim() == 2:
+        return _shared_key_logits(q, k, weights, q_format)
+    per_seq = q.shape[0] // k.shape[0]
+    return torch.cat([_shared_key_logits(q[b * per_seq:(b + 1) * per_seq], k[b], weights[b * per_seq:(b + 1) * per_seq],
+                                         q_format) for b in range(k.shape[0])])
+
+
+def _shared_key_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_format: str | None):
+    if not q.shape[0] or not k.shape[0]:
         return indexer.indexer_logits(q, k, weights, q_format)
     keys = k.shape[0]
     columns = [_indexer_rows(q, _tile(k, start, KEY_TILE), weights, q_format)[:, :keys - start]
@@ -201,12 +206,6 @@ def _tile_rows(start: int, size: int, count: int, device: torch.device) -> torch
 
 def _device(value: Rows) -> torch.device:
     return (value.data if isinstance(value, Quantized) else value).device
-
-
-def _slice(value: Rows, start: int, stop: int) -> Rows:
-    if isinstance(value, Quantized):
-        return Quantized(value.data[start:stop], value.scale[start:stop], value.fmt, value.block)
-    return value[start:stop]
 
 
 def _join(outputs: list, count: int):

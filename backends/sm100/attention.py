@@ -174,7 +174,8 @@ def _check_sink(op: str, sink: torch.Tensor, heads: int) -> None:
 
 def indexer_logits(q, k, weights, q_format="mxfp4"):
     """HAL ``indexer_logits``: q cast through MXFP4 here (exact in bf16), then one tensor-core
-    GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect).
+    GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect). Keys
+    ``[S, d]`` are shared by every query, keys ``[B, S, d]`` are one list per sequence.
 
     The GEMM reads bf16: float32 keys are rounded to bf16, which is exact for the model's keys
     (decoded from the FP4 index cache: e2m1 times a power of two), as are MXFP4-cast queries."""
@@ -183,24 +184,23 @@ def indexer_logits(q, k, weights, q_format="mxfp4"):
     floats = (torch.bfloat16, torch.float32)
     require(q.dtype in floats and k.dtype in floats, op, f"q and k must be bfloat16 or float32, got {q.dtype} "
                                                           f"and {k.dtype}")
-    from deepinfer.hal.ops.indexer import Q_FORMATS
     from deepinfer.hal.formats import cast_back
+    from deepinfer.hal.ops.indexer import check_indexer_logits
 
-    if q_format not in Q_FORMATS or q.ndim != 3 or k.ndim != 2 or k.shape[1] != q.shape[2] \
-            or weights.shape != q.shape[:2] or (q_format == "mxfp4" and q.shape[2] % 32):
-        from deepinfer.hal.ops.indexer import indexer_logits as reference
-
-        return reference(q, k, weights, q_format)  # raises the HAL's own message
+    check_indexer_logits(q, k, weights, q_format)
     tokens, heads, dim = q.shape
+    keys = k.shape[-2]
     queries = cast_back(q, "mxfp4", 32).to(torch.bfloat16) if q_format == "mxfp4" else q
     heads_pad, dim_pad = -(-heads // 64) * 64, -(-dim // 32) * 32
     q_in = torch.zeros(tokens, heads_pad, dim_pad, dtype=torch.bfloat16, device=q.device)
     q_in[:, :heads, :dim] = queries
-    k_in = torch.zeros(k.shape[0], dim_pad, dtype=torch.bfloat16, device=k.device)
-    k_in[:, :dim] = k
+    k_in = torch.zeros(*k.shape[:-1], dim_pad, dtype=torch.bfloat16, device=k.device)
+    k_in[..., :dim] = k
     w_in = torch.zeros(tokens, heads_pad, dtype=torch.float32, device=q.device)
     w_in[:, :heads] = weights.float()
-    logits = torch.empty(tokens, k.shape[0], dtype=torch.float32, device=q.device)
-    if tokens and k.shape[0]:
-        compiled("indexer_logits", "indexer_logits", heads_pad, dim_pad)(q_in, k_in, w_in, logits)
+    logits = torch.empty(tokens, keys, dtype=torch.float32, device=q.device)
+    if tokens and keys:
+        per_seq = tokens // k.shape[0] if k.dim() == 3 else 0
+        compiled("indexer_logits", "indexer_logits", heads_pad, dim_pad, queries_per_seq=per_seq)(q_in, k_in, w_in,
+                                                                                                   logits)
     return logits

@@ -41,19 +41,17 @@ class ModelRunner:
 
     def _context(self, batch: Batch) -> ForwardContext:
         chunks = batch.chunks
-        ctx = ForwardContext.for_sequences(
-            [c.token_ids for c in chunks], [c.start for c in chunks], [c.request.state_slot for c in chunks],
-            [c.request.blocks for c in chunks], decode=batch.decode, device=self.device)
         rows, offset = [], 0
         for c in chunks:
             offset += len(c.token_ids)
             if c.samples:
                 rows.extend(range(offset - len(c.drafts) - 1, offset))
-        ctx.logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
-        ctx.write_draft_cache = self.write_draft_cache
-        replay = self.bounded_replay
+        replay, starts = self.bounded_replay, None
         if replay is not None and replay.mode != "off":
-            prompt_lens = [len(c.request.prompt_token_ids) for c in chunks]
-            ctx.replay_start = replay_starts(prompt_lens, replay.keep_tokens, self.device)
-            ctx.replay_compact = replay.mode == "compact"
+            starts = replay_starts([len(c.request.prompt_token_ids) for c in chunks], replay.keep_tokens)
+        ctx = ForwardContext.for_sequences(
+            [c.token_ids for c in chunks], [c.start for c in chunks], [c.request.state_slot for c in chunks],
+            [c.request.blocks for c in chunks], decode=batch.decode, logits_rows=rows, replay_starts=starts,
+            replay_compact=starts is not None and replay.mode == "compact", device=self.device)
+        ctx.write_draft_cache = self.write_draft_cache
         return ctx

@@ -1,9 +1,34 @@
-"""ForwardContext: everything one model forward needs to know about the batch."""
+"""ForwardContext: everything one model forward needs to know about the batch.
+
+Two ways to build one, neither reading a device tensor on the host: from plain lists
+(:meth:`ForwardContext.for_sequences`: every index array computed in Python and moved to the
+device in one transfer), and, for decode steps, from a few device tensors
+(:meth:`ForwardContext.for_decode`: the rest derived on the device, so a captured CUDA graph or
+a device-side fix-up of the inputs can feed it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
+
+Upload = Callable[[np.ndarray], torch.Tensor]
+"""Moves one host int64 array to the device as one transfer (the engine's pinned staging)."""
+
+
+@dataclass
+class ConsumerRows:
+    """SWA bounded replay's compact layout, computed on the host: the ``rows`` (ascending) the
+    YOCO consumer layers compute (a suffix of each chunk), their ``counts``, ``query_start`` and
+    first position (``chunk_start``) per sequence, and where each of the context's logits rows
+    falls among them (``logits_indices``)."""
+
+    rows: torch.Tensor
+    counts: torch.Tensor
+    query_start: torch.Tensor
+    chunk_start: torch.Tensor
+    logits_indices: torch.Tensor
 
 
 @dataclass
@@ -12,15 +37,19 @@ class ForwardContext:
 
     ``positions`` are absolute positions inside each sequence; ``context_lens[b]`` is the number
     of tokens sequence ``b`` holds after this step; ``block_tables[b]`` lists its paged-cache
-    blocks (-1 padding); ``state_slots[b]`` is its SWA-ring / compress-state slot.
-    ``logits_indices`` selects the token rows whose logits are returned. ``decode`` asks for the
-    quantized-cache decode path (every sequence then has the same number of query tokens).
-    ``write_draft_cache``: the target forward also writes the DSpark draft layers' main keys.
-    ``draft_block`` > 0 marks a DSpark draft pass: each sequence's rows are one block that
-    attends bidirectionally to itself and to the ``window`` keys before it.
-    ``replay_start`` (SWA bounded replay; None: off) is ``int64 [B]``, the first position of
-    each sequence the YOCO consumer layers process and see; ``replay_compact`` computes only
-    those rows there (plus each chunk's last row) instead of masking (see ``bounded_replay``)."""
+    blocks (padding entries are never addressed); ``state_slots[b]`` is its SWA-ring /
+    compress-state slot. Per token: ``seq_of_token``, ``chunk_start_of_token`` (the first
+    position of its sequence in this step), ``slot_of_token``; ``query_start [B + 1]`` are the
+    sequences' first rows. ``logits_indices`` selects the rows whose logits are returned.
+    ``decode`` asks for the decode path (every sequence has ``decode_query_len`` query tokens,
+    and compressed keys are laid out per sequence up to the block table's width).
+    ``context_lens_host`` holds the context lengths on the host where the builder knew them
+    (prefill steps size their gathered compressed keys with it). ``write_draft_cache``: the
+    target forward also writes the DSpark draft layers' main keys. ``draft_block`` > 0 marks a
+    DSpark draft pass: each sequence's rows are one block that attends bidirectionally to itself
+    and to the ``window`` keys before it. ``replay_start`` (SWA bounded replay; None: off) is
+    ``int64 [B]``, the first position of each sequence the YOCO consumer layers process and see;
+    ``replay_compact`` computes only the rows of ``consumer`` there instead of masking."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -29,54 +58,129 @@ class ForwardContext:
     state_slots: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    seq_of_token: torch.Tensor
+    query_start: torch.Tensor
+    chunk_start: torch.Tensor
+    chunk_start_of_token: torch.Tensor
+    slot_of_token: torch.Tensor
+    num_seqs: int
     decode: bool = False
+    decode_query_len: int = 0
+    context_lens_host: tuple[int, ...] | None = None
     write_draft_cache: bool = False
     draft_block: int = 0
     replay_start: torch.Tensor | None = None
     replay_compact: bool = False
-
-    def __post_init__(self) -> None:
-        lens = self.query_lens.long()
-        self.num_seqs = int(lens.numel())
-        self.seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=lens.device), lens)
-        self.query_start = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
-        self.chunk_start = (self.context_lens.long() - lens)
-        self.chunk_start_of_token = self.chunk_start[self.seq_of_token]
-        self.slot_of_token = self.state_slots.long()[self.seq_of_token]
-        if int(lens.sum()) != self.input_ids.numel():
-            raise ValueError(f"query_lens sum to {int(lens.sum())} but there are {self.input_ids.numel()} tokens")
-        if self.decode and self.num_seqs and not bool((lens == lens[0]).all()):
-            raise ValueError(f"the decode path needs equal query lengths per sequence, got {lens.tolist()}")
+    consumer: ConsumerRows | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
-    @property
-    def decode_query_len(self) -> int:
-        return int(self.query_lens[0]) if self.num_seqs else 0
+    @classmethod
+    def for_sequences(cls, token_chunks: Sequence[Sequence[int]], start_positions: Sequence[int],
+                      state_slots: Sequence[int], block_tables: Sequence[Sequence[int]], decode: bool = False,
+                      all_logits: bool = False, logits_rows: Sequence[int] | None = None,
+                      replay_starts: Sequence[int] | None = None, replay_compact: bool = False,
+                      block_table_width: int | None = None, device: torch.device | str = "cpu",
+                      upload: Upload | None = None) -> "ForwardContext":
+        """Build a context from plain lists (one entry per sequence), all on the host, moved to
+        ``device`` by one ``upload`` (default: a plain copy).
+
+        Logits come from ``logits_rows`` when given, else every row (``all_logits``) or the last
+        row of each sequence. ``replay_starts`` (bounded replay) sets ``replay_start``; with
+        ``replay_compact`` the consumer rows are laid out here, and a logits row the consumer
+        layers skip is refused. ``block_table_width`` pads the tables (default: the longest)."""
+        lens = [len(chunk) for chunk in token_chunks]
+        if decode and len(set(lens)) > 1:
+            raise ValueError(f"the decode path needs equal query lengths per sequence, got {lens}")
+        num_seqs, starts = len(lens), list(start_positions)
+        ends = np.cumsum(lens, dtype=np.int64)
+        query_start = np.concatenate(([0], ends)).astype(np.int64)
+        seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int64), lens)
+        chunk_start = np.asarray(starts, dtype=np.int64).reshape(num_seqs)
+        positions = chunk_start[seq_of_token] + np.arange(int(ends[-1]) if num_seqs else 0) - query_start[seq_of_token]
+        context_lens = chunk_start + np.asarray(lens, dtype=np.int64)
+        width = block_table_width if block_table_width is not None else max((len(b) for b in block_tables), default=0)
+        table = np.full((num_seqs, width), -1, dtype=np.int64)
+        for row, blocks in enumerate(block_tables):
+            table[row, :len(blocks)] = blocks
+        if logits_rows is None:
+            logits_rows = np.arange(len(seq_of_token)) if all_logits else ends - 1
+        slots = np.asarray(state_slots, dtype=np.int64).reshape(num_seqs)
+        arrays = {"input_ids": [t for chunk in token_chunks for t in chunk], "positions": positions,
+                  "query_lens": lens, "context_lens": context_lens, "state_slots": slots, "block_tables": table,
+                  "logits_indices": logits_rows, "seq_of_token": seq_of_token, "query_start": query_start,
+                  "chunk_start": chunk_start, "chunk_start_of_token": chunk_start[seq_of_token],
+                  "slot_of_token": slots[seq_of_token]}
+        if replay_starts is not None:
+            replay = np.maximum(np.asarray(replay_starts, dtype=np.int64).reshape(num_seqs), 0)
+            arrays["replay_start"] = replay
+            layout = _consumer_layout(replay, chunk_start, context_lens, query_start, positions, seq_of_token,
+                                      np.asarray(logits_rows, dtype=np.int64))
+            if replay_compact:
+                arrays.update(layout)
+        tensors = _upload(arrays, device, upload)
+        consumer = None
+        if "consumer_rows" in tensors:
+            consumer = ConsumerRows(*(tensors.pop(f"consumer_{name}") for name in
+                                      ("rows", "counts", "query_start", "chunk_start", "logits")))
+        tensors["block_tables"] = tensors["block_tables"].view(num_seqs, width)
+        return cls(**tensors, num_seqs=num_seqs, decode=decode, decode_query_len=lens[0] if decode and lens else 0,
+                   context_lens_host=tuple(int(n) for n in context_lens), replay_compact=replay_compact,
+                   consumer=consumer)
 
     @classmethod
-    def for_sequences(cls, token_chunks: list[list[int]], start_positions: list[int], state_slots: list[int],
-                      block_tables: list[list[int]], decode: bool = False, all_logits: bool = False,
-                      device: torch.device | str = "cpu") -> "ForwardContext":
-        """Build a context from plain lists (one entry per sequence); the last token of each
-        sequence gets logits unless ``all_logits``."""
-        ids = [t for chunk in token_chunks for t in chunk]
-        positions = [s + i for chunk, s in zip(token_chunks, start_positions) for i in range(len(chunk))]
-        lens = [len(c) for c in token_chunks]
-        width = max((len(b) for b in block_tables), default=0)
-        table = [b + [-1] * (width - len(b)) for b in block_tables]
-        ends = torch.tensor(lens).cumsum(0) - 1
-        logits = torch.arange(len(ids)) if all_logits else ends
-        as_long = dict(dtype=torch.long, device=device)
-        return cls(
-            input_ids=torch.tensor(ids, **as_long),
-            positions=torch.tensor(positions, **as_long),
-            query_lens=torch.tensor(lens, **as_long),
-            context_lens=torch.tensor([s + n for s, n in zip(start_positions, lens)], **as_long),
-            state_slots=torch.tensor(state_slots, **as_long),
-            block_tables=torch.tensor(table, **as_long).reshape(len(lens), width),
-            logits_indices=logits.to(device),
-            decode=decode,
-        )
+    def for_decode(cls, input_ids: torch.Tensor, start_positions: torch.Tensor, state_slots: torch.Tensor,
+                   block_tables: torch.Tensor, query_len: int, replay_start: torch.Tensor | None = None,
+                   draft_block: int = 0, write_draft_cache: bool = False) -> "ForwardContext":
+        """A decode context from device tensors: ``input_ids [B * query_len]`` (each sequence's
+        rows together), ``start_positions [B]`` (position of each sequence's first row),
+        ``state_slots [B]``, ``block_tables [B, W]``; every other field is derived on the
+        device, without reading a value on the host. Every row gets logits."""
+        num_seqs = start_positions.shape[0]
+        device = start_positions.device
+        rows = torch.arange(num_seqs * query_len, device=device)
+        seq_of_token = rows // query_len
+        chunk_start_of_token = start_positions[seq_of_token]
+        return cls(input_ids=input_ids, positions=chunk_start_of_token + rows % query_len,
+                   query_lens=torch.full((num_seqs,), query_len, dtype=torch.int64, device=device),
+                   context_lens=start_positions + query_len, state_slots=state_slots, block_tables=block_tables,
+                   logits_indices=rows, seq_of_token=seq_of_token,
+                   query_start=torch.arange(num_seqs + 1, device=device) * query_len, chunk_start=start_positions,
+                   chunk_start_of_token=chunk_start_of_token, slot_of_token=state_slots[seq_of_token],
+                   num_seqs=num_seqs, decode=True, decode_query_len=query_len, draft_block=draft_block,
+                   write_draft_cache=write_draft_cache, replay_start=replay_start)
+
+
+def _consumer_layout(replay, chunk_start, context_lens, query_start, positions, seq_of_token, logits_rows):
+    """Bounded replay's compact rows: per chunk its positions at or after the replay start, else
+    its last row; and where the logits rows fall among them (a skipped row is refused)."""
+    first = np.minimum(np.maximum(replay, chunk_start), context_lens - 1)
+    kept = positions >= first[seq_of_token]
+    rows = np.flatnonzero(kept)
+    at = np.searchsorted(rows, logits_rows)
+    missing = [row for row, i in zip(logits_rows.tolist(), at.tolist()) if i >= len(rows) or rows[i] != row]
+    if missing:
+        row = missing[0]
+        seq = int(seq_of_token[row])
+        raise ValueError(f"logits of row {row} (position {int(positions[row])} of sequence {seq}) were asked for, "
+                         f"but under bounded replay the consumer layers only process positions >= replay_start "
+                         f"{int(replay[seq])} and each chunk's last row; ask for those rows only (prompt logprobs "
+                         f"need engine.bounded_replay.mode=off)")
+    counts = np.bincount(seq_of_token[rows], minlength=len(chunk_start)).astype(np.int64)
+    return {"consumer_rows": rows, "consumer_counts": counts,
+            "consumer_query_start": np.concatenate(([0], np.cumsum(counts))), "consumer_chunk_start": context_lens - counts,
+            "consumer_logits": at}
+
+
+def _upload(arrays: dict, device, upload: Upload | None) -> dict[str, torch.Tensor]:
+    """Every array as an int64 tensor on ``device``, moved there as one buffer."""
+    flat = [np.asarray(value, dtype=np.int64).reshape(-1) for value in arrays.values()]
+    buffer = np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64)
+    moved = upload(buffer) if upload is not None else torch.from_numpy(buffer).to(device)
+    out, offset = {}, 0
+    for name, values in zip(arrays, flat):
+        out[name] = moved[offset:offset + values.size]
+        offset += values.size
+    return out

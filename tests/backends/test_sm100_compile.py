@@ -166,6 +166,7 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
     "rms_norm_small": ("rms_norm", "rms_norm", (96, 1e-6, "float", None), {"threads": 32}, False),
     "indexer_logits": ("indexer_logits", "indexer_logits", (64, 128), {}, True),
+    "indexer_logits_per_sequence": ("indexer_logits", "indexer_logits", (64, 128), {"queries_per_seq": 6}, True),
     "kv_norm_rope_store": ("kv_norm_rope_store", "kv_norm_rope_store", (512, 64, 1e-6, "fp8"), {}, False),
     "kv_norm_rope_store_bf16": ("kv_norm_rope_store", "kv_norm_rope_store", (512, 64, 1e-6, "bf16"), {}, False),
     "kv_norm_rope_store_fp4": ("kv_norm_rope_store", "kv_norm_rope_store", (512, 64, 1e-6, "fp4", "float32"), {},
@@ -195,7 +196,8 @@ def test_kernel_lowers_for_hopper(name):
 @needs_tilelang
 @pytest.mark.parametrize("name", ["grouped_gemm", "grouped_gemm_ws", "mla_sparse_decode", "mla_sparse_ws",
                                   "mla_sparse_ws_prefill", "rms_norm",
-                                  "indexer_logits", "kv_norm_rope_store", "kv_norm_rope_store_index_fp4",
+                                  "indexer_logits", "indexer_logits_per_sequence", "kv_norm_rope_store",
+                                  "kv_norm_rope_store_index_fp4",
                                   "key_decode_fp4"])
 def test_kernel_compiles_for_hopper_on_wgmma(name):
     """nvcc and ptxas accept the generated code for sm_90a, and the matrix kernels' PTX holds

@@ -12,12 +12,15 @@ from tests.hal.oracle import as_float64, check_against_oracle
 
 
 def dispatch_float64(x, topk_ids, topk_weights, num_experts):
-    """Sort the (expert, token, slot) triples in Python and gather the rows."""
-    triples = sorted((e, t, j) for t, row in enumerate(topk_ids.tolist()) for j, e in enumerate(row) if e >= 0)
+    """Sort the (expert, token, slot) triples in Python and gather the rows; one rank keeps a row
+    per unrouted slot too, after the experts' segments, in (token, slot) order."""
+    pairs = [(e, t, j) for t, row in enumerate(topk_ids.tolist()) for j, e in enumerate(row)]
+    triples = sorted(p for p in pairs if p[0] >= 0) + [p for p in pairs if p[0] < 0]
     expanded = torch.stack([x[t] for _, t, _ in triples]) if triples else x[:0]
     group_sizes = torch.zeros(num_experts, dtype=torch.int64)
     for e, _, _ in triples:
-        group_sizes[e] += 1
+        if e >= 0:
+            group_sizes[e] += 1
     return expanded, group_sizes
 
 
@@ -25,6 +28,8 @@ def combine_float64(y, handle):
     """Walk the expanded rows back through the handle's documented maps; sum per token."""
     out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float64)
     for row, received in enumerate(handle.expert_order.tolist()):
+        if handle.routed is not None and not handle.routed[received]:
+            continue
         token = handle.pair_index[received].item() // handle.top_k
         out[token] += handle.pair_weights[received].item() * y[row]
     return out
@@ -51,9 +56,10 @@ def test_round_trip_by_hand():
     ids = torch.tensor([[2, 0], [0, -1], [1, 2]])
     weights = torch.tensor([[0.75, 0.25], [1.0, 0.0], [0.5, 0.5]])
     expanded, sizes, handle = ep_dispatch(x, ids, weights, num_experts=3)
-    assert torch.equal(expanded, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [1.0, 2.0], [5.0, 6.0]]))
+    assert torch.equal(expanded, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [1.0, 2.0], [5.0, 6.0],
+                                               [3.0, 4.0]]))
     assert sizes.tolist() == [2, 1, 2]
-    expert_ids = torch.tensor([0.0, 0.0, 1.0, 2.0, 2.0])
+    expert_ids = torch.tensor([0.0, 0.0, 1.0, 2.0, 2.0, float("nan")])
     out = ep_combine(expanded * (expert_ids + 1)[:, None], handle)
     assert torch.equal(out, torch.tensor([[2.5, 5.0], [3.0, 4.0], [12.5, 15.0]]))
 
@@ -68,9 +74,12 @@ def test_round_trip_passes_rows_through_exactly(gen):
 
 
 def test_unrouted_tokens_are_skipped_and_combine_to_zero():
+    """On one rank every slot keeps a row (static shapes): the unrouted ones after the segments,
+    where whatever a grouped GEMM leaves in them (here NaN) never reaches the combined output."""
     x = torch.ones(2, 4)
     expanded, sizes, handle = ep_dispatch(x, torch.tensor([[1, 0], [-1, -1]]), torch.ones(2, 2), num_experts=2)
-    assert expanded.shape == (2, 4) and sizes.tolist() == [1, 1]
+    assert expanded.shape == (4, 4) and sizes.tolist() == [1, 1]
+    expanded[2:] = float("nan")
     assert torch.equal(ep_combine(expanded, handle), torch.tensor([[2.0] * 4, [0.0] * 4]))
 
 
@@ -100,8 +109,9 @@ def rank_inputs(rank: int):
 
 
 def fake_experts(expanded, group_sizes, first_expert):
-    """Expert e multiplies its rows by e + 1."""
-    expert_ids = first_expert + torch.repeat_interleave(torch.arange(len(group_sizes)), group_sizes)
+    """Expert e multiplies its rows by e + 1 (rows past the segments: one rank's unrouted slots)."""
+    rows = torch.arange(expanded.shape[0])
+    expert_ids = first_expert + torch.searchsorted(group_sizes.cumsum(0), rows, right=True)
     return expanded * (expert_ids + 1).float()[:, None]
 
 
@@ -127,6 +137,7 @@ def test_two_ranks_match_one_process(tmp_path):
         assert torch.equal(result["out"], ep_combine(fake_experts(expanded, sizes, 0), handle))
     all_expanded, all_sizes, _ = ep_dispatch(*(torch.cat(parts) for parts in zip(*inputs)), NUM_EXPERTS)
     per_rank_rows = all_sizes.view(WORLD, -1).sum(dim=1).tolist()
-    for result, rows, sizes in zip(results, all_expanded.split(per_rank_rows), all_sizes.view(WORLD, -1)):
+    routed_rows = all_expanded[:sum(per_rank_rows)]
+    for result, rows, sizes in zip(results, routed_rows.split(per_rank_rows), all_sizes.view(WORLD, -1)):
         assert torch.equal(result["sizes"], sizes)
         assert torch.equal(result["expanded"], rows)

@@ -53,8 +53,12 @@ def test_batch_invariant_ops_match_the_reference(op, case):
     assert not failures, "\n".join(failures)
 
 
+PER_SEQUENCE_KEYS = ("tiny_per_sequence", "tiny_per_sequence_bf16")
+"""indexer_logits cases whose keys are one list per sequence: their rows pair with their sequence's keys."""
+
+
 @pytest.mark.parametrize("op,case", [(op, c.name) for op in sorted(ROW_ARGS) if op in SPECS
-                                     for c in SPECS[op].cases if c.size == "tiny"])
+                                     for c in SPECS[op].cases if c.size == "tiny" and c.name not in PER_SEQUENCE_KEYS])
 def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, case):
     """Shuffled copies of every row, filling more than one tile, against each row computed alone."""
     inputs = _inputs(op, case)
@@ -90,6 +94,22 @@ def test_indexer_logits_of_a_key_do_not_depend_on_the_other_keys():
     others = torch.randn(300, k.shape[1], generator=torch.Generator().manual_seed(2))
     wide = INVARIANT["indexer_logits"](inputs["q"], torch.cat((others[:131], k, others[131:])), inputs["weights"])
     assert torch.equal(wide[:, 131:131 + k.shape[0]], INVARIANT["indexer_logits"](**inputs))
+
+
+@pytest.mark.parametrize("case", PER_SEQUENCE_KEYS)
+def test_per_sequence_indexer_logits_have_the_bits_of_the_shared_key_path(case):
+    """A decode step scores each sequence's own keys ([B, S, d]); prefill scores a flat key buffer.
+    Each sequence's logits must be those of its queries against its keys alone, whatever the
+    other sequences hold and wherever its keys sit in a flat buffer."""
+    inputs = _inputs("indexer_logits", case)
+    q, k, weights = inputs["q"], inputs["k"], inputs["weights"]
+    per_seq = q.shape[0] // k.shape[0]
+    batched = INVARIANT["indexer_logits"](**inputs)
+    others = torch.randn(70, k.shape[2], generator=torch.Generator().manual_seed(3)).to(k.dtype)
+    for b in range(k.shape[0]):
+        rows = slice(b * per_seq, (b + 1) * per_seq)
+        flat = INVARIANT["indexer_logits"](q[rows], torch.cat((others, k[b])), weights[rows])
+        assert torch.equal(batched[rows], flat[:, others.shape[0]:]), f"{case}: sequence {b}"
 
 
 @pytest.mark.parametrize("case", ["tiny_bf16_cache", "tiny_fp8_fp4", "tiny_duplicates", "tiny_empty_rows"])

@@ -8,12 +8,15 @@ from tests.hal.oracle import check_against_oracle
 
 
 def logits_float64(q, k, weights, q_format="mxfp4"):
-    """Query by query and head by head: the dot with every key, clipped at zero, weighted."""
+    """Query by query and head by head: the dot with every key of its list (the shared one, or its
+    sequence's: T / B consecutive queries per sequence), clipped at zero, weighted."""
     queries = cast_back(q, "mxfp4", 32).double() if q_format == "mxfp4" else q
-    out = torch.zeros(q.shape[0], k.shape[0], dtype=torch.float64)
+    per_seq = q.shape[0] // k.shape[0] if k.dim() == 3 else None
+    out = torch.zeros(q.shape[0], k.shape[-2], dtype=torch.float64)
     for t in range(q.shape[0]):
+        keys = k[t // per_seq] if per_seq else k
         for h in range(q.shape[1]):
-            out[t] += weights[t, h] * torch.clamp(torch.mv(k, queries[t, h]), min=0)
+            out[t] += weights[t, h] * torch.clamp(torch.mv(keys, queries[t, h]), min=0)
     return out
 
 

@@ -43,13 +43,11 @@ class Replay:
 
     def step(self, chunks: dict[int, list[int]], decode=False, logits_indices=None) -> torch.Tensor:
         seqs, runner = sorted(chunks), self.runner
+        starts = replay_starts([len(self.prompts[s]) for s in seqs], KEEP) if self.mode != "off" else None
         ctx = ForwardContext.for_sequences([chunks[s] for s in seqs], [runner.lengths[s] for s in seqs],
-                                           [s + 1 for s in seqs], [runner.blocks(s) for s in seqs], decode=decode)
-        if logits_indices is not None:
-            ctx.logits_indices = torch.tensor(logits_indices)
-        if self.mode != "off":
-            ctx.replay_start = replay_starts([len(self.prompts[s]) for s in seqs], KEEP)
-            ctx.replay_compact = self.mode == "compact"
+                                           [s + 1 for s in seqs], [runner.blocks(s) for s in seqs], decode=decode,
+                                           logits_rows=logits_indices, replay_starts=starts,
+                                           replay_compact=self.mode == "compact")
         with torch.no_grad():
             logits = self.model(ctx, runner.caches)
         for s in seqs:

@@ -2,22 +2,27 @@
 
 Each CTA takes one token and ``block_keys`` keys: one GEMM of the token's heads ``[heads, dim]``
 against the key tile ``[block_keys, dim]`` (float32 accumulation), ReLU, the per-head weights,
-then the sum over heads. Keys past the end are read as zeros and never written."""
+then the sum over heads. Keys past the end are read as zeros and never written. With
+``queries_per_seq`` > 0 the keys are one list per sequence (``k [seqs, keys, dim]``) and token
+``t`` reads the list of sequence ``t // queries_per_seq``, as a decode step lays them out."""
 import tilelang
 import tilelang.language as T
 import torch
 
 
 @tilelang.jit
-def indexer_logits(heads: int, dim: int, block_keys: int = 128, threads: int = 128):
-    """Kernel ``(q bf16 [tokens, heads, dim], k bf16 [keys, dim], weights f32 [tokens, heads],
-    logits f32 [tokens, keys])``; ``tokens`` and ``keys`` are dynamic. ``heads`` a multiple of
-    64 and ``dim`` of 32 (the wrapper pads with zeros)."""
+def indexer_logits(heads: int, dim: int, block_keys: int = 128, threads: int = 128, queries_per_seq: int = 0):
+    """Kernel ``(q bf16 [tokens, heads, dim], k bf16 [keys, dim] (or [seqs, keys, dim] with
+    ``queries_per_seq``), weights f32 [tokens, heads], logits f32 [tokens, keys])``; ``tokens``,
+    ``keys`` and ``seqs`` are dynamic. ``heads`` a multiple of 64 and ``dim`` of 32 (the wrapper
+    pads with zeros)."""
     tokens = T.dynamic("tokens")
     keys = T.dynamic("keys")
+    seqs = T.dynamic("seqs")
+    key_shape = (seqs, keys, dim) if queries_per_seq else (keys, dim)
 
     @T.prim_func
-    def kernel(q: T.Tensor((tokens, heads, dim), "bfloat16"), k: T.Tensor((keys, dim), "bfloat16"),
+    def kernel(q: T.Tensor((tokens, heads, dim), "bfloat16"), k: T.Tensor(key_shape, "bfloat16"),
                weights: T.Tensor((tokens, heads), "float"), logits: T.Tensor((tokens, keys), "float")):
         with T.Kernel(T.ceildiv(keys, block_keys), tokens, threads=threads) as (kb, t):
             q_tile = T.alloc_shared((heads, dim), "bfloat16")
@@ -25,7 +30,10 @@ def indexer_logits(heads: int, dim: int, block_keys: int = 128, threads: int = 1
             scores = T.alloc_fragment((heads, block_keys), "float")
             total = T.alloc_fragment((block_keys,), "float")
             T.copy(q[t, 0:heads, 0:dim], q_tile)
-            T.copy(k[kb * block_keys:(kb + 1) * block_keys, 0:dim], k_tile)
+            if queries_per_seq:
+                T.copy(k[t // queries_per_seq, kb * block_keys:(kb + 1) * block_keys, 0:dim], k_tile)
+            else:
+                T.copy(k[kb * block_keys:(kb + 1) * block_keys, 0:dim], k_tile)
             T.clear(scores)
             T.gemm(q_tile, k_tile, scores, transpose_B=True)
             for h, j in T.Parallel(heads, block_keys):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.value_checks import value_checks
 
 
 @dataclass(eq=False)
@@ -22,19 +23,22 @@ class DispatchHandle:
 
     ``pair_index`` (int64 ``[P]``): the flat index ``token * top_k + slot`` of every routed pair
     this rank sent, in send order (sorted by expert id); ``pair_weights`` (float32 ``[P]``): their
-    router weights; ``send_counts`` / ``recv_counts``: rows sent to / received from each rank;
-    ``expert_order`` (int64 ``[M]``): expanded row ``i`` is received row ``expert_order[i]``;
-    ``num_tokens`` and ``top_k``: the source ``topk_ids`` shape; ``group``: the process group
-    (None: one rank)."""
+    router weights; ``send_counts`` / ``recv_counts``: rows sent to / received from each rank
+    (None on one rank, where nothing is exchanged); ``expert_order`` (int64 ``[M]``): expanded
+    row ``i`` is received row ``expert_order[i]``; ``num_tokens`` and ``top_k``: the source
+    ``topk_ids`` shape; ``group``: the process group (None: one rank); ``routed`` (bool ``[P]``,
+    None when every pair was routed): which pairs carry an expert's output (the others are
+    skipped by combine, whatever their rows hold)."""
 
     pair_index: torch.Tensor
     pair_weights: torch.Tensor
-    send_counts: list[int]
-    recv_counts: list[int]
+    send_counts: list[int] | None
+    recv_counts: list[int] | None
     expert_order: torch.Tensor
     num_tokens: int
     top_k: int
     group: Any = None
+    routed: torch.Tensor | None = None
 
 
 def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -43,16 +47,20 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
     ``x [T, H]``, ``topk_ids int64 [T, k]`` (global expert ids, ``-1``: not routed, skipped),
     ``topk_weights float32 [T, k]``. Returns ``expanded [M, H]`` (``x.dtype``): on one rank
-    (``group`` None or of size 1) the row ``x[t]`` once per routed slot, sorted stably by expert
-    id (within an expert: token order, then slot order); on several ranks the rows this rank's
-    experts received, sorted stably by local expert (within an expert: source rank, then token,
-    then slot). Also returns ``group_sizes int64 [E_local]`` (rows per local expert) and the
-    :class:`DispatchHandle` for :func:`ep_combine`. ``num_experts`` must divide by the world size."""
+    (``group`` None or of size 1) ``M = T * k``: the row ``x[t]`` once per slot, sorted stably by
+    expert id (within an expert: token order, then slot order), the unrouted slots last, past
+    the last expert's segment; on several ranks the rows this rank's experts received, sorted
+    stably by local expert (within an expert: source rank, then token, then slot). Also returns
+    ``group_sizes int64 [E_local]`` (rows per local expert; they sum to the routed rows) and the
+    :class:`DispatchHandle` for :func:`ep_combine`. ``num_experts`` must divide by the world
+    size. On one rank no shape depends on the routing and nothing is read on the host."""
     _check_routing(x, topk_ids, topk_weights, num_experts)
     world, rank = _world(group)
     if num_experts % world:
         raise ValueError(f"num_experts={num_experts} does not divide over {world} ranks; expert "
                          f"parallelism needs the same number of experts on every rank")
+    if world == 1:
+        return _dispatch_local(x, topk_ids, topk_weights, num_experts, group)
     local_experts = num_experts // world
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
@@ -70,23 +78,42 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     return rows[expert_order], torch.bincount(local_ids, minlength=local_experts), handle
 
 
+def _dispatch_local(x, topk_ids, topk_weights, num_experts, group):
+    """One rank: every slot becomes a row (static shapes), unrouted slots sorted past the experts."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    sort_key = torch.where(flat_ids >= 0, flat_ids, num_experts)
+    pair_index = torch.sort(sort_key, stable=True).indices
+    group_sizes = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
+    group_sizes = group_sizes.scatter_add_(0, sort_key, torch.ones_like(sort_key))[:num_experts]
+    expert_order = torch.arange(pair_index.numel(), device=x.device)
+    handle = DispatchHandle(pair_index, topk_weights.reshape(-1)[pair_index].float(), None, None, expert_order,
+                            num_tokens, top_k, group, routed=(flat_ids >= 0)[pair_index])
+    return x[pair_index // top_k], group_sizes, handle
+
+
 def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Send expert outputs back and reduce them per source token.
 
-    ``y [M, H]`` is in :func:`ep_dispatch`'s expanded order. Returns ``out [T, H]`` in
-    ``y.dtype`` with ``out[t] = sum over the token's routed slots j, in slot order, of
-    topk_weights[t, j] * (its expert's output row)``, accumulated in float32 starting from zero;
-    tokens without routed slots get zeros."""
+    ``y [M, H]`` is in :func:`ep_dispatch`'s expanded order (rows past the experts' segments are
+    ignored). Returns ``out [T, H]`` in ``y.dtype`` with ``out[t] = sum over the token's routed
+    slots j, in slot order, of topk_weights[t, j] * (its expert's output row)``, accumulated in
+    float32 starting from zero; tokens without routed slots get zeros."""
     if y.ndim != 2 or y.shape[0] != handle.expert_order.numel():
         raise ValueError(f"y must be [M, H] with M={handle.expert_order.numel()} rows (the expanded rows "
                          f"of the dispatch that made this handle), got {tuple(y.shape)}")
-    received = torch.empty_like(y)
-    received[handle.expert_order] = y
-    returned = _exchange(received, handle.recv_counts, handle.send_counts, handle.group)
+    if handle.send_counts is None:
+        returned = y
+    else:
+        received = torch.empty_like(y)
+        received[handle.expert_order] = y
+        returned = _exchange(received, handle.recv_counts, handle.send_counts, handle.group)
     hidden = y.shape[1]
+    weighted = returned.float() * handle.pair_weights[:, None]
+    if handle.routed is not None:
+        weighted = torch.where(handle.routed[:, None], weighted, 0.0)
     per_slot = torch.zeros(handle.num_tokens * handle.top_k, hidden, dtype=torch.float32, device=y.device)
-    per_slot[handle.pair_index] = returned.float() * handle.pair_weights[:, None]
-    per_slot = per_slot.view(handle.num_tokens, handle.top_k, hidden)
+    per_slot = per_slot.index_copy(0, handle.pair_index, weighted).view(handle.num_tokens, handle.top_k, hidden)
     out = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32, device=y.device)
     for slot in range(handle.top_k):
         out += per_slot[:, slot]
@@ -102,7 +129,7 @@ def _check_routing(x, topk_ids, topk_weights, num_experts) -> None:
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights must match topk_ids {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)}")
-    if topk_ids.numel() and (topk_ids.min() < -1 or topk_ids.max() >= num_experts):
+    if value_checks() and topk_ids.numel() and (topk_ids.min() < -1 or topk_ids.max() >= num_experts):
         raise ValueError(f"topk_ids must lie in [-1, {num_experts}) (-1: not routed); seen "
                          f"[{topk_ids.min().item()}, {topk_ids.max().item()}]")
 

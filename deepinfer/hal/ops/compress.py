@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.value_checks import value_checks
 
 
 def compress_tokens(latent: torch.Tensor, score: torch.Tensor | None, positions: torch.Tensor,
@@ -32,37 +33,42 @@ def compress_tokens(latent: torch.Tensor, score: torch.Tensor | None, positions:
         return latent.clone(), torch.ones_like(positions, dtype=torch.bool)
     _check_state(latent, score, state_slots, state, ratio)
     emit = (positions + 1) % ratio == 0
-    out = torch.zeros_like(latent)
-    rows = torch.nonzero(emit).squeeze(1)
-    member_scores, member_latents = _group_members(rows, latent, score, positions, state_slots,
-                                                   chunk_start, state, ratio)
-    out[rows] = (torch.softmax(member_scores, dim=1) * member_latents).sum(dim=1)
+    member_scores, member_latents = _group_members(emit, latent, score, positions, state_slots, chunk_start,
+                                                   state, ratio)
+    pooled = (torch.softmax(member_scores, dim=1) * member_latents).sum(dim=1)
+    out = torch.where(emit[:, None], pooled, torch.zeros((), device=latent.device))
     _store(state, score, latent, positions, state_slots)
     return out, emit
 
 
-def _group_members(rows, latent, score, positions, state_slots, chunk_start, state, ratio):
-    """``(scores, latents)``, each ``[G, ratio, D]``, of the groups the tokens ``rows`` close."""
+def _group_members(emit, latent, score, positions, state_slots, chunk_start, state, ratio):
+    """``(scores, latents)``, each ``[T, ratio, D]``: the members of the group each token would
+    close (meaningful where ``emit``; every row is computed, so no shape depends on the data)."""
     back = torch.arange(ratio - 1, -1, -1, device=latent.device)
-    member_positions = positions[rows, None] - back
-    in_call = member_positions >= chunk_start[rows, None]
-    call_rows = rows[:, None] - back
-    _check_contiguous(call_rows, in_call, member_positions, positions, state_slots, state_slots[rows])
+    member_positions = positions[:, None] - back
+    in_call = member_positions >= chunk_start[:, None]
+    call_rows = torch.arange(positions.shape[0], device=latent.device)[:, None] - back
+    if value_checks():
+        rows = emit.nonzero().squeeze(1)
+        _check_contiguous(call_rows[rows], in_call[rows], member_positions[rows], positions, state_slots,
+                          state_slots[rows])
     call_rows = call_rows.clamp(min=0)
-    ring = state[state_slots[rows, None], member_positions % state.shape[1]]
+    ring = state[state_slots[:, None], member_positions % state.shape[1]]
     in_call = in_call[..., None]
     return (torch.where(in_call, score[call_rows], ring[:, :, 0]),
             torch.where(in_call, latent[call_rows], ring[:, :, 1]))
 
 
 def _store(state, score, latent, positions, state_slots) -> None:
-    """Write each token's (score, latent) to its ring entry; the latest position of a slot wins."""
-    ring_length = state.shape[1]
-    latest = torch.full((state.shape[0],), -1, dtype=positions.dtype, device=positions.device)
-    latest = latest.scatter_reduce(0, state_slots, positions, reduce="amax")
-    kept = positions > latest[state_slots] - ring_length
-    pairs = torch.stack((score[kept], latent[kept]), dim=1)
-    state[state_slots[kept], positions[kept] % ring_length] = pairs
+    """Write each token's (score, latent) to its ring entry; the latest position of a slot wins
+    (within a call a slot's tokens are contiguous and ascending, so the latest is the last row)."""
+    num_slots, ring_length = state.shape[:2]
+    entry = state_slots * ring_length + positions % ring_length
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    winner = torch.full((num_slots * ring_length,), -1, dtype=rows.dtype, device=rows.device)
+    winner = winner.scatter_reduce(0, entry, rows, reduce="amax")[entry]
+    pairs = torch.stack((score, latent), dim=1)[winner]
+    state.view(num_slots * ring_length, *state.shape[2:]).index_copy_(0, entry, pairs)
 
 
 def _check_tokens(latent, positions, state_slots, chunk_start, ratio) -> None:
@@ -74,7 +80,7 @@ def _check_tokens(latent, positions, state_slots, chunk_start, ratio) -> None:
     for name, value in (("positions", positions), ("state_slots", state_slots), ("chunk_start", chunk_start)):
         if value.dtype != torch.int64 or tuple(value.shape) != (tokens,):
             raise ValueError(f"{name} must be int64 [{tokens}], got {value.dtype} {tuple(value.shape)}")
-    if tokens and ((chunk_start < 0).any() or (chunk_start > positions).any()):
+    if value_checks() and tokens and ((chunk_start < 0).any() or (chunk_start > positions).any()):
         raise ValueError("chunk_start must satisfy 0 <= chunk_start <= positions (the first position of "
                          "each token's sequence in this call)")
 
@@ -88,7 +94,7 @@ def _check_state(latent, score, state_slots, state, ratio) -> None:
         seen = None if state is None else f"{state.dtype} {tuple(state.shape)}"
         raise ValueError(f"ratio {ratio} needs state float32 [num_slots, L >= {ratio}, 2, {latent.shape[1]}], "
                          f"got {seen}")
-    if state_slots.numel() and (state_slots.min() < 0 or state_slots.max() >= state.shape[0]):
+    if value_checks() and state_slots.numel() and (state_slots.min() < 0 or state_slots.max() >= state.shape[0]):
         raise ValueError(f"state_slots must lie in [0, {state.shape[0]}), seen "
                          f"[{state_slots.min().item()}, {state_slots.max().item()}]")
 

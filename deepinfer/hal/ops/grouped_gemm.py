@@ -10,6 +10,7 @@ import torch
 
 from deepinfer.hal.formats import Quantized, quantize
 from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.value_checks import value_checks
 
 Operand = torch.Tensor | Quantized
 
@@ -37,32 +38,67 @@ def linear(x: Operand, weight: Operand) -> torch.Tensor:
 def grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> torch.Tensor:
     """Per-expert GEMMs over contiguous row segments: ``y[seg e] = x[seg e] @ weight[e].T``.
 
-    ``x [M, K]``, ``weight [E, N, K]``, ``group_sizes int64 [E]`` (non-negative, sum ``M``):
-    segment ``e`` is the next ``group_sizes[e]`` rows, in expert order; empty segments are
-    allowed. float32 accumulation; result ``[M, N]`` in ``x.dtype`` for plain operands, float32
-    if either is :class:`Quantized` (``x``: ``"fp8"`` data ``[M, K]``, scale ``[M, K/32]``;
+    ``x [M, K]``, ``weight [E, N, K]``, ``group_sizes int64 [E]`` (non-negative, summing to at most
+    ``M``): segment ``e`` is the next ``group_sizes[e]`` rows, in expert order; empty segments are
+    allowed. Rows after the last segment are not computed (zero here; a backend may leave
+    anything in them). float32 accumulation; result ``[M, N]`` in ``x.dtype`` for plain operands,
+    float32 if either is :class:`Quantized` (``x``: ``"fp8"`` data ``[M, K]``, scale ``[M, K/32]``;
     ``weight``: ``"fp8"`` data ``[E, N, K]`` or ``"mxfp4"`` data ``uint8 [E, N, K/2]``, scale
-    ``[E, N, K/32]``)."""
-    sizes = grouped_gemm_segments(x, weight, group_sizes)
+    ``[E, N, K/32]``). ``group_sizes`` is never read on the host (see :func:`grouped_gemm_tiled`)."""
+    check_grouped_gemm(x, weight, group_sizes)
+    rows, experts = logical_shape(x, "x", ACTIVATION_FORMATS)[0], group_sizes.shape[0]
+    tile_rows = max(1, -(-rows // max(experts, 1)))
     x_values = values(x)
-    out = torch.zeros(x_values.shape[0], logical_shape(weight, "weight", WEIGHT_FORMATS)[1], dtype=torch.float32,
-                      device=x_values.device)
-    start = 0
-    for expert, size in enumerate(sizes):
-        if size:
-            out[start:start + size] = x_values[start:start + size] @ values(expert_weight(weight, expert)).T
-            start += size
+    out = grouped_gemm_tiled(x_values, weight, group_sizes, tile_rows, lambda rows, w: rows @ values(w).T)
     return out.to(result_dtype(x, weight))
 
 
-def grouped_gemm_segments(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> list[int]:
-    """Check :func:`grouped_gemm`'s operands; returns the per-expert row counts."""
+def grouped_gemm_tiled(x: Operand, weight: Operand, group_sizes: torch.Tensor, tile_rows: int, gemm) -> torch.Tensor:
+    """float32 ``[M, N]``: :func:`grouped_gemm` as a fixed number of tiles of ``tile_rows`` rows,
+    each within one expert's segment, computed by ``gemm(x rows [tile_rows, K], expert weight)``.
+
+    Tiles follow :func:`expert_tiles`, so no shape depends on ``group_sizes``; padding rows of a
+    tile repeat a valid row and their results are dropped."""
+    rows = _rows(x)
+    n = logical_shape(weight, "weight", WEIGHT_FORMATS)[1]
+    out = torch.zeros(rows + 1, n, dtype=torch.float32, device=group_sizes.device)
+    if not rows:
+        return out[:0]
+    experts, tile_index, valid = expert_tiles(group_sizes, rows, tile_rows)
+    scratch = torch.full_like(tile_index, rows)
+    for tile in range(experts.shape[0]):
+        result = gemm(_take_rows(x, tile_index[tile]), expert_weight(weight, experts[tile:tile + 1]))
+        out.index_copy_(0, torch.where(valid[tile], tile_index[tile], scratch[tile]), result.float())
+    return out[:rows]
+
+
+def expert_tiles(group_sizes: torch.Tensor, num_rows: int, tile_rows: int):
+    """The tiles covering every expert segment: ``(expert int64 [n], rows int64 [n, tile_rows],
+    valid bool [n, tile_rows])`` with ``n = ceil(num_rows / tile_rows) + E``, an upper bound on
+    the tiles any sizes need. A tile starts at its segment's start plus a multiple of
+    ``tile_rows``; rows past the segment (or of unused tiles) are invalid and clamped into range."""
+    experts = group_sizes.shape[0]
+    sizes = group_sizes.to(torch.int64)
+    ends = torch.cumsum(sizes, 0)
+    tiles_per = (sizes + tile_rows - 1) // tile_rows
+    tile_ends = torch.cumsum(tiles_per, 0)
+    tile = torch.arange(-(-num_rows // tile_rows) + experts, device=sizes.device)
+    expert = torch.searchsorted(tile_ends, tile, right=True)
+    safe = expert.clamp(max=max(experts - 1, 0))
+    first = ends[safe] - sizes[safe] + (tile - tile_ends[safe] + tiles_per[safe]) * tile_rows
+    rows = first[:, None] + torch.arange(tile_rows, device=sizes.device)
+    valid = (expert < experts)[:, None] & (rows < ends[safe][:, None])
+    return safe, rows.clamp(0, max(num_rows - 1, 0)), valid
+
+
+def check_grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> None:
+    """Check :func:`grouped_gemm`'s operands (the sizes' values only when value checks are on)."""
     x_shape = logical_shape(x, "x", ACTIVATION_FORMATS)
     w_shape = logical_shape(weight, "weight", WEIGHT_FORMATS)
     if len(x_shape) != 2 or len(w_shape) != 3 or w_shape[2] != x_shape[1]:
         raise ValueError(f"grouped_gemm expects x [M, K] and weight [E, N, K]; got x {tuple(x_shape)}, "
                          f"weight {tuple(w_shape)}")
-    return _segment_sizes(group_sizes, num_experts=w_shape[0], num_rows=x_shape[0])
+    _check_segment_sizes(group_sizes, num_experts=w_shape[0], num_rows=x_shape[0])
 
 
 def logical_shape(operand: Operand, name: str, formats: tuple[str, ...]) -> torch.Size:
@@ -90,8 +126,14 @@ def values(operand: Operand) -> torch.Tensor:
     return operand.dequantize() if isinstance(operand, Quantized) else operand.float()
 
 
-def expert_weight(weight: Operand, expert: int) -> Operand:
-    """Expert ``expert``'s ``[N, K]`` slice of an ``[E, N, K]`` weight."""
+def expert_weight(weight: Operand, expert: int | torch.Tensor) -> Operand:
+    """Expert ``expert``'s ``[N, K]`` slice of an ``[E, N, K]`` weight; ``expert`` an int or an
+    int64 tensor of one element (selected on the device, without a host read)."""
+    if isinstance(expert, torch.Tensor):
+        if isinstance(weight, Quantized):
+            return Quantized(weight.data.index_select(0, expert)[0], weight.scale.index_select(0, expert)[0],
+                             weight.fmt, weight.block)
+        return weight.index_select(0, expert)[0]
     if isinstance(weight, Quantized):
         return Quantized(weight.data[expert], weight.scale[expert], weight.fmt, weight.block)
     return weight[expert]
@@ -103,16 +145,27 @@ def result_dtype(x: Operand, weight: Operand) -> torch.dtype:
     return torch.float32 if quantized else x.dtype
 
 
-def _segment_sizes(group_sizes: torch.Tensor, num_experts: int, num_rows: int) -> list[int]:
+def _check_segment_sizes(group_sizes: torch.Tensor, num_experts: int, num_rows: int) -> None:
     if (not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int64
             or tuple(group_sizes.shape) != (num_experts,)):
         seen = (f"{group_sizes.dtype} {tuple(group_sizes.shape)}" if isinstance(group_sizes, torch.Tensor)
                 else type(group_sizes).__name__)
         raise ValueError(f"group_sizes must be int64 [{num_experts}] (one count per expert), got {seen}")
-    sizes = group_sizes.tolist()
-    if min(sizes, default=0) < 0 or sum(sizes) != num_rows:
-        raise ValueError(f"group_sizes {sizes} must be non-negative and sum to the {num_rows} rows of x")
-    return sizes
+    if value_checks():
+        sizes = group_sizes.tolist()
+        if min(sizes, default=0) < 0 or sum(sizes) > num_rows:
+            raise ValueError(f"group_sizes {sizes} must be non-negative and sum to at most the {num_rows} rows of x")
+
+
+def _rows(operand: Operand) -> int:
+    return (operand.data if isinstance(operand, Quantized) else operand).shape[0]
+
+
+def _take_rows(operand: Operand, rows: torch.Tensor) -> Operand:
+    if isinstance(operand, Quantized):
+        return Quantized(operand.data.index_select(0, rows), operand.scale.index_select(0, rows), operand.fmt,
+                         operand.block)
+    return operand.index_select(0, rows)
 
 
 def _random_mxfp4(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> Quantized:

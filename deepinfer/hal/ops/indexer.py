@@ -5,6 +5,7 @@ import torch
 
 from deepinfer.hal.formats import cast_back
 from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.value_checks import value_checks
 
 Q_FORMATS = ("mxfp4", None)
 
@@ -13,24 +14,37 @@ def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
                    q_format: str | None = "mxfp4") -> torch.Tensor:
     """``logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])``, float32 ``[T, S]``.
 
-    ``q [T, nh, d]``, ``k [S, d]`` (the dequantized index keys), ``weights float32 [T, nh]``.
-    With ``q_format="mxfp4"`` (the model's FP4 index queries) ``q`` is first cast through MXFP4
-    (e2m1, UE8M0 scale per 32 along ``d``, so ``d % 32 == 0``); with None it is used as given."""
+    ``q [T, nh, d]``, ``weights float32 [T, nh]``; ``k`` holds the dequantized index keys, either
+    ``[S, d]`` (every query scores every key) or ``[B, S, d]`` (one key list per sequence: the
+    queries are ``T / B`` consecutive rows per sequence, and query ``t`` scores the keys of
+    sequence ``t // (T / B)``, as a decode step lays them out). With ``q_format="mxfp4"`` (the
+    model's FP4 index queries) ``q`` is first cast through MXFP4 (e2m1, UE8M0 scale per 32 along
+    ``d``, so ``d % 32 == 0``); with None it is used as given. Heads are summed in order."""
+    check_indexer_logits(q, k, weights, q_format)
+    queries = cast_back(q, "mxfp4", 32) if q_format == "mxfp4" else q.float()
+    weights = weights.float()
+    if k.dim() == 3:
+        queries, weights = queries.unflatten(0, (k.shape[0], -1)), weights.unflatten(0, (k.shape[0], -1))
+    keys = k.float().transpose(-1, -2)
+    logits = torch.zeros(*queries.shape[:-2], keys.shape[-1], dtype=torch.float32, device=q.device)
+    for head in range(q.shape[1]):  # head by head: memory [T, S], not [T, nh, S]
+        logits.addcmul_(torch.relu(queries[..., head, :] @ keys), weights[..., head, None])
+    return logits.reshape(q.shape[0], k.shape[-2])
+
+
+def check_indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_format: str | None) -> None:
+    """Raise a clear error unless the arguments fit :func:`indexer_logits`'s contract."""
     if q_format not in Q_FORMATS:
         raise ValueError(f"q_format must be one of {Q_FORMATS}, got {q_format!r}")
-    if q.ndim != 3 or k.ndim != 2 or k.shape[1] != q.shape[2]:
-        raise ValueError(f"indexer_logits expects q [T, nh, d] and k [S, d]; got q {tuple(q.shape)}, "
+    if q.ndim != 3 or k.ndim not in (2, 3) or k.shape[-1] != q.shape[2]:
+        raise ValueError(f"indexer_logits expects q [T, nh, d] and k [S, d] or [B, S, d]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
+    if k.ndim == 3 and (k.shape[0] == 0 or q.shape[0] % k.shape[0]):
+        raise ValueError(f"k [B={k.shape[0]}, S, d] needs the T={q.shape[0]} queries to split into B equal runs")
     if weights.shape != q.shape[:2]:
         raise ValueError(f"weights must be [T, nh] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
     if q_format == "mxfp4" and q.shape[2] % 32:
         raise ValueError(f"q_format 'mxfp4' quantizes d in blocks of 32; d={q.shape[2]} is not a multiple")
-    queries = cast_back(q, "mxfp4", 32) if q_format == "mxfp4" else q.float()
-    keys, weights = k.float().t(), weights.float()
-    logits = torch.zeros(q.shape[0], k.shape[0], dtype=torch.float32, device=q.device)
-    for head in range(q.shape[1]):  # head by head: memory [T, S], not [T, nh, S]
-        logits.addcmul_(torch.relu(queries[:, head] @ keys), weights[:, head, None])
-    return logits
 
 
 def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,7 +77,7 @@ def _check_windows(logits, starts, lengths, k) -> None:
     for name, value in (("starts", starts), ("lengths", lengths)):
         if value.dtype != torch.int64 or tuple(value.shape) != (tokens,):
             raise ValueError(f"{name} must be int64 [{tokens}], got {value.dtype} {tuple(value.shape)}")
-    if tokens and ((starts < 0).any() or (lengths < 0).any() or (starts + lengths > width).any()):
+    if value_checks() and tokens and ((starts < 0).any() or (lengths < 0).any() or (starts + lengths > width).any()):
         raise ValueError(f"each window starts[t] .. starts[t] + lengths[t] - 1 must lie in the {width} "
                          f"columns of logits (non-negative starts and lengths)")
 
@@ -74,6 +88,16 @@ def _logits_case(tokens, heads, dim, keys, q_format="mxfp4", dtype=torch.float32
                 "k": torch.randn(keys, dim, generator=gen).to(device, dtype),
                 "weights": (heads ** -0.5 * torch.randn(tokens, heads, generator=gen)).to(device),
                 "q_format": q_format}
+    return make
+
+
+def _batched_logits_case(seqs, queries_per_seq, heads, dim, keys, dtype=torch.float32):
+    def make(gen: torch.Generator, device: torch.device):
+        tokens = seqs * queries_per_seq
+        return {"q": torch.randn(tokens, heads, dim, generator=gen).to(device, dtype),
+                "k": torch.randn(seqs, keys, dim, generator=gen).to(device, dtype),
+                "weights": (heads ** -0.5 * torch.randn(tokens, heads, generator=gen)).to(device),
+                "q_format": "mxfp4"}
     return make
 
 
@@ -104,6 +128,11 @@ register(OpSpec(
         OpCase("v41_prefill", _logits_case(16, 64, 128, 2048), "real"),
         OpCase("tiny_bf16", _logits_case(5, 3, 64, 200, dtype=torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_prefill_bf16", _logits_case(16, 64, 128, 2048, dtype=torch.bfloat16), "real",
+               dtype=torch.bfloat16),
+        OpCase("tiny_per_sequence", _batched_logits_case(3, 2, 2, 32, 5)),
+        OpCase("tiny_per_sequence_bf16", _batched_logits_case(4, 1, 3, 64, 130, dtype=torch.bfloat16),
+               dtype=torch.bfloat16),
+        OpCase("v41_decode_bf16", _batched_logits_case(8, 6, 64, 128, 1024, dtype=torch.bfloat16), "real",
                dtype=torch.bfloat16),
     ),
 ))

@@ -11,6 +11,7 @@ import torch
 
 from deepinfer.hal.formats import TOKEN_FORMATS, TokenFormat, decode_tokens, encode_tokens, token_format
 from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.value_checks import value_checks
 
 
 def kv_store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -24,9 +25,24 @@ def kv_store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, fmt: str
     if x.dim() != 2 or x.shape != (slots.shape[0], spec.dim) or not x.is_floating_point():
         raise ValueError(f"x must be a float tensor [n={slots.shape[0]}, dim={spec.dim}] for format "
                          f"{fmt!r}, got {x.dtype} {tuple(x.shape)}")
-    keep = slots >= 0
-    rows[slots[keep]] = encode_tokens(x[keep], fmt)
+    if slots.numel():
+        store_rows(rows, slots, encode_tokens(x.contiguous(), fmt))
     return cache
+
+
+def store_rows(dest: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``dest[index[i]] = values[i]`` for every ``i`` with ``index[i] >= 0`` (kept indices distinct),
+    without a host sync: a skipped row writes the first kept row's value to that row's
+    destination (or, when no row is kept, row 0's own value back to row 0), so every destination
+    written receives exactly one value."""
+    if not index.numel():
+        return
+    keep = index >= 0
+    first = keep.int().argmax().view(1)
+    any_kept = keep.any()
+    target = torch.where(keep, index, torch.where(any_kept, index.index_select(0, first), 0))
+    fill = torch.where(any_kept, values.index_select(0, first), dest[:1])
+    dest.index_copy_(0, target, torch.where(keep.view(-1, *[1] * (values.dim() - 1)), values, fill))
 
 
 def kv_load(cache: torch.Tensor, slots: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -55,7 +71,7 @@ def cache_rows(cache: torch.Tensor, spec: TokenFormat) -> torch.Tensor:
 def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
     if slots.dim() != 1 or slots.dtype != torch.int64:
         raise ValueError(f"slots must be int64 [n], got {slots.dtype} {tuple(slots.shape)}")
-    if slots.numel() and (slots.min() < -1 or slots.max() >= num_slots):
+    if value_checks() and slots.numel() and (slots.min() < -1 or slots.max() >= num_slots):
         raise ValueError(f"slots must lie in [0, {num_slots}) or be -1 (skip); got values in "
                          f"[{slots.min().item()}, {slots.max().item()}]")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.value_checks import value_checks
 
 CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT = 0, 1, 2
 SEED_NAMESPACE_TARGET = 0
@@ -85,10 +86,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     z = logits.float() / temperature.float().clamp_min(MIN_TEMPERATURE)[:, None]
     keep = _top_k_mask(z, top_k)
     keep &= _top_p_mask(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
-    greedy = temperature == 0
-    if bool(greedy.any()):
-        first_max = torch.nn.functional.one_hot(z.argmax(dim=-1), z.shape[1]).bool()
-        keep = torch.where(greedy[:, None], first_max, keep)
+    first_max = torch.zeros_like(keep).scatter_(1, z.argmax(dim=-1, keepdim=True), True)
+    keep = torch.where((temperature == 0)[:, None], first_max, keep)
     logprobs = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
     return fixed_point_draw(logprobs.exp(), seeds, positions, case), logprobs
 
@@ -132,9 +131,9 @@ def _check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case
             kind = "an int64" if integer else "a float"
             raise ValueError(f"{name} must be {kind} tensor of shape [N={rows}], got {tensor.dtype} "
                              f"of shape {tuple(tensor.shape)}")
-    if not bool((temperature >= 0).all()):
+    if value_checks() and not bool((temperature >= 0).all()):
         raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
-    if not bool(((top_p > 0) & (top_p <= 1)).all()):
+    if value_checks() and not bool(((top_p > 0) & (top_p <= 1)).all()):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p.tolist()}")
     if case not in (CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT):
         raise ValueError(f"case must be 0 (sample), 1 (resample) or 2 (accept), got {case}")

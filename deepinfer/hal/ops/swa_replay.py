@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.value_checks import value_checks
 
 
 def swa_ring_slots(state_slots: torch.Tensor, positions: torch.Tensor, ring_size: int) -> torch.Tensor:
@@ -53,11 +54,8 @@ def swa_prefill_indices(positions: torch.Tensor, chunk_start: torch.Tensor, hist
     _check_index_vectors(positions=positions, chunk_start=chunk_start, history_offset=history_offset,
                          chunk_offset=chunk_offset, visible_start=visible_start)
     _check_positive(window=window)
-    before_chunk = (positions < chunk_start).nonzero()
-    if before_chunk.numel():
-        row = before_chunk[0, 0].item()
-        raise ValueError(f"every query position must be >= its chunk_start; row {row} has position "
-                         f"{positions[row].item()} < chunk_start {chunk_start[row].item()}")
+    if value_checks():
+        _check_after_chunk_start(positions, chunk_start)
     key_positions = _window_key_positions(positions, window)
     start, history, chunk = chunk_start.unsqueeze(1), history_offset.unsqueeze(1), chunk_offset.unsqueeze(1)
     rows = torch.where(key_positions >= start, chunk + (key_positions - start),
@@ -103,6 +101,14 @@ def _check_index_vectors(**vectors: torch.Tensor | None) -> None:
     if len(lengths) > 1:
         shapes = {name: tuple(v.shape) for name, v in vectors.items() if v is not None}
         raise ValueError(f"per-row vectors must have one length; got {shapes}")
+
+
+def _check_after_chunk_start(positions: torch.Tensor, chunk_start: torch.Tensor) -> None:
+    before_chunk = (positions < chunk_start).nonzero()
+    if before_chunk.numel():
+        row = before_chunk[0, 0].item()
+        raise ValueError(f"every query position must be >= its chunk_start; row {row} has position "
+                         f"{positions[row].item()} < chunk_start {chunk_start[row].item()}")
 
 
 def _check_positive(**values: int) -> None:

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from deepinfer.hal.spec import OpCase, OpSpec, Tolerance, register
+from deepinfer.hal.value_checks import value_checks
 
 NEG_INF_BITS = -8388608
 """0xFF800000 as int32: the bit pattern of float32 -inf."""
@@ -39,7 +40,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     grammar masks being mostly extreme, the work follows the mask: a row with few disallowed
     tokens (at most 1/8 of its words not all-ones) writes ``-inf`` at those tokens only; a row
     with few allowed tokens keeps those values and fills the rest; any other row adds ``0.0`` or
-    ``-inf`` to every logit."""
+    ``-inf`` to every logit. Where reading the mask on the host would cost a device sync (off a
+    CPU, or inside an engine step: value checks off) every row takes that dense path."""
     _check(logits, bitmask, rows)
     if not bitmask.shape[0]:
         return logits
@@ -53,6 +55,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     device = logits.device
     bitmask = bitmask.to(device)
     rows = torch.arange(bitmask.shape[0], device=device) if rows is None else rows.to(device)
+    if device.type != "cpu" or not value_checks():
+        _mask_dense(logits, bitmask, rows)
+        return logits
     has_banned, has_allowed = bitmask != -1, bitmask != 0
     words = bitmask.shape[1]
     few_banned = has_banned.sum(1) * SPARSE_SHARE <= words
@@ -167,7 +172,7 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | Non
     if rows.ndim != 1 or rows.shape[0] != bitmask.shape[0] or rows.dtype != torch.int64:
         raise ValueError(f"rows must be int64 [{bitmask.shape[0]}] (one logits row per mask); got {rows.dtype} "
                          f"{tuple(rows.shape)}")
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]
+    if value_checks() and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]
                          or rows.unique().numel() != rows.numel()):
         raise ValueError(f"rows must be distinct logits rows in [0, {logits.shape[0]}); got {rows.tolist()}")
 

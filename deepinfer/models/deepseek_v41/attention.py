@@ -82,13 +82,10 @@ class Attention(nn.Module):
         score = comp.wgate(source).float() if comp.wgate is not None else None
         packed, emit = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
                                            ctx.chunk_start_of_token, cache.compress_state, self.ratio)
-        rows = emit.nonzero().squeeze(1)
-        if rows.numel() == 0:
-            return
-        keys = packed[rows].to(latent.dtype)
-        index = (ctx.positions[rows] + 1) // self.ratio - 1
-        key_pos = index * self.ratio
-        slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token[rows], index)
+        keys = packed.to(latent.dtype)  # every row: the ones that do not close a group are not stored
+        index = (ctx.positions + 1) // self.ratio - 1
+        key_pos = (index * self.ratio).clamp(min=0)
+        slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token, index.masked_fill(~emit, -1))
         ops.kv_norm_rope_store(keys, comp.norm.weight, comp.norm.eps, key_pos, cos_sin, cache.compressed, slots,
                                self.cfg.compressed_cache_format)
         pre_rope, k_norm = comp.norm(keys), self.indexer.k_norm  # the indexer projects the keys before RoPE
@@ -103,23 +100,38 @@ class Attention(nn.Module):
                                            cache.swa_ring, slots, self.cfg.swa_cache_format)
 
     def _compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
-        """Flat cache rows of every sequence's compressed tokens, and each sequence's first row."""
+        """Flat cache rows of every sequence's compressed tokens (``-1``: none), and each
+        sequence's first row among them. A decode step lays each sequence out in full
+        (``block table width x tokens per block`` rows, the ones past its count ``-1``), so no
+        shape depends on the lengths; other steps pack the lengths the host knows."""
         counts = ctx.context_lens // self.ratio
-        seq = torch.repeat_interleave(torch.arange(ctx.num_seqs, device=counts.device), counts)
+        if ctx.decode:
+            per_seq = ctx.block_tables.shape[1] * cache.tokens_per_block
+            index = torch.arange(per_seq, device=counts.device).expand(ctx.num_seqs, per_seq)
+            seq = torch.arange(ctx.num_seqs, device=counts.device)[:, None].expand_as(index)
+            index = index.masked_fill(index >= counts[:, None], -1)
+            return cache.compressed_slots(ctx.block_tables, seq, index).reshape(-1), seq[:, 0] * per_seq
+        total = sum(n // self.ratio for n in ctx.context_lens_host)
+        seq = torch.repeat_interleave(torch.arange(ctx.num_seqs, device=counts.device), counts, output_size=total)
         first = torch.cat((counts.new_zeros(1), counts.cumsum(0)[:-1]))
-        index = torch.arange(seq.numel(), device=counts.device) - first[seq]
+        index = torch.arange(total, device=counts.device) - first[seq]
         return cache.compressed_slots(ctx.block_tables, seq, index), first
 
     def _select_compressed(self, q_a, hidden, ctx, cache, cos_sin) -> torch.Tensor:
-        """Logical indices of the compressed keys each query attends to (-1 padding)."""
+        """Offsets of the compressed keys each query attends to among its sequence's (-1 padding).
+        A decode step scores each sequence's own keys only (per-sequence index keys)."""
         ops, idx = self.ops, self.indexer
         q = ops.apply_rope(idx.wq_b(q_a).view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
         weights = idx.weights_proj(hidden).float() * (idx.heads * INDEX_HEAD_DIM) ** -0.5
         key_slots, first = self._compressed_keys(ctx, cache)
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
-        logits = ops.indexer_logits(q, keys, weights)
         visible = (ctx.positions + 1) // self.ratio
-        return ops.indexer_topk(logits, first[ctx.seq_of_token], visible, self.cfg.index_topk)
+        if ctx.decode:
+            keys = keys.view(ctx.num_seqs, -1, INDEX_HEAD_DIM)
+            starts = torch.zeros_like(visible)
+        else:
+            starts = first[ctx.seq_of_token]
+        return ops.indexer_topk(ops.indexer_logits(q, keys, weights), starts, visible, self.cfg.index_topk)
 
     def _attend_prefill(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
         ops, cfg = self.ops, self.cfg

@@ -28,25 +28,9 @@ def check_keep_tokens(keep_tokens: int, cfg: DeepseekV41Config) -> None:
                          f"{need}; raise it or set engine.bounded_replay.mode=off")
 
 
-def replay_starts(prompt_lens: list[int], keep_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``int64 [B]``: the first position each prompt's consumer layers process and see."""
-    return (torch.tensor(prompt_lens, dtype=torch.long, device=device) - keep_tokens).clamp(min=0)
-
-
-def consumer_rows(ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (ascending) the consumer layers compute under bounded replay, and their count per
-    sequence: the chunk's positions at or after ``ctx.replay_start``, else its last row."""
-    start = ctx.replay_start
-    if start is None or start.dtype != torch.int64 or tuple(start.shape) != (ctx.num_seqs,):
-        got = None if start is None else f"{start.dtype} {tuple(start.shape)}"
-        raise ValueError(f"bounded replay needs ctx.replay_start as int64 [num_seqs={ctx.num_seqs}], got {got}")
-    ends = ctx.context_lens.long()
-    first = torch.minimum(torch.maximum(start, ctx.chunk_start), ends - 1)
-    counts = torch.minimum(ends - first, ctx.query_lens.long())
-    seq = torch.repeat_interleave(torch.arange(ctx.num_seqs, device=counts.device), counts)
-    before = counts.cumsum(0) - counts
-    offset = torch.arange(seq.numel(), device=counts.device) - before[seq]
-    return (ctx.query_start[1:] - counts)[seq] + offset, counts
+def replay_starts(prompt_lens: list[int], keep_tokens: int) -> list[int]:
+    """The first position each prompt's consumer layers process and see."""
+    return [max(0, n - keep_tokens) for n in prompt_lens]
 
 
 def enter_consumer_half(layer, residual: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext,
@@ -54,31 +38,31 @@ def enter_consumer_half(layer, residual: torch.Tensor, pre: torch.Tensor | None,
     """Called before the first consumer ``layer`` when ``ctx.replay_start`` is set.
 
     Returns the context the consumer half runs on and ``keep``, which gathers any per-row tensor
-    (or None) to its rows. Under ``compact`` (unless every row is kept) the YOCO shared hidden is
-    taken here on the full layout (``residual``, with the attention input mix ``pre``) and put in
-    ``yoco`` with ``ctx``, so consumer compressed KV and index K are still stored for every token."""
-    rows, counts = consumer_rows(ctx)
-    logits_rows = _logits_rows(ctx, rows)
-    if not ctx.replay_compact or rows.numel() == ctx.num_tokens:
+    (or None) to its rows. Under ``compact`` (unless every row is kept; a decode step always
+    keeps every row) the YOCO shared hidden is taken here on the full layout (``residual``, with
+    the attention input mix ``pre``) and put in ``yoco`` with ``ctx``, so consumer compressed KV
+    and index K are still stored for every token. The compact rows come from the host
+    (``ctx.consumer``), so nothing here reads the device."""
+    start = ctx.replay_start
+    if start is None or start.dtype != torch.int64 or tuple(start.shape) != (ctx.num_seqs,):
+        got = None if start is None else f"{start.dtype} {tuple(start.shape)}"
+        raise ValueError(f"bounded replay needs ctx.replay_start as int64 [num_seqs={ctx.num_seqs}], got {got}")
+    if not ctx.replay_compact or ctx.decode:
         return ctx, lambda tensor: tensor
+    consumer = ctx.consumer
+    if consumer is None:
+        raise ValueError("compact bounded replay needs the consumer rows laid out on the host: build the context "
+                         "with ForwardContext.for_sequences(..., replay_starts=..., replay_compact=True)")
+    if consumer.rows.numel() == ctx.num_tokens:
+        return ctx, lambda tensor: tensor
+    rows = consumer.rows
     hc = layer.hc_attn
     mix = pre if pre is not None else hc.mixes(residual)[0]
     yoco.shared_hidden, yoco.shared_ctx = layer.attn_norm(hc.ops.mhc_pre(residual, mix)), ctx
+    seq_of_token = ctx.seq_of_token[rows]
     view = dataclasses.replace(ctx, input_ids=ctx.input_ids[rows], positions=ctx.positions[rows],
-                               query_lens=counts, logits_indices=logits_rows)
+                               query_lens=consumer.counts, logits_indices=consumer.logits_indices,
+                               seq_of_token=seq_of_token, query_start=consumer.query_start,
+                               chunk_start=consumer.chunk_start, chunk_start_of_token=consumer.chunk_start[seq_of_token],
+                               slot_of_token=ctx.slot_of_token[rows], consumer=None)
     return view, lambda tensor: None if tensor is None else tensor[rows]
-
-
-def _logits_rows(ctx: ForwardContext, rows: torch.Tensor) -> torch.Tensor:
-    """Where ``ctx.logits_indices`` fall among ``rows``; refuses rows the consumers skip."""
-    wanted = ctx.logits_indices.long()
-    at = torch.searchsorted(rows, wanted).clamp(max=max(rows.numel() - 1, 0))
-    missing = (rows[at] != wanted).nonzero() if rows.numel() else torch.arange(wanted.numel())
-    if missing.numel():
-        row = int(wanted[missing.flatten()[0]])
-        seq = int(ctx.seq_of_token[row])
-        raise ValueError(f"logits of row {row} (position {int(ctx.positions[row])} of sequence {seq}) were asked "
-                         f"for, but under bounded replay the consumer layers only process positions >= "
-                         f"replay_start {int(ctx.replay_start[seq])} and each chunk's last row; ask for those "
-                         f"rows only (prompt logprobs need engine.bounded_replay.mode=off)")
-    return at

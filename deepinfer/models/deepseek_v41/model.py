@@ -7,6 +7,7 @@ from torch import nn
 from deepinfer.hal.ops.rope import YarnScaling, rope_cos_sin, rope_inv_freq
 from deepinfer.hal.registry import OpTable
 from deepinfer.hal.spec import Tolerance
+from deepinfer.hal.value_checks import value_checks
 from deepinfer.models.deepseek_v41.block import Block, YocoState
 from deepinfer.models.deepseek_v41.bounded_replay import enter_consumer_half
 from deepinfer.models.deepseek_v41.cache import ModelCaches
@@ -25,7 +26,7 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.weight.shape[0]):
+        if value_checks() and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.weight.shape[0]):
             raise ValueError(f"token ids must be in [0, {self.weight.shape[0]}), got range "
                              f"[{int(ids.min())}, {int(ids.max())}]")
         return self.weight[ids]
@@ -63,7 +64,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return ModelCaches.allocate(self.cfg, num_blocks, num_state_slots, self.embed.weight.device)
 
     def forward(self, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
-        if ctx.num_tokens and int(ctx.positions.max()) >= self.max_model_len:
+        if value_checks() and ctx.num_tokens and int(ctx.positions.max()) >= self.max_model_len:
             raise ValueError(f"position {int(ctx.positions.max())} is beyond max_model_len {self.max_model_len}")
         streams = self.cfg.hc_mult
         x = self.embed(ctx.input_ids)
@@ -89,8 +90,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         hidden = self.norm(self.ops.mhc_pre(residual, pre))
         return self.head(hidden).float()
 
-
-
     def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
         """Store every draft layer's main keys (from the mean-over-streams target features) in its
         own SWA ring at the target tokens' positions."""
@@ -98,10 +97,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         if not self.mtp:
             raise ValueError("write_draft_cache needs a model with DSpark draft layers (num_nextn_predict_layers > 0)")
         recent = ctx.positions >= ctx.context_lens[ctx.seq_of_token] - ring
-        positions = ctx.positions[recent]
-        slots = self.ops.swa_ring_slots(ctx.slot_of_token[recent], positions, ring)
+        slots = self.ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring).masked_fill(~recent, -1)
         for block, cache in zip(self.mtp, caches.draft_layers):
-            block.store_main_keys(features[recent], positions, self.rope_swa, cache, slots)
+            block.store_main_keys(features, ctx.positions, self.rope_swa, cache, slots)
 
     def draft_forward(self, ctx: ForwardContext, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
         """One parallel DSpark pass over each sequence's block ``[golden, noise, ...]``.
