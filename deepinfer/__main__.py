@@ -4,6 +4,9 @@ Composes ``configs/config.yaml`` (the tree and schema :func:`deepinfer.config.co
 uses), turns it into an :class:`~deepinfer.config.schema.AppConfig` and runs its ``task``."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
@@ -22,11 +25,38 @@ def main(cfg: DictConfig) -> None:
     app = to_app_config(cfg)
     if app.task not in TASKS:
         raise SystemExit(f"task={app.task!r} is not available yet; tasks: {list(TASKS)}")
-    from deepinfer.engine.llm import run_app
+    run_app(app)
 
-    exit_code = run_app(app)
-    if exit_code:
-        raise SystemExit(exit_code)
+
+def run_app(app) -> None:
+    """The generate task: read prompts, generate, print the results (and write them to
+    ``output_file`` when given)."""
+    if app.task != "generate":
+        raise ValueError(f"task={app.task!r} is not implemented yet; only task=generate exists")
+    from deepinfer.engine.llm import LLM
+
+    prompts = read_prompts(app)
+    llm = LLM.from_config(app)
+    if llm.random_weights:
+        print(f"NOTE: model {app.model.name!r} has random weights (no model.checkpoint), so the generated "
+              f"text is noise; model=tiny is the trained default.")
+    outputs = llm.generate(prompts)
+    print("\n".join(f"--- prompt {out.request_id}: {out.prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, "
+                    f"finish: {out.finish_reason}]" for out in outputs))
+    if app.output_file:
+        Path(app.output_file).write_text(json.dumps([out.__dict__ for out in outputs], indent=2))
+
+
+def read_prompts(app) -> list[str]:
+    """``prompts_file`` (one prompt per non-empty line) or ``prompt``."""
+    if app.prompts_file:
+        prompts = [line for line in Path(app.prompts_file).read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"prompts_file={app.prompts_file!r} holds no prompts (one per line)")
+        return prompts
+    if app.prompt:
+        return [app.prompt]
+    raise ValueError('give prompt="..." or prompts_file=path (one prompt per line)')
 
 
 if __name__ == "__main__":

@@ -172,7 +172,15 @@ class EngineConfig:
     prefill_chunk_tokens: int = 256
     """Longest prefill chunk of one sequence in a step."""
     num_kv_blocks: Optional[int] = None
-    """Paged KV blocks (128 tokens each) to allocate; None sizes them from max_num_seqs and max_model_len."""
+    """Paged KV blocks to allocate; None sizes them: from a profiled worst-case step and
+    gpu_memory_utilization on a GPU, from max_num_seqs and max_model_len on the CPU."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory the engine may fill (weights, activations, graphs, KV cache)."""
+    cuda_graphs: Optional[bool] = None
+    """Replay decode, verify and draft steps from CUDA graphs captured at start-up, per padded
+    batch size; None: on for CUDA devices. false runs the same padded steps eagerly
+    (debugging; the same tokens); true on the CPU runs them eagerly too (the CPU's default
+    runs each step at its own size)."""
     seed: int = 0
     """Seed of weight initialisation and of per-request seeds not given."""
     use_tqdm: bool = True
@@ -195,6 +203,8 @@ class EngineConfig:
                  f"must be <= engine.max_num_batched_tokens ({self.max_num_batched_tokens})")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "engine.num_kv_blocks",
                  self.num_kv_blocks, "must be null (sized automatically) or >= 1")
+        _require(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization,
+                 "must lie in (0, 1]")
 
 
 @dataclass

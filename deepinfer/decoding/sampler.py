@@ -1,10 +1,17 @@
-"""Turning a step's logits into emitted tokens: plain sampling, or DSpark verification."""
+"""Turning a step's logits into emitted tokens: plain sampling, or DSpark verification.
+
+All of it runs on the device: the step's sampling parameters go up in one transfer, and the
+chosen tokens, acceptance flags, exact acceptance chances and asked-for log-probabilities come
+back in one copy."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from deepinfer.engine.device import Runtime
+from deepinfer.hal.ops.sampling import as_int64
 from deepinfer.hal.ops.speculative import acceptance_probability
 from deepinfer.hal.registry import OpTable
 
@@ -21,7 +28,8 @@ class Emission:
     calibration_errors: list[float] = field(default_factory=list)
 
 
-def emit(ops: OpTable, chunks, logits: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Emission]:
+def emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor,
+         masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Emission]:
     """``logits`` holds, for each sampling chunk in order, one row per verified draft plus the
     final row. Draws are keyed by (seed, position of the emitted token), so they do not depend
     on the rest of the batch. ``masks`` (grammar bitmasks and their rows) are applied first, so
@@ -32,53 +40,65 @@ def emit(ops: OpTable, chunks, logits: torch.Tensor, masks: tuple[torch.Tensor, 
     device = logits.device
     if masks is not None:
         logits = ops.apply_token_bitmask(logits, masks[0].to(device), masks[1].to(device))
+    count = len(rows)
     params = [chunk.request.params for chunk, _ in rows]
     first_row = {id(chunk): chunk.start + len(chunk.token_ids) - len(chunk.drafts) for chunk in chunks}
-    positions = torch.tensor([first_row[id(chunk)] + j for chunk, j in rows], dtype=torch.int64, device=device)
-    seeds = torch.tensor([_as_int64(chunk.request.seed) for chunk, _ in rows], dtype=torch.int64, device=device)
-    fresh, target = ops.sample(
-        logits,
-        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-        seeds, positions)
-    verify = [i for i, (chunk, j) in enumerate(rows) if j < len(chunk.drafts)]
-    accepted, resampled, exact = {}, {}, {}
+    draft_ids = [chunk.drafts[j] if j < len(chunk.drafts) else -1 for chunk, j in rows]
+    verify = [i for i, d in enumerate(draft_ids) if d >= 0]
+    host = np.concatenate([
+        np.asarray([first_row[id(chunk)] + j for chunk, j in rows], dtype=np.int64),
+        np.asarray([as_int64(chunk.request.seed) for chunk, _ in rows], dtype=np.int64),
+        np.asarray([p.top_k for p in params], dtype=np.int64),
+        np.asarray(draft_ids, dtype=np.int64),
+        np.asarray([p.temperature for p in params], dtype=np.float64).view(np.int64),
+        np.asarray([p.top_p for p in params], dtype=np.float64).view(np.int64),
+        np.asarray(verify, dtype=np.int64)])
+    moved = runtime.upload(host)
+    positions, seeds, top_k, drafts = moved[:4 * count].view(4, count)
+    temperature, top_p = moved[4 * count:6 * count].view(torch.float64).float().view(2, count)
+    index = moved[6 * count:]
+    fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions)
+    tokens = fresh
+    accepted = torch.zeros(count, dtype=torch.bool, device=device)
+    exact = torch.zeros(count, dtype=torch.float64, device=device)
     if verify:
-        index = torch.tensor(verify, device=device)
-        draft_ids = torch.tensor([rows[i][0].drafts[rows[i][1]] for i in verify], dtype=torch.int64, device=device)
         draft_logprobs = torch.stack([rows[i][0].request.draft_logprobs[rows[i][1]] for i in verify]).to(device)
-        ok, again = ops.speculative_accept(target[index], draft_logprobs, draft_ids, seeds[index], positions[index])
-        probabilities = acceptance_probability(target[index], draft_logprobs).tolist()
-        for k, i in enumerate(verify):
-            accepted[i], resampled[i], exact[i] = bool(ok[k]), int(again[k]), probabilities[k]
-    fresh_ids = fresh.tolist()
+        ok, again = ops.speculative_accept(target[index], draft_logprobs, drafts[index], seeds[index], positions[index])
+        tokens = tokens.index_put((index,), torch.where(ok, drafts[index], again))
+        accepted = accepted.index_put((index,), ok)
+        exact = exact.index_put((index,), acceptance_probability(target[index], draft_logprobs))
+    columns = [tokens.double(), accepted.double(), exact, target.gather(1, tokens[:, None])[:, 0].double()]
+    top = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=0)
+    if top:
+        values, ids = target.topk(top, dim=-1)
+        columns += [values.double().T, ids.double().T]
+    result = runtime.download(torch.cat([c.reshape(-1, count) for c in columns]))
+    return _emissions(chunks, result.numpy(), top)
+
+
+def _emissions(chunks, result: np.ndarray, top: int) -> list[Emission]:
+    tokens, accepted, exact, chosen = result[0].astype(np.int64), result[1] > 0, result[2], result[3]
+    values, ids = result[4:4 + top], result[4 + top:4 + 2 * top].astype(np.int64)
     out, row = [], 0
     for chunk in chunks:
         drafts, count = chunk.drafts, chunk.request.params.logprobs
         emission = Emission([], [], drafted=len(drafts))
-        emission.calibration_errors = [abs(exact[row + j] - c)
+        emission.calibration_errors = [abs(float(exact[row + j]) - c)
                                        for j, c in enumerate(chunk.request.draft_confidences[:len(drafts)])]
         for j in range(len(drafts) + 1):
             i = row + j
-            verified = j < len(drafts) and accepted[i]
-            token = drafts[j] if verified else resampled[i] if j < len(drafts) else fresh_ids[i]
+            verified = j < len(drafts) and bool(accepted[i])
+            token = int(tokens[i])
             emission.accepted += verified
             emission.tokens.append(token)
-            emission.logprobs.append(_top_logprobs(target[i], token, count) if count is not None else None)
+            if count is None:
+                emission.logprobs.append(None)
+            else:
+                logprobs = {int(ids[n, i]): float(values[n, i]) for n in range(count)}
+                logprobs[token] = float(chosen[i])
+                emission.logprobs.append(logprobs)
             if not verified:
                 break
         out.append(emission)
         row += len(drafts) + 1
-    return out
-
-
-def _as_int64(seed: int) -> int:
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
-
-
-def _top_logprobs(row: torch.Tensor, chosen: int, count: int) -> dict[int, float]:
-    values, ids = row.topk(count) if count else (row[:0], row[:0].long())
-    out = {int(i): float(v) for i, v in zip(ids, values)}
-    out[chosen] = float(row[chosen])
     return out

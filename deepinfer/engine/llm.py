@@ -2,26 +2,27 @@
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import random
 import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from deepinfer.decoding.dspark import DSpark
+from deepinfer.decoding.sampler import emit
+from deepinfer.decoding.structured import GrammarService, step_bitmasks
+from deepinfer.engine.device import make_runtime
 from deepinfer.engine.kv_manager import KVManager
+from deepinfer.engine.kv_sizing import plan_kv_blocks
+from deepinfer.engine.output_processor import OutputProcessor, request_output
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.runner import ModelRunner
-from deepinfer.decoding.dspark import DSpark
-from deepinfer.decoding.sampler import Emission, emit
-from deepinfer.decoding.structured import GrammarService, step_bitmasks
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Batch, Scheduler
 from deepinfer.hal.registry import OpTable
-from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
-from deepinfer.models.deepseek_v41.bounded_replay import check_keep_tokens
 from deepinfer.models.registry import build_model, resolve_checkpoint
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
 
@@ -48,34 +49,43 @@ class LLM:
     def _setup(self, app) -> None:
         _refuse_unfinished_features(app)
         self.config = app
+        engine, decoding = app.engine, app.decoding
         self.ops = OpTable(app.backend.name, app.backend.fallback, dict(app.backend.overrides),
-                           batch_invariant=app.engine.batch_invariant)
-        device = torch.device(app.backend.device)
-        self.model, self.random_weights = build_model(app.model, self.ops, device, app.engine.seed)
+                           batch_invariant=engine.batch_invariant)
+        self.runtime = make_runtime(torch.device(app.backend.device))
+        before = self.runtime.allocated()
+        self.model, self.random_weights = build_model(app.model, self.ops, self.runtime.device, engine.seed)
+        weight_bytes = self.runtime.allocated() - before
         cfg = self.model.cfg
-        if app.engine.bounded_replay.mode != "off":
-            check_keep_tokens(app.engine.bounded_replay.keep_tokens, cfg)
-        self.max_model_len = app.model.max_model_len
+        if engine.bounded_replay.mode != "off":
+            self.model.check_bounded_replay(engine.bounded_replay.keep_tokens)
+        self.max_model_len = self.model.max_model_len
         self.tokenizer = load_tokenizer(resolve_checkpoint(app.model.checkpoint), cfg.vocab_size,
                                         cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-        per_seq = math.ceil(self.max_model_len / PAGE_TOKENS)
-        num_blocks = app.engine.num_kv_blocks or 1 + app.engine.max_num_seqs * per_seq
-        if num_blocks - 1 < per_seq:
-            raise ValueError(f"engine.num_kv_blocks={num_blocks} cannot hold one sequence of max_model_len "
-                             f"{self.max_model_len} ({per_seq} blocks of {PAGE_TOKENS} plus the padding block)")
-        kv = KVManager(num_blocks, app.engine.max_num_seqs + 1)
-        self.scheduler = Scheduler(kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens,
-                                   app.engine.prefill_chunk_tokens, whole_verify=app.engine.batch_invariant)
-        decoding = app.decoding
-        self.runner = ModelRunner(self.model, self.ops, num_blocks, app.engine.max_num_seqs + 1, device,
-                                  write_draft_cache=decoding.num_draft_tokens > 0,
-                                  bounded_replay=app.engine.bounded_replay)
+        graphs = engine.cuda_graphs if engine.cuda_graphs is not None else self.runtime.supports_graphs
+        padded = graphs or self.runtime.supports_graphs
+        graphs = graphs and self.runtime.supports_graphs
+        num_blocks = plan_kv_blocks(self.model, self.ops, self.runtime, engine, decoding.num_draft_tokens, graphs,
+                                    weight_bytes)
+        kv = KVManager(num_blocks, engine.max_num_seqs + 1, self.model.page_tokens)
+        self.scheduler = Scheduler(kv, engine.max_num_seqs, engine.max_num_batched_tokens,
+                                   engine.prefill_chunk_tokens, whole_verify=engine.batch_invariant)
+        self.runner = ModelRunner(self.model, self.runtime, num_blocks, engine.max_num_seqs + 1, engine.max_num_seqs,
+                                  num_draft_tokens=decoding.num_draft_tokens,
+                                  confidence_temperature=decoding.confidence_temperature,
+                                  bounded_replay=engine.bounded_replay, padded_decode=padded)
         self.dspark = None
         if decoding.num_draft_tokens:
-            self.dspark = DSpark(self.model, self.runner.caches, self.ops, decoding.num_draft_tokens, decoding.varlen,
-                                 decoding.confidence_temperature, self.max_model_len,
-                                 max_rows=app.engine.max_num_seqs * (decoding.num_draft_tokens + 1))
-        self._seeds = random.Random(app.engine.seed)
+            self.dspark = DSpark(self.model, self.runner, decoding.num_draft_tokens, decoding.varlen,
+                                 decoding.confidence_temperature,
+                                 max_rows=engine.max_num_seqs * (decoding.num_draft_tokens + 1))
+        if graphs:
+            bar = tqdm(total=self.runner.num_graphs, desc="capture CUDA graphs", disable=not engine.use_tqdm,
+                       dynamic_ncols=True)
+            self.runner.capture_graphs(lambda: bar.update(1))
+            bar.close()
+        self.outputs = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len, self.scheduler.finish)
+        self._seeds = random.Random(engine.seed)
         self._next_id = 0
         self.grammars: GrammarService | None = None
         self._awaiting_grammar: list[Request] = []
@@ -96,7 +106,7 @@ class LLM:
             self._enqueue(request)
         show = self.config.engine.use_tqdm if use_tqdm is None else use_tqdm
         self._run_until_done(requests, show)
-        return [_output(r) for r in requests]
+        return [request_output(r) for r in requests]
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]], sampling_params=None,
              use_tqdm: bool | None = None, thinking: bool = True) -> list[RequestOutput]:
@@ -116,30 +126,29 @@ class LLM:
         self._enqueue(request)
         return request
 
-    def step(self) -> list[Request]:
+    def step(self) -> "StepStats":
         """One engine step: admit requests whose grammar compiled, schedule, run the model, emit
         tokens (grammar masks applied, drafts verified), then draft for the next step. With
-        nothing to run it waits for the first grammar to compile. Returns the requests that
-        finished."""
-        finished = self._admit_compiled_grammars()
+        nothing to run it waits for the first grammar to compile. Returns what the step did."""
+        stats = StepStats(self._admit_compiled_grammars())
         if not self.scheduler.has_work:
-            self._last_batch = Batch([])
             if self._awaiting_grammar:
                 deadline = min(r.grammar.deadline for r in self._awaiting_grammar)
                 concurrent.futures.wait([r.grammar.future for r in self._awaiting_grammar],
                                         timeout=max(0.0, deadline - time.monotonic()),
                                         return_when=concurrent.futures.FIRST_COMPLETED)
-            return finished
+            return stats
         if self.dspark:
             self.dspark.assign_verify_drafts(self.scheduler.running)
         batch = self.scheduler.schedule()
         sampling = [c for c in batch.chunks if c.samples]
-        masks = step_bitmasks(sampling, self.model.cfg.vocab_size)
-        finished += self._postprocess(batch, emit(self.ops, sampling, self.runner.run(batch), masks))
+        masks = step_bitmasks(sampling, self.model.vocab_size)
+        emissions = emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks)
+        stats.count(batch, emissions)
+        stats.finished += self.outputs.apply(batch, emissions)
         if self.dspark:
             self.dspark.propose([c.request for c in sampling if not c.request.finished])
-        self._last_batch = batch
-        return finished
+        return stats
 
     def _enqueue(self, request: Request) -> None:
         """To the scheduler, or, while its grammar compiles, to the grammar waiting list."""
@@ -166,7 +175,7 @@ class LLM:
     def _grammar_service(self) -> GrammarService:
         if self.grammars is None:
             structured = self.config.engine.structured
-            self.grammars = GrammarService(self.tokenizer, self.model.cfg.vocab_size, structured.compile_timeout_s,
+            self.grammars = GrammarService(self.tokenizer, self.model.vocab_size, structured.compile_timeout_s,
                                            structured.compile_threads, structured.any_whitespace)
         return self.grammars
 
@@ -185,7 +194,7 @@ class LLM:
             raise ValueError(f"request {index}: sampling params must be a SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_bos=True) if text is not None else list(prompt)
-        vocab = self.model.cfg.vocab_size
+        vocab = self.model.vocab_size
         if not ids or (text is not None and not text):
             raise ValueError(f"request {index}: the prompt is empty")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
@@ -207,9 +216,8 @@ class LLM:
         started, prefilled = time.perf_counter(), 0
         produced = sum(len(r.output_token_ids) for r in requests)
         while not all(r.finished for r in requests):
-            finished = self.step()
-            batch = self._last_batch
-            prefilled += sum(len(c.token_ids) for c in batch.chunks if c.start < len(c.request.prompt_token_ids))
+            stats = self.step()
+            prefilled += stats.num_prefill_tokens
             elapsed = max(time.perf_counter() - started, 1e-9)
             out = sum(len(r.output_token_ids) for r in requests) - produced
             status = f"in {prefilled / elapsed:.0f} tok/s, out {out / elapsed:.0f} tok/s"
@@ -221,88 +229,37 @@ class LLM:
                            f"({accepted / max(steps, 1):.2f}/step), calibration err "
                            f"{sum(errors) / max(len(errors), 1):.2f}")
             bar.set_postfix_str(status)
-            bar.update(sum(r in requests for r in finished))
+            bar.update(sum(r in requests for r in stats.finished))
         bar.close()
 
-    def _postprocess(self, batch: Batch, emissions: list[Emission]) -> list[Request]:
-        """Advance each request: KV stays valid for its pending tokens and accepted drafts; emitted
-        tokens are appended one by one until a stop condition."""
-        finished, emitted = [], iter(emissions)
+
+@dataclass
+class StepStats:
+    """What one :meth:`LLM.step` did: the requests that finished, the prompt tokens it
+    prefilled, the decode rows it ran (each request's last token plus its drafts), drafts
+    verified and accepted, and whether it was a pure decode step."""
+
+    finished: list[Request] = field(default_factory=list)
+    num_seqs: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    decode: bool = False
+
+    def count(self, batch: Batch, emissions) -> None:
+        self.num_seqs, self.decode = len(batch.chunks), bool(batch.chunks) and batch.decode
         for chunk in batch.chunks:
-            request = chunk.request
-            if not chunk.samples:
-                request.num_computed += len(chunk.token_ids)
-                continue
-            emission = next(emitted)
-            request.num_computed += len(chunk.token_ids) - len(chunk.drafts) + emission.accepted
-            if emission.drafted:
-                request.num_drafted += emission.drafted
-                request.num_accepted += emission.accepted
-                request.num_verify_steps += 1
-                request.verify_log.append((emission.drafted, emission.accepted))
-                request.calibration_errors += emission.calibration_errors
-            for token, logprobs in zip(emission.tokens, emission.logprobs):
-                request.output_token_ids.append(token)
-                if logprobs is not None:
-                    request.output_logprobs.append(logprobs)
-                grammar_end = self._grammar_reason(request, token)
-                reason = grammar_end or self._stop_reason(request, token)
-                if reason:
-                    if reason == "length" or grammar_end:
-                        request.text += request.detokenizer.finish()
-                    self.scheduler.finish(request, reason)
-                    finished.append(request)
-                    break
-        return finished
-
-    def _grammar_reason(self, request: Request, token: int) -> str | None:
-        """Advance a constrained request's matcher: "stop" once the grammar has ended (its stop
-        token accepted, whatever ``ignore_eos`` says), "error" if it refuses ``token``."""
-        if request.grammar is None:
-            return None
-        matcher = request.grammar.matcher
-        if not matcher.accept_token(token):
-            request.error = (f"structured output: the grammar refused emitted token {token} (its mask was not "
-                             f"applied to that row); the request stopped there")
-            return "error"
-        return "stop" if matcher.is_terminated() else None
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        params = request.params
-        if (token in self.tokenizer.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return "stop"
-        request.text += request.detokenizer.push(token)
-        if params.stop:
-            window = request.text[-(max(map(len, params.stop)) + 16):]
-            hits = [window.find(s) for s in params.stop if s in window]
-            if hits:
-                cut = len(request.text) - len(window) + min(hits)
-                request.text = request.text[:cut]
-                return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+            prompt = len(chunk.request.prompt_token_ids)
+            prefill = max(0, min(chunk.start + len(chunk.token_ids), prompt) - chunk.start)
+            self.num_prefill_tokens += prefill
+            self.num_decode_tokens += len(chunk.token_ids) - prefill
+        self.num_drafted += sum(e.drafted for e in emissions)
+        self.num_accepted += sum(e.accepted for e in emissions)
 
 
 def _is_token_list(value) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, int) for t in value)
-
-
-def _output(request: Request) -> RequestOutput:
-    return RequestOutput(
-        request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-        text=request.text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
-        logprobs=request.output_logprobs if request.params.logprobs is not None else None,
-        num_drafted=request.num_drafted, num_accepted=request.num_accepted, verify_log=list(request.verify_log),
-        error=request.error,
-        metrics={
-            "preemptions": request.num_preemptions,
-            "verify_steps": request.num_verify_steps,
-            "mean_accepted_length": request.num_accepted / request.num_verify_steps if request.num_verify_steps else 0.0,
-            "calibration_error": (sum(request.calibration_errors) / len(request.calibration_errors)
-                                  if request.calibration_errors else 0.0),
-        },
-    )
 
 
 def _refuse_unfinished_features(app) -> None:
@@ -319,39 +276,3 @@ def _refuse_unfinished_features(app) -> None:
     if (parallel.data_parallel, parallel.expert_parallel, parallel.context_parallel) != (1, 1, 1):
         raise ValueError("attention DP, expert parallelism and context parallelism are not implemented yet; "
                          "use parallel=single")
-
-
-def run_app(app) -> int:
-    """The ``python -m deepinfer`` generate task: read prompts, generate, print the results."""
-    if app.task != "generate":
-        raise ValueError(f"task={app.task!r} is not implemented yet; only task=generate exists")
-    prompts = _read_prompts(app)
-    llm = LLM.from_config(app)
-    if llm.random_weights:
-        print(f"NOTE: model {app.model.name!r} has random weights (no model.checkpoint), so the generated "
-              f"text is noise; model=tiny is the trained default.")
-    outputs = llm.generate(prompts)
-    lines = []
-    for out in outputs:
-        lines.append(f"--- prompt {out.request_id}: {out.prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, "
-                     f"finish: {out.finish_reason}]")
-    print("\n".join(lines))
-    if app.output_file:
-        import json
-        from pathlib import Path
-
-        Path(app.output_file).write_text(json.dumps([out.__dict__ for out in outputs], indent=2))
-    return 0
-
-
-def _read_prompts(app) -> list[str]:
-    if app.prompts_file:
-        from pathlib import Path
-
-        prompts = [line for line in Path(app.prompts_file).read_text().splitlines() if line.strip()]
-        if not prompts:
-            raise ValueError(f"prompts_file={app.prompts_file!r} holds no prompts (one per line)")
-        return prompts
-    if app.prompt:
-        return [app.prompt]
-    raise ValueError('give prompt="..." or prompts_file=path (one prompt per line)')

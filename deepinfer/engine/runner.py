@@ -1,43 +1,155 @@
 """ModelRunner: turns a scheduled batch into one forward pass over the paged caches."""
 from __future__ import annotations
 
+import math
+from typing import Callable, Sequence
+
+import numpy as np
 import torch
 
+from deepinfer.engine.device import Runtime
+from deepinfer.engine.graphs import PaddedPass, as_float, float_bits, graph_batch_sizes
 from deepinfer.engine.scheduler import Batch
-from deepinfer.hal.registry import OpTable
-from deepinfer.models.deepseek_v41.bounded_replay import replay_starts
+from deepinfer.hal.ops.sampling import as_int64
+from deepinfer.hal.value_checks import skip_value_checks
 from deepinfer.models.forward_context import ForwardContext
+from deepinfer.models.interface import DraftProposal, DraftSampling, GenerativeModel
 
 
 class ModelRunner:
-    """Owns the model and its caches on one device. ``write_draft_cache``: every forward also
-    fills the DSpark draft layers' main caches. ``logits_trace``: set it to a dict (debugging,
-    invariance tests) and each step's logits rows are appended there under their request id.
-    ``bounded_replay`` (an ``engine.bounded_replay`` config): the kept suffix is counted from each
-    request's own prompt, so a request recomputed after preemption replays as it first did."""
+    """Owns the model's caches on one device and runs its passes.
 
-    def __init__(self, model, ops: OpTable, num_blocks: int, num_state_slots: int, device: torch.device,
-                 write_draft_cache: bool = False, bounded_replay=None):
-        self.model, self.ops, self.device = model, ops, device
+    Every forward runs without value checks (the engine validates its inputs on the host) and
+    its metadata goes up in one transfer. With ``padded_decode``, decode steps (one token per
+    sequence), verify steps (``num_draft_tokens + 1`` per sequence) and draft passes run over
+    batches padded to :func:`graph_batch_sizes`, from CUDA graphs once :meth:`capture_graphs`
+    has run. ``write_draft_cache``: every forward also fills the DSpark draft layers' main
+    caches. ``logits_trace``: set it to a dict (debugging, invariance tests) and each step's
+    logits rows are appended there under their request id. ``bounded_replay`` (an
+    ``engine.bounded_replay`` config): the kept suffix is counted from each request's own
+    prompt, so a request recomputed after preemption replays as it first did."""
+
+    def __init__(self, model: GenerativeModel, runtime: Runtime, num_blocks: int, num_state_slots: int,
+                 max_num_seqs: int, num_draft_tokens: int = 0, confidence_temperature: float = 1.0,
+                 bounded_replay=None, padded_decode: bool = False):
+        self.model, self.runtime = model, runtime
         self.bounded_replay = bounded_replay
-        self.write_draft_cache = write_draft_cache
+        self.replay = bounded_replay if bounded_replay is not None and bounded_replay.mode != "off" else None
+        self.k, self.confidence_temperature = num_draft_tokens, confidence_temperature
         self.caches = model.allocate_caches(num_blocks, num_state_slots)
+        self.table_width = math.ceil((model.max_model_len + model.position_margin) / model.page_tokens)
         self.logits_trace: dict[int, list[torch.Tensor]] | None = None
+        self.passes: dict[str, PaddedPass] = {}
+        if padded_decode:
+            self._build_passes(graph_batch_sizes(max_num_seqs))
 
     def run(self, batch: Batch) -> torch.Tensor:
         """float32 logits of the rows that emit tokens: for each sampling chunk in order, one row
         per verified draft plus its final row."""
-        ctx = self._context(batch)
-        with torch.no_grad():
-            logits = self.model(ctx, self.caches)
+        chunks = batch.chunks
+        padded = self._padded_pass(batch)
+        if padded is not None:
+            logits = padded(len(chunks), self._sequence_arrays(chunks))["logits"]
+        else:
+            with skip_value_checks(), torch.no_grad():
+                logits = self.model(self._context(batch), self.caches)
         if self.logits_trace is not None:
             row = 0
-            for chunk in (c for c in batch.chunks if c.samples):
+            for chunk in (c for c in chunks if c.samples):
                 rows = len(chunk.drafts) + 1
                 trace = self.logits_trace.setdefault(chunk.request.request_id, [])
                 trace.append(logits[row:row + rows].to("cpu", copy=True))
                 row += rows
         return logits
+
+    def draft(self, requests: Sequence) -> DraftProposal:
+        """One DSpark draft pass for ``requests`` (each with exactly its last token uncomputed),
+        sampled with each request's own parameters and seed."""
+        k = self.k
+        arrays = self._sequence_arrays_of([[r.token_ids[-1]] + [self.model.draft_noise_token] * (k - 1) for r in requests],
+                                          [r.num_computed for r in requests], requests)
+        params = [r.params for r in requests]
+        arrays.update(temperature=float_bits([p.temperature for p in params]),
+                      top_p=float_bits([p.top_p for p in params]), top_k=[p.top_k for p in params],
+                      seed=[as_int64(r.seed) for r in requests])
+        padded = self.passes.get("draft")
+        if padded is not None and padded.size_for(len(requests)) is not None:
+            out = padded(len(requests), arrays)
+            return DraftProposal(out["tokens"].clone(), out["logprobs"].clone(), out["confidences"].clone())
+        flat = np.concatenate([np.asarray(v, dtype=np.int64).reshape(-1) for v in arrays.values()])
+        inputs, offset = {}, 0
+        moved = self.runtime.upload(flat)
+        for name, values in arrays.items():
+            size = np.asarray(values).size
+            inputs[name] = moved[offset:offset + size].view(len(requests), -1)
+            offset += size
+        with skip_value_checks(), torch.no_grad():
+            out = self._draft_pass(inputs)
+        return DraftProposal(out["tokens"], out["logprobs"], out["confidences"])
+
+    def capture_graphs(self, progress: Callable[[], None] = lambda: None) -> None:
+        """Record every padded pass at every size (after one eager warm-up each)."""
+        for padded in self.passes.values():
+            padded.capture(progress)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(p.sizes) for p in self.passes.values())
+
+    def _build_passes(self, sizes: list[int]) -> None:
+        sequence = {"start": 1, "slot": 1, "table": self.table_width}
+        if self.replay is not None:
+            sequence["replay"] = 1
+        self.passes["decode"] = PaddedPass("decode", self._target_pass(1), {"ids": 1, **sequence}, sizes, self.runtime)
+        if self.k:
+            k = self.k
+            self.passes["verify"] = PaddedPass("verify", self._target_pass(k + 1), {"ids": k + 1, **sequence}, sizes,
+                                               self.runtime)
+            sampling = {"temperature": 1, "top_p": 1, "top_k": 1, "seed": 1}
+            self.passes["draft"] = PaddedPass("draft", self._draft_pass, {"ids": k, **sequence, **sampling}, sizes,
+                                              self.runtime)
+
+    def _padded_pass(self, batch: Batch) -> PaddedPass | None:
+        if not self.passes or not batch.decode:
+            return None
+        query_len = len(batch.chunks[0].token_ids)
+        padded = self.passes.get("decode" if query_len == 1 else "verify" if query_len == self.k + 1 else "")
+        return padded if padded is not None and padded.size_for(len(batch.chunks)) is not None else None
+
+    def _decode_context(self, inputs, query_len: int, draft_block: int = 0) -> ForwardContext:
+        replay = inputs["replay"][:, 0] if "replay" in inputs else None
+        return ForwardContext.for_decode(inputs["ids"].reshape(-1), inputs["start"][:, 0], inputs["slot"][:, 0],
+                                         inputs["table"], query_len, replay_start=replay, draft_block=draft_block,
+                                         write_draft_cache=bool(self.k) and not draft_block)
+
+    def _target_pass(self, query_len: int):
+        def target(inputs):
+            return {"logits": self.model(self._decode_context(inputs, query_len), self.caches)}
+        return target
+
+    def _draft_pass(self, inputs):
+        ctx = self._decode_context(inputs, self.k, draft_block=self.k)
+        sampling = DraftSampling(as_float(inputs["temperature"][:, 0]), as_float(inputs["top_p"][:, 0]),
+                                 inputs["top_k"][:, 0], inputs["seed"][:, 0], self.confidence_temperature)
+        proposal = self.model.draft(ctx, self.caches, sampling)
+        return {"tokens": proposal.tokens, "logprobs": proposal.logprobs, "confidences": proposal.confidences}
+
+    def _sequence_arrays(self, chunks) -> dict[str, np.ndarray]:
+        return self._sequence_arrays_of([c.token_ids for c in chunks], [c.start for c in chunks],
+                                        [c.request for c in chunks])
+
+    def _sequence_arrays_of(self, tokens, starts, requests) -> dict[str, np.ndarray]:
+        table = np.zeros((len(requests), self.table_width), dtype=np.int64)
+        for row, request in enumerate(requests):
+            table[row, :len(request.blocks)] = request.blocks
+        arrays = {"ids": np.asarray(tokens, dtype=np.int64), "start": starts,
+                  "slot": [r.state_slot for r in requests], "table": table}
+        if self.replay is not None:
+            arrays["replay"] = self._replay_starts(requests)
+        return arrays
+
+    def _replay_starts(self, requests) -> list[int]:
+        return [max(0, len(r.prompt_token_ids) - self.replay.keep_tokens) for r in requests]
 
     def _context(self, batch: Batch) -> ForwardContext:
         chunks = batch.chunks
@@ -46,12 +158,12 @@ class ModelRunner:
             offset += len(c.token_ids)
             if c.samples:
                 rows.extend(range(offset - len(c.drafts) - 1, offset))
-        replay, starts = self.bounded_replay, None
-        if replay is not None and replay.mode != "off":
-            starts = replay_starts([len(c.request.prompt_token_ids) for c in chunks], replay.keep_tokens)
+        requests = [c.request for c in chunks]
+        starts = self._replay_starts(requests) if self.replay is not None else None
         ctx = ForwardContext.for_sequences(
-            [c.token_ids for c in chunks], [c.start for c in chunks], [c.request.state_slot for c in chunks],
-            [c.request.blocks for c in chunks], decode=batch.decode, logits_rows=rows, replay_starts=starts,
-            replay_compact=starts is not None and replay.mode == "compact", device=self.device)
-        ctx.write_draft_cache = self.write_draft_cache
+            [c.token_ids for c in chunks], [c.start for c in chunks], [r.state_slot for r in requests],
+            [r.blocks for r in requests], decode=batch.decode, logits_rows=rows, replay_starts=starts,
+            replay_compact=starts is not None and self.replay.mode == "compact", device=self.runtime.device,
+            upload=self.runtime.upload)
+        ctx.write_draft_cache = bool(self.k)
         return ctx

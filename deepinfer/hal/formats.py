@@ -24,7 +24,6 @@ import torch
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -66,8 +65,9 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of 4-bit e2m1 codes."""
-    grid = torch.tensor(_E2M1_GRID, device=codes.device)
-    value = grid[(codes & 7).long()]
+    magnitude = (codes & 7).to(torch.int32)
+    exponent, half = magnitude >> 1, (magnitude & 1).float() * 0.5
+    value = torch.where(exponent == 0, half, torch.exp2((exponent - 1).float()) * (1 + half))
     return torch.where((codes & 8) > 0, -value, value)
 
 

@@ -30,7 +30,7 @@ SPLITMIX_MUL_1 = 0xBF58476D1CE4E5B9  # SplitMix64 finalizer (Stafford's Mix13, a
 SPLITMIX_MUL_2 = 0x94D049BB133111EB
 
 
-def _as_int64(value: int) -> int:
+def as_int64(value: int) -> int:
     """The int64 with the same 64 bits as the uint64 ``value``."""
     return value - (1 << 64) if value >= 1 << 63 else value
 
@@ -49,10 +49,10 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
     if seeds.dtype != torch.int64 or counters.dtype != torch.int64 or seeds.shape != counters.shape:
         raise ValueError(f"seeds and counters must be int64 tensors of one shape, got {seeds.dtype} "
                          f"{tuple(seeds.shape)} and {counters.dtype} {tuple(counters.shape)}")
-    z = seeds ^ (counters * _as_int64(GOLDEN_GAMMA))
-    z = z + _as_int64(GOLDEN_GAMMA)
-    z = (z ^ _shift_right_logical(z, 30)) * _as_int64(SPLITMIX_MUL_1)
-    z = (z ^ _shift_right_logical(z, 27)) * _as_int64(SPLITMIX_MUL_2)
+    z = seeds ^ (counters * as_int64(GOLDEN_GAMMA))
+    z = z + as_int64(GOLDEN_GAMMA)
+    z = (z ^ _shift_right_logical(z, 30)) * as_int64(SPLITMIX_MUL_1)
+    z = (z ^ _shift_right_logical(z, 27)) * as_int64(SPLITMIX_MUL_2)
     z = z ^ _shift_right_logical(z, 31)
     return _shift_right_logical(z, 11).double() / float(1 << 53)
 
@@ -61,7 +61,7 @@ def namespaced_seeds(seeds: torch.Tensor, namespace: int) -> torch.Tensor:
     """``seeds + namespace`` in wrapping uint64 arithmetic (held in int64): the seeds of a namespace."""
     if not isinstance(namespace, int) or not 0 <= namespace < 1 << 64:
         raise ValueError(f"namespace must be an int in [0, 2**64) (e.g. SEED_NAMESPACE_DRAFT), got {namespace!r}")
-    return seeds + _as_int64(namespace) if namespace else seeds
+    return seeds + as_int64(namespace) if namespace else seeds
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,

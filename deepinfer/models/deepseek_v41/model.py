@@ -5,16 +5,18 @@ import torch
 from torch import nn
 
 from deepinfer.hal.ops.rope import YarnScaling, rope_cos_sin, rope_inv_freq
+from deepinfer.hal.ops.sampling import SEED_NAMESPACE_DRAFT
 from deepinfer.hal.registry import OpTable
 from deepinfer.hal.spec import Tolerance
 from deepinfer.hal.value_checks import value_checks
 from deepinfer.models.deepseek_v41.block import Block, YocoState
-from deepinfer.models.deepseek_v41.bounded_replay import enter_consumer_half
+from deepinfer.models.deepseek_v41.bounded_replay import check_keep_tokens, enter_consumer_half
 from deepinfer.models.deepseek_v41.cache import ModelCaches
-from deepinfer.models.deepseek_v41.config import ROPE_DIM, DeepseekV41Config
+from deepinfer.models.deepseek_v41.config import PAGE_TOKENS, ROPE_DIM, DeepseekV41Config
 from deepinfer.models.deepseek_v41.draft import DraftBlock, HyperHead
 from deepinfer.models.deepseek_v41.mhc import first_stream_mix
 from deepinfer.models.forward_context import ForwardContext
+from deepinfer.models.interface import DraftProposal, DraftSampling
 from deepinfer.models.layers import Linear, RMSNorm
 
 
@@ -34,12 +36,21 @@ class Embedding(nn.Module):
 
 class DeepseekV41ForCausalLM(nn.Module):
     """The backbone plus DSpark draft blocks; ``forward`` returns float32 logits of the rows in
-    ``ctx.logits_indices``. ``max_model_len`` bounds the precomputed RoPE tables."""
+    ``ctx.logits_indices``. It implements :class:`~deepinfer.models.interface.GenerativeModel`:
+    ``max_model_len`` plus ``position_margin`` (room for speculative rows past the end) bounds
+    the precomputed RoPE tables."""
+
+    page_tokens = PAGE_TOKENS
 
     def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype = torch.float32,
                  max_model_len: int = 4096):
         super().__init__()
         self.cfg, self.ops, self.max_model_len = cfg, ops, max_model_len
+        self.vocab_size = cfg.vocab_size
+        self.position_margin = 4 * cfg.max_backtracking
+        self.max_draft_tokens = cfg.max_backtracking - 1 if cfg.num_nextn_predict_layers else 0
+        self.draft_noise_token = cfg.dspark_noise_token_id if cfg.dspark_noise_token_id is not None \
+            else cfg.vocab_size - 1
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(Block(cfg, r, ops, dtype) for r in cfg.layer_ratios)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
@@ -52,20 +63,35 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _rope_table(self, compressed: bool) -> torch.Tensor:
         cfg = self.cfg
         if not compressed:
-            return rope_cos_sin(rope_inv_freq(cfg.rope_theta, ROPE_DIM), self.max_model_len)
+            return rope_cos_sin(rope_inv_freq(cfg.rope_theta, ROPE_DIM), self.max_positions)
         scaling = cfg.rope_scaling
         yarn = None if not scaling else YarnScaling(
             factor=scaling["factor"], original_max_position_embeddings=scaling["original_max_position_embeddings"],
             beta_fast=scaling.get("beta_fast", 32), beta_slow=scaling.get("beta_slow", 1))
-        return rope_cos_sin(rope_inv_freq(cfg.compress_rope_theta, ROPE_DIM, yarn), self.max_model_len)
+        return rope_cos_sin(rope_inv_freq(cfg.compress_rope_theta, ROPE_DIM, yarn), self.max_positions)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the RoPE tables cover: ``max_model_len + position_margin``."""
+        return self.max_model_len + self.position_margin
 
     def allocate_caches(self, num_blocks: int, num_state_slots: int) -> ModelCaches:
         """Caches for this model on its device."""
         return ModelCaches.allocate(self.cfg, num_blocks, num_state_slots, self.embed.weight.device)
 
+    def cache_bytes(self, num_blocks: int, num_state_slots: int) -> int:
+        """Bytes :meth:`allocate_caches` takes for these counts."""
+        return (num_blocks * ModelCaches.bytes_per_block(self.cfg)
+                + num_state_slots * ModelCaches.bytes_per_state_slot(self.cfg))
+
+    def check_bounded_replay(self, keep_tokens: int) -> None:
+        """Refuse a ``keep_tokens`` that cannot hold the consumer SWA ring (window + backtracking)."""
+        check_keep_tokens(keep_tokens, self.cfg)
+
     def forward(self, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor:
-        if value_checks() and ctx.num_tokens and int(ctx.positions.max()) >= self.max_model_len:
-            raise ValueError(f"position {int(ctx.positions.max())} is beyond max_model_len {self.max_model_len}")
+        if value_checks() and ctx.num_tokens and int(ctx.positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(ctx.positions.max())} is beyond max_model_len {self.max_model_len} "
+                             f"(plus the {self.position_margin} positions speculative rows may reach)")
         streams = self.cfg.hc_mult
         x = self.embed(ctx.input_ids)
         residual = x.unsqueeze(1).expand(-1, streams, -1).contiguous()
@@ -117,6 +143,28 @@ class DeepseekV41ForCausalLM(nn.Module):
         last = self.mtp[-1]
         hidden = self.ops.mhc_pre(residual, last.hc_head.weights(residual))
         return self.head(last.norm(hidden)).float(), hidden
+
+    def draft(self, ctx: ForwardContext, caches: ModelCaches, sampling: DraftSampling) -> DraftProposal:
+        """DSpark drafts: one parallel :meth:`draft_forward`, then token by token the Markov
+        (bigram) correction from the previous token, a draw in the draft seed namespace at the
+        position the token would take, and the confidence head's estimate. Nothing is read on
+        the host."""
+        logits, hidden = self.draft_forward(ctx, caches)
+        batch, k = ctx.num_seqs, ctx.draft_block
+        logits, hidden = logits.view(batch, k, -1), hidden.view(batch, k, -1)
+        head = self.mtp[-1]
+        previous = ctx.input_ids.view(batch, k)[:, 0]
+        tokens, logprobs, confidences = [], [], []
+        for i in range(k):
+            embedded, correction = head.markov(previous)
+            ids, step_logprobs = self.ops.sample(logits[:, i] + correction, sampling.temperature, sampling.top_p,
+                                                 sampling.top_k, sampling.seeds, ctx.chunk_start + 1 + i,
+                                                 namespace=SEED_NAMESPACE_DRAFT)
+            confidences.append(head.confidence(hidden[:, i], embedded, sampling.confidence_temperature))
+            tokens.append(ids)
+            logprobs.append(step_logprobs)
+            previous = ids
+        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), torch.stack(confidences, dim=1))
 
 
 STEPWISE_TOLERANCE = Tolerance(atol=5e-4, rtol=5e-4)

@@ -1,0 +1,339 @@
+"""The engine end to end on one GPU: prefill and decode throughput against the HF peer, the
+measured ceilings and the floor, all in one run.
+
+Rows (``kind``):
+
+* ``engine``: ``LLM`` (Hydra-composed: ``model``, each ``--backends`` entry, the overrides) per
+  prompt length, batch size and DSpark off/on. Greedy requests of random tokens are prefilled
+  (``prefill_tok_s``: prompt tokens over the prefill steps' wall time), then ``--steps`` decode
+  steps are timed one by one (``step_ms``: median; ``decode_tok_s``: emitted tokens over the
+  decode steps' wall time; ``tok_s_per_user``: that over the batch).
+* ``hf``: transformers' ``DeepseekV3ForCausalLM`` with the widths of ``--hf-widths`` (random
+  weights, bf16, eager PyTorch with SDPA attention, its own KV cache), same prompts and steps.
+* ``ceiling``: device copy bandwidth (GB/s, a large device-to-device copy) and the dense bf16
+  matmul rate (TFLOP/s, 8192-cubed).
+* ``floor``: per engine point, the bytes a decode step must read (non-expert weights, the
+  experts a batch routes to in expectation with uniform routing, the LM head, and each
+  sequence's attended KV) over the measured copy bandwidth.
+
+``--dspark-model`` (the trained ``tiny``) adds rows with drafts off and on, to read the
+wall-clock speedup of DSpark. Prints a table, writes ``experiments/results/bench_engine_<tag>.csv``
+and the Pareto-style plot (decode tok/s against tok/s per user) beside it.
+
+    python experiments/bench_engine.py --tag h200 [--backends sm100 reference] [--batches 1 4 16 64 128]
+        [--prompts 512 4096] [--steps 32] [--hf] [--dspark-model tiny] [overrides...]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+HF_WIDTHS = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64,
+                 num_key_value_heads=64, q_lora_rank=1280, kv_lora_rank=512, qk_rope_head_dim=64,
+                 qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=6,
+                 moe_intermediate_size=2048, intermediate_size=2048, n_shared_experts=1, n_group=1, topk_group=1,
+                 first_k_dense_replace=0)
+"""The HF peer: ``model=small``'s attention and MoE widths in DeepSeek-V3's layout."""
+
+
+def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int], steps: int, dspark: bool,
+                overrides: list[str], profile: tuple[int, ...] = (), memory_share: float = 0.45) -> list[dict]:
+    """One engine's points. Engines run one after another in this process, each taking
+    ``memory_share`` of the card (``engine.gpu_memory_utilization``)."""
+    longest = max(prompts) + steps * 8 + 64
+    decoding = ["decoding=dspark", "decoding.varlen=false"] if dspark else ["decoding=greedy"]
+    if backend == "reference":
+        overrides = [*overrides, "backend.device=cuda"]
+    llm = LLM(model, backend, ["engine.use_tqdm=false", f"engine.max_num_seqs={max(batches)}",
+                               f"model.max_model_len={longest}", f"engine.max_num_batched_tokens={max(8192, max(prompts))}",
+                               f"engine.prefill_chunk_tokens={max(prompts)}",
+                               f"engine.gpu_memory_utilization={memory_share}", *decoding, *overrides])
+    _point(llm, 64, 2, 4)  # kernels compile, caches warm
+    rows = []
+    for prompt in prompts:
+        for batch in batches:
+            row = _point(llm, prompt, batch, steps, profile=batch in profile and prompt == prompts[0])
+            row.update(kind="engine", backend=backend, model=model, dspark=dspark, prompt=prompt, batch=batch)
+            rows.append(row)
+            print(_line(row), flush=True)
+    rows += floor_rows(llm, rows)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False) -> dict:
+    budget = llm.config.engine.max_num_batched_tokens
+    params = SamplingParams(temperature=0, max_tokens=(steps + 2) * (1 + (llm.dspark.k if llm.dspark else 0))
+                            + math.ceil(batch * prompt / budget), ignore_eos=True)
+    requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
+    prefill_s, decode_times, emitted = 0.0, [], 0
+    tracing = None
+    while not all(r.finished for r in requests):
+        before = sum(len(r.output_token_ids) for r in requests)
+        started = time.perf_counter()
+        stats = llm.step()
+        elapsed = time.perf_counter() - started
+        if stats.num_prefill_tokens:
+            prefill_s += elapsed
+        elif stats.decode and stats.num_seqs == batch and len(decode_times) < steps:
+            decode_times.append(elapsed)
+            emitted += sum(len(r.output_token_ids) for r in requests) - before
+            if profile and len(decode_times) == steps // 2:
+                tracing = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                tracing.__enter__()
+            elif tracing is not None and len(decode_times) == steps // 2 + 8:
+                torch.cuda.synchronize()
+                tracing.__exit__(None, None, None)
+                profile, tracing = False, _gpu_busy(tracing)
+    decode_s = sum(decode_times)
+    row = dict(prefill_tok_s=round(batch * prompt / prefill_s), step_ms=round(1e3 * statistics.median(decode_times), 3),
+               decode_tok_s=round(emitted / decode_s, 1), tok_s_per_user=round(emitted / decode_s / batch, 2),
+               accepted_per_step=round(emitted / len(decode_times) / batch - 1, 3))
+    if isinstance(tracing, dict):
+        row.update(tracing)
+    return row
+
+
+def _gpu_busy(prof) -> dict:
+    """GPU-busy share of the traced decode steps: the union of kernel (and copy) intervals over
+    the span from the first to the last one, and kernels per step."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, -math.inf
+    for lo, hi in spans:
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    total = spans[-1][1] - spans[0][0]
+    return dict(gpu_idle_pct=round(100 * (1 - busy / total), 2), gpu_kernels_per_step=round(len(spans) / 8, 1))
+
+
+def _prompts(llm: LLM, length: int, batch: int) -> list[list[int]]:
+    """Random token ids for random weights; for a trained checkpoint, its held-out text (so
+    drafts have something to predict), each request from its own offset."""
+    rng = random.Random(length * 1000 + batch)
+    if llm.random_weights:
+        return [[rng.randrange(3, llm.model.vocab_size - 1) for _ in range(length)] for _ in range(batch)]
+    from dspark_acceptance import heldout_prompts
+
+    text = llm.tokenizer.encode(" ".join(heldout_prompts(llm, 64)), add_bos=False)
+    text = text * math.ceil(2 * length / len(text))
+    return [text[(i * 37) % (len(text) - length):][:length] for i in range(batch)]
+
+
+def floor_rows(llm: LLM, rows: list[dict]) -> list[dict]:
+    """The bytes-over-bandwidth floor of each engine decode point."""
+    model, cfg = llm.model, llm.model.cfg
+    expert, other = 0, 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if name.startswith("mtp.") or name.startswith("embed."):
+            continue
+        if ".experts." in name and ".shared_experts." not in name:
+            expert += size
+        else:
+            other += size
+    per_expert = expert / (cfg.n_routed_experts * cfg.num_hidden_layers)
+    kv_per_token = model.cache_bytes(1, 0) / model.page_tokens
+    bandwidth = copy_bandwidth()
+    out = []
+    for row in rows:
+        batch, context = row["batch"], row["prompt"]
+        touched = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
+        attended = min(context, cfg.index_topk + cfg.sliding_window)
+        step_bytes = other + touched * per_expert * cfg.num_hidden_layers + batch * attended * kv_per_token
+        seconds = step_bytes / bandwidth
+        out.append(dict(kind="floor", backend="floor", model=row["model"], dspark=row["dspark"], prompt=context,
+                        batch=batch, step_ms=round(1e3 * seconds, 4), decode_tok_s=round(batch / seconds, 1),
+                        tok_s_per_user=round(1 / seconds, 2), step_bytes=int(step_bytes)))
+    return out
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read plus write), best of 10."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / _best_seconds(lambda: dst.copy_(src))
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    return 2 * 8192 ** 3 / _best_seconds(lambda: a @ a)
+
+
+def _best_seconds(fn, repeats: int = 10) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def hf_rows(prompts: list[int], batches: list[int], steps: int, max_kv_gib: float) -> list[dict]:
+    """The transformers DeepseekV3 peer: prefill, then greedy decode with its own cache."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(**HF_WIDTHS, max_position_embeddings=max(prompts) + steps + 16,
+                              attn_implementation="sdpa")
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = DeepseekV3ForCausalLM(config).eval()
+    torch.set_default_dtype(default)
+    per_token = 2 * HF_WIDTHS["num_hidden_layers"] * HF_WIDTHS["num_attention_heads"] * \
+        (HF_WIDTHS["qk_nope_head_dim"] + HF_WIDTHS["qk_rope_head_dim"] + HF_WIDTHS["v_head_dim"])
+    rows = []
+    with torch.no_grad():
+        model(torch.randint(3, 1000, (1, 16), device="cuda"))
+        for prompt in prompts:
+            for batch in batches:
+                if batch * (prompt + steps) * per_token > max_kv_gib * (1 << 30) or batch * prompt > 65536:
+                    continue
+                ids = torch.randint(3, HF_WIDTHS["vocab_size"] - 1, (batch, prompt), device="cuda")
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                out = model(ids, use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                prefill = time.perf_counter() - started
+                cache, times = out.past_key_values, []
+                for _ in range(steps):
+                    started = time.perf_counter()
+                    out = model(token, past_key_values=cache, use_cache=True)
+                    token = out.logits[:, -1].argmax(-1, keepdim=True)
+                    token.tolist()
+                    times.append(time.perf_counter() - started)
+                    cache = out.past_key_values
+                row = dict(kind="hf", backend="hf_deepseek_v3", model="small_widths", dspark=False, prompt=prompt,
+                           batch=batch, prefill_tok_s=round(batch * prompt / prefill),
+                           step_ms=round(1e3 * statistics.median(times), 3),
+                           decode_tok_s=round(batch * steps / sum(times), 1),
+                           tok_s_per_user=round(steps / sum(times), 2))
+                rows.append(row)
+                print(_line(row), flush=True)
+                del out, cache
+                torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _line(row: dict) -> str:
+    def num(key, fmt):
+        return format(row[key], fmt) if isinstance(row.get(key), (int, float)) else "-"
+    return (f"{row['kind']:<8} {row['backend']:<15} {row['model']:<12} dspark={str(row.get('dspark', '')):<5} "
+            f"prompt {row.get('prompt', 0):>5} batch {row.get('batch', 0):>4}  prefill {num('prefill_tok_s', '>9')} tok/s  "
+            f"step {num('step_ms', '>8.3f')} ms  decode {num('decode_tok_s', '>9.1f')} tok/s  "
+            f"per user {num('tok_s_per_user', '>7.1f')}  GPU idle {num('gpu_idle_pct', '>5.1f')} %")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for ax, prompt in zip(axes, sorted({r["prompt"] for r in rows if r.get("prompt")})[:2]):
+        series: dict[str, list] = {}
+        for r in rows:
+            if r.get("prompt") == prompt and r["kind"] in ("engine", "hf", "floor"):
+                label = f"{r['backend']} {r['model']}" + (" dspark" if r.get("dspark") else "")
+                series.setdefault(label, []).append((r["tok_s_per_user"], r["decode_tok_s"], r["batch"]))
+        for label, points in sorted(series.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-" if "floor" not in label else "k--",
+                    label=label)
+            for x, y, b in points:
+                ax.annotate(str(b), (x, y), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tok/s per user")
+        ax.set_ylabel("decode tok/s (all users)")
+        ax.set_title(f"decode, {prompt}-token prompts (labels: batch)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tag", default="h200")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--backends", nargs="+", default=["sm100", "reference"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 128])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--reference-batches", type=int, nargs="+", default=[1, 16, 64],
+                        help="batch sizes of the reference backend (it is slow)")
+    parser.add_argument("--reference-prompts", type=int, nargs="+", default=[512])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--dspark", action="store_true", help="also every engine point with DSpark on")
+    parser.add_argument("--dspark-model", default="", help="e.g. tiny: DSpark off/on rows on a trained model")
+    parser.add_argument("--dspark-batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--hf", action="store_true", help="add the HF transformers peer rows")
+    parser.add_argument("--hf-max-kv-gib", type=float, default=40.0)
+    parser.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
+                        help="engine points (first prompt length) whose decode steps are traced for GPU idle time")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of every engine, e.g. backend.fallback=reference")
+    args = parser.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    stamp = dict(card=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit or "-",
+                 torch=torch.__version__, command=" ".join(["python", *sys.argv]))
+    path = RESULTS / f"bench_engine_{args.tag}.csv"
+    rows = [dict(kind="ceiling", backend="copy", model="-", gb_s=round(copy_bandwidth() / 1e9, 1)),
+            dict(kind="ceiling", backend="bf16_matmul", model="-", tflop_s=round(matmul_rate() / 1e12, 1))]
+    print(rows)
+    sections = []
+    for backend in args.backends:
+        reference = backend == "reference"
+        for dspark in ([False, True] if args.dspark else [False]):
+            sections.append(lambda backend=backend, reference=reference, dspark=dspark: engine_rows(
+                backend, args.model, args.reference_prompts if reference else args.prompts,
+                args.reference_batches if reference else args.batches, args.steps, dspark, args.overrides,
+                profile=() if reference else tuple(args.profile_batches), memory_share=0.3 if reference else 0.45))
+        if backend == args.backends[0] and args.dspark_model:
+            for dspark in (False, True):
+                sections.append(lambda backend=backend, dspark=dspark: [
+                    r for r in engine_rows(backend, args.dspark_model, [args.prompts[0]], args.dspark_batches,
+                                           args.steps, dspark, args.overrides, memory_share=0.03)
+                    if r["kind"] == "engine"])
+        if backend == args.backends[0] and args.hf:
+            sections.append(lambda: hf_rows(args.prompts, args.batches, args.steps, args.hf_max_kv_gib))
+    for section in sections:
+        rows += section()
+        _write(path, stamp, rows)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def _write(path: Path, stamp: dict, rows: list[dict]) -> None:
+    from bench_ops import write_csv
+
+    fields = list(stamp) + sorted({k for r in rows for k in r})
+    write_csv(path, fields, [{**stamp, **r} for r in rows])
+    plot(rows, path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    raise SystemExit(main())
