@@ -253,8 +253,9 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    for ax, prompt in zip(axes, sorted({r["prompt"] for r in rows if r.get("prompt")})[:2]):
+    prompts = sorted({r["prompt"] for r in rows if r.get("prompt")})
+    fig, axes = plt.subplots(1, max(len(prompts), 1), figsize=(6 * max(len(prompts), 1), 5), squeeze=False)
+    for ax, prompt in zip(axes[0], prompts):
         series: dict[str, list] = {}
         for r in rows:
             if r.get("prompt") == prompt and r["kind"] in ("engine", "hf", "floor"):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The engine-speed run on the device machine, from the repo root: TileLang from .carry/, the GPU
-# tests of CUDA graphs and of the sync-free step, one profiled decode step (kernels, syncs,
-# GPU-busy share; .carry/tools/gpu_step_profile.py, copied from ../shared/tools), then
-# experiments/bench_engine.py (stopped BENCH_UNTIL seconds after the start, default 590; the CSV
-# holds every section finished by then). Logs and results go to $OUT.
+# tests of CUDA graphs, the sync-free step and asynchronous scheduling, one profiled decode step
+# (kernels, syncs, GPU-busy share; .carry/tools/gpu_step_profile.py, copied from ../shared/tools),
+# then experiments/bench_engine.py (stopped BENCH_UNTIL seconds after the start, default 590; the
+# CSV holds every section finished by then). Logs and results go to $OUT.
 #   bash experiments/bench_engine_h200_run.sh [tests] [profile] [bench] [bench arguments...]
 set -u
 export TILELANG_CACHE_DIR=/tmp/tlcache
@@ -18,7 +18,7 @@ stages=${stages:-tests profile bench}
 sm100="backend.fallback=reference model.dtype=bfloat16"
 if [[ $stages == *tests* ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rA --tb=short tests/engine/test_cuda_graphs.py \
-    tests/engine/test_sync_free.py -k gpu >"$out/engine_gpu_pytest.log" 2>&1
+    tests/engine/test_sync_free.py tests/engine/test_async_scheduling.py -k gpu >"$out/engine_gpu_pytest.log" 2>&1
   grep -E "^(E |FAILED|PASSED|[0-9]+ (passed|failed))|Error" "$out/engine_gpu_pytest.log" | head -30
   echo "tests done at $(( $(date +%s) - start )) s"
 fi

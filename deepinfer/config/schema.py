@@ -187,8 +187,11 @@ class EngineConfig:
     """Show a progress bar in generate()."""
     batch_invariant: bool = False
     """Make each request's logits bitwise independent of the rest of the batch."""
-    async_scheduling: bool = False
-    """Schedule step N+1 on the CPU while the device runs step N."""
+    async_scheduling: Optional[bool] = None
+    """Schedule and launch decode step N+1 before collecting step N, so the host prepares a
+    step while the device runs the one before (its input tokens are filled in on the device);
+    steps with drafts or grammars are collected before the next is scheduled. None: on for
+    CUDA devices."""
     bounded_replay: BoundedReplayConfig = field(default_factory=BoundedReplayConfig)
     """SWA bounded replay of long prompts in the YOCO consumer layers."""
     structured: StructuredConfig = field(default_factory=StructuredConfig)

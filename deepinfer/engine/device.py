@@ -1,24 +1,32 @@
-"""The engine's view of its device: host staging, graph capture and memory.
+"""The engine's view of its device: queued step work, host staging, graph capture and memory.
 
 This is the one place the engine touches ``torch.cuda``. :class:`Runtime` serves devices whose
 tensors the host reads directly (the CPU); :class:`CudaRuntime` stages host arrays through a
-ring of pinned buffers (one non-blocking copy each), captures CUDA graphs into one shared
-memory pool, and reports device memory for KV sizing."""
+ring of pinned buffers (one non-blocking copy each), copies results down without waiting,
+captures CUDA graphs into one shared memory pool, and reports device memory for KV sizing;
+:class:`ThreadedCpuRuntime` runs a CPU's step work on a worker thread, so the engine's
+asynchronous schedule overlaps there too."""
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from concurrent.futures import Future
+from queue import SimpleQueue
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
 
-PINNED_SLOTS = 4
+T = TypeVar("T")
+PINNED_SLOTS = 8
 """Pinned staging buffers used in turn; a buffer is refilled only after its copy has finished."""
 
 
 class Runtime:
-    """A device without graphs or pinned staging (the CPU)."""
+    """A device without graphs or pinned staging (the CPU). ``overlaps_host``: device work
+    runs while the host goes on (what asynchronous scheduling needs to pay off)."""
 
     supports_graphs = False
+    overlaps_host = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -31,8 +39,21 @@ class Runtime:
         return out.copy_(host)
 
     def download(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``tensor``, complete on return (the step's one synchronisation)."""
-        return tensor.to("cpu", copy=True)
+        """A host copy of ``tensor``, complete on return (a synchronisation)."""
+        return self.start_download(tensor)()
+
+    def start_download(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start copying ``tensor`` to the host after the work queued so far; the returned
+        call waits for the copy and returns it."""
+        host = tensor.to("cpu", copy=True)
+        return lambda: host
+
+    def run_async(self, work: Callable[[], T]) -> Callable[[], T]:
+        """Queue ``work`` (a step's device work) after everything queued before; the returned
+        call waits for it and gives its result. Here, and on CUDA (whose kernels queue on
+        their own), ``work`` runs at once."""
+        result = work()
+        return lambda: result
 
     def capture(self, work: Callable[[], None]) -> Callable[[], None]:
         """Record ``work`` once and return what replays it."""
@@ -56,10 +77,44 @@ class Runtime:
         return None
 
 
+class ThreadedCpuRuntime(Runtime):
+    """The CPU with its device work on one worker thread, in queue order, as a CUDA stream
+    runs kernels: the host schedules and post-processes while a step computes, so asynchronous
+    scheduling really overlaps on a CPU (its tests use it). ``delay_s`` makes each piece of
+    queued work that much slower."""
+
+    overlaps_host = True
+
+    def __init__(self, device: torch.device, delay_s: float = 0.0):
+        super().__init__(device)
+        self.delay_s = delay_s
+        self._queue: SimpleQueue = SimpleQueue()
+        threading.Thread(target=self._work, name="deepinfer-device", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            work, done = self._queue.get()
+            try:
+                if self.delay_s:
+                    threading.Event().wait(self.delay_s)
+                done.set_result(work())
+            except BaseException as error:  # handed to the host at its wait
+                done.set_exception(error)
+
+    def run_async(self, work: Callable[[], T]) -> Callable[[], T]:
+        done: Future = Future()
+        self._queue.put((work, done))
+        return done.result
+
+    def synchronize(self) -> None:
+        self.run_async(lambda: None)()
+
+
 class CudaRuntime(Runtime):
     """A CUDA device: pinned staging, graphs in one shared pool, memory statistics."""
 
     supports_graphs = True
+    overlaps_host = True
 
     def __init__(self, device: torch.device):
         if device.index is None:
@@ -88,6 +143,17 @@ class CudaRuntime(Runtime):
         self._copied[slot] = torch.cuda.Event()
         self._copied[slot].record()
         return moved
+
+    def start_download(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def wait() -> torch.Tensor:
+            copied.synchronize()
+            return host
+        return wait
 
     def capture(self, work: Callable[[], None]) -> Callable[[], None]:
         graph = torch.cuda.CUDAGraph()

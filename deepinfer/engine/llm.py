@@ -5,13 +5,13 @@ import concurrent.futures
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from deepinfer.decoding.dspark import DSpark
-from deepinfer.decoding.sampler import emit
+from deepinfer.decoding.sampler import PendingEmissions, emit
 from deepinfer.decoding.structured import GrammarService, step_bitmasks
 from deepinfer.engine.device import make_runtime
 from deepinfer.engine.kv_manager import KVManager
@@ -84,7 +84,10 @@ class LLM:
                        dynamic_ncols=True)
             self.runner.capture_graphs(lambda: bar.update(1))
             bar.close()
-        self.outputs = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len, self.scheduler.finish)
+        self.outputs = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len, self._finish)
+        self.async_scheduling = engine.async_scheduling if engine.async_scheduling is not None \
+            else self.runtime.overlaps_host
+        self._inflight: LaunchedStep | None = None
         self._seeds = random.Random(engine.seed)
         self._next_id = 0
         self.grammars: GrammarService | None = None
@@ -127,12 +130,18 @@ class LLM:
         return request
 
     def step(self) -> "StepStats":
-        """One engine step: admit requests whose grammar compiled, schedule, run the model, emit
-        tokens (grammar masks applied, drafts verified), then draft for the next step. With
-        nothing to run it waits for the first grammar to compile. Returns what the step did."""
+        """One engine step: admit requests whose grammar compiled, schedule, launch the model and
+        the sampling (grammar masks applied, drafts verified), collect the emitted tokens, then
+        draft for the next step. With asynchronous scheduling a pure decode step stays in flight:
+        the next call schedules and launches the step after it first (its input tokens filled in
+        on the device) and only then collects it. With nothing to run it waits for the first
+        grammar to compile. Returns what the step did and what finished."""
         stats = StepStats(self._admit_compiled_grammars())
+        previous, self._inflight = self._inflight, None
         if not self.scheduler.has_work:
-            if self._awaiting_grammar:
+            if previous is not None:
+                self._collect(previous, stats)
+            elif self._awaiting_grammar:
                 deadline = min(r.grammar.deadline for r in self._awaiting_grammar)
                 concurrent.futures.wait([r.grammar.future for r in self._awaiting_grammar],
                                         timeout=max(0.0, deadline - time.monotonic()),
@@ -140,15 +149,63 @@ class LLM:
             return stats
         if self.dspark:
             self.dspark.assign_verify_drafts(self.scheduler.running)
-        batch = self.scheduler.schedule()
-        sampling = [c for c in batch.chunks if c.samples]
-        masks = step_bitmasks(sampling, self.model.vocab_size)
-        emissions = emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks)
-        stats.count(batch, emissions)
-        stats.finished += self.outputs.apply(batch, emissions)
-        if self.dspark:
-            self.dspark.propose([c.request for c in sampling if not c.request.finished])
+        self._inflight = self._launch(self.scheduler.schedule(), stats)
+        if previous is not None:
+            self._collect(previous, stats)
+        if not self._can_overlap(self._inflight):
+            current, self._inflight = self._inflight, None
+            self._collect(current, stats)
         return stats
+
+    def _launch(self, batch: Batch, stats: "StepStats") -> "LaunchedStep":
+        """Queue the forward and sampling of ``batch``. Fed tokens count as computed now; each
+        sampling chunk's next token becomes a placeholder until the step is collected."""
+        stats.count_launch(batch)
+        sampling = [c for c in batch.chunks if c.samples]
+        for chunk in batch.chunks:
+            chunk.request.num_computed += len(chunk.token_ids) - len(chunk.drafts)
+        for chunk in sampling:
+            chunk.request.inflight += 1
+        masks = step_bitmasks(sampling, self.model.vocab_size)
+        pending = self.runtime.run_async(
+            lambda: emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks, self.runner.last_tokens))
+        return LaunchedStep(batch, sampling, pending)
+
+    def _collect(self, step: "LaunchedStep", stats: "StepStats") -> None:
+        """Wait for ``step``'s results, advance its requests, free what finished, draft."""
+        emissions = step.pending().collect()
+        stats.count_emissions(emissions)
+        stats.finished += self.outputs.apply(step.sampling, emissions)
+        for request in step.release_after:
+            self.scheduler.kv.release(request)
+        if self.dspark:
+            self.dspark.propose([c.request for c in step.sampling if not c.request.finished])
+
+    def _can_overlap(self, step: "LaunchedStep") -> bool:
+        """Whether the step after ``step`` may be scheduled before ``step`` is collected: a pure
+        decode step without drafts or grammars that holds every running request, with a free
+        block for each (so the next schedule never preempts, which would discard a request in
+        flight)."""
+        return (self.async_scheduling and step.batch.decode and self.dspark is None
+                and all(c.request.grammar is None and not c.drafts for c in step.sampling)
+                and len(step.batch.chunks) == len(self.scheduler.running)
+                and len(self.scheduler.kv.free_blocks) >= len(self.scheduler.running))
+
+    def _finish(self, request: Request, reason: str) -> None:
+        """Stop ``request``; its cache is freed once no launched step writes there."""
+        launched = self._inflight
+        keep = launched is not None and any(c.request is request for c in launched.batch.chunks)
+        self.scheduler.finish(request, reason, release=not keep)
+        if keep:
+            launched.release_after.append(request)
+
+    def drain(self) -> list[Request]:
+        """Collect the step in flight, if any; returns the requests that finished."""
+        stats = StepStats()
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._collect(step, stats)
+        return stats.finished
 
     def _enqueue(self, request: Request) -> None:
         """To the scheduler, or, while its grammar compiles, to the grammar waiting list."""
@@ -230,14 +287,16 @@ class LLM:
                            f"{sum(errors) / max(len(errors), 1):.2f}")
             bar.set_postfix_str(status)
             bar.update(sum(r in requests for r in stats.finished))
+        self.drain()
         bar.close()
 
 
 @dataclass
 class StepStats:
-    """What one :meth:`LLM.step` did: the requests that finished, the prompt tokens it
-    prefilled, the decode rows it ran (each request's last token plus its drafts), drafts
-    verified and accepted, and whether it was a pure decode step."""
+    """What one :meth:`LLM.step` did: the requests that finished, the sequences, prompt tokens
+    and decode rows (each request's last token plus its drafts) of the step it launched and
+    whether that was a pure decode step, and the drafts verified and accepted in the step(s) it
+    collected."""
 
     finished: list[Request] = field(default_factory=list)
     num_seqs: int = 0
@@ -247,15 +306,28 @@ class StepStats:
     num_accepted: int = 0
     decode: bool = False
 
-    def count(self, batch: Batch, emissions) -> None:
+    def count_launch(self, batch: Batch) -> None:
         self.num_seqs, self.decode = len(batch.chunks), bool(batch.chunks) and batch.decode
         for chunk in batch.chunks:
             prompt = len(chunk.request.prompt_token_ids)
             prefill = max(0, min(chunk.start + len(chunk.token_ids), prompt) - chunk.start)
             self.num_prefill_tokens += prefill
             self.num_decode_tokens += len(chunk.token_ids) - prefill
+
+    def count_emissions(self, emissions) -> None:
         self.num_drafted += sum(e.drafted for e in emissions)
         self.num_accepted += sum(e.accepted for e in emissions)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued: its batch, the chunks that sample, their
+    pending emissions, and the finished requests whose cache it still writes."""
+
+    batch: Batch
+    sampling: list
+    pending: Callable[[], PendingEmissions]
+    release_after: list[Request] = field(default_factory=list)
 
 
 def _is_token_list(value) -> bool:
@@ -264,8 +336,6 @@ def _is_token_list(value) -> bool:
 
 def _refuse_unfinished_features(app) -> None:
     """Switches whose features have not landed yet fail loudly instead of being ignored."""
-    if app.engine.async_scheduling:
-        raise ValueError("engine.async_scheduling=true is not implemented yet; set it to false")
     if app.engine.batch_invariant and app.decoding.num_draft_tokens and app.decoding.varlen:
         raise ValueError("engine.batch_invariant=true needs a fixed verify length with DSpark: confidence-scheduled "
                          "verification picks lengths from the whole batch; set decoding.varlen=false")

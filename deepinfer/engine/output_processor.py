@@ -6,7 +6,6 @@ from typing import Callable
 from deepinfer.decoding.sampler import Emission
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
-from deepinfer.engine.scheduler import Batch
 
 
 class OutputProcessor:
@@ -18,17 +17,18 @@ class OutputProcessor:
     def __init__(self, eos_token_ids, max_model_len: int, finish: Callable[[Request, str], None]):
         self.eos_token_ids, self.max_model_len, self.finish = set(eos_token_ids), max_model_len, finish
 
-    def apply(self, batch: Batch, emissions: list[Emission]) -> list[Request]:
-        """KV stays valid for each request's computed tokens and accepted drafts; emitted tokens
-        are appended one by one until a stop condition. Returns the requests that finished."""
-        finished, emitted = [], iter(emissions)
-        for chunk in batch.chunks:
+    def apply(self, chunks, emissions: list[Emission]) -> list[Request]:
+        """The emissions of a step's sampling ``chunks``: a request's cache also holds the drafts
+        it accepted; emitted tokens replace its placeholder and are appended one by one until a
+        stop condition. A request that finished while the step ran drops its emission. Returns
+        the requests that finished."""
+        finished = []
+        for chunk, emission in zip(chunks, emissions):
             request = chunk.request
-            if not chunk.samples:
-                request.num_computed += len(chunk.token_ids)
+            request.inflight -= 1
+            if request.finished:
                 continue
-            emission = next(emitted)
-            request.num_computed += len(chunk.token_ids) - len(chunk.drafts) + emission.accepted
+            request.num_computed += emission.accepted
             if emission.drafted:
                 request.num_drafted += emission.drafted
                 request.num_accepted += emission.accepted
@@ -73,7 +73,8 @@ class OutputProcessor:
                 cut = len(request.text) - len(window) + min(hits)
                 request.text = request.text[:cut]
                 return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        produced = len(request.output_token_ids)
+        if produced >= params.max_tokens or len(request.prompt_token_ids) + produced >= self.max_model_len:
             return "length"
         return None
 

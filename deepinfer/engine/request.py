@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from deepinfer.engine.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1
+"""Stands for a token a launched step is still sampling; the device fills it in."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -19,7 +23,9 @@ class Request:
     A preempted request keeps its outputs and recomputes its KV when it runs again. With DSpark,
     ``drafts`` (with their distributions and confidences) wait for the next step, which verifies
     ``verify_drafts``, a prefix of them. ``grammar`` (structured outputs) holds the compile state
-    and matcher; ``error`` says why a request finished with reason "error"."""
+    and matcher; ``error`` says why a request finished with reason "error". ``inflight``: tokens
+    launched steps are sampling for it, not yet known on the host (each a :data:`PLACEHOLDER`
+    at the end of ``token_ids``)."""
 
     request_id: int
     prompt: str | None
@@ -47,14 +53,15 @@ class Request:
     verify_log: list[tuple[int, int]] = field(default_factory=list)
     grammar: object | None = None
     error: str | None = None
+    inflight: int = 0
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.prompt_token_ids + self.output_token_ids + [PLACEHOLDER] * self.inflight
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.inflight
 
     @property
     def num_pending(self) -> int:

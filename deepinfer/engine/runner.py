@@ -27,7 +27,9 @@ class ModelRunner:
     caches. ``logits_trace``: set it to a dict (debugging, invariance tests) and each step's
     logits rows are appended there under their request id. ``bounded_replay`` (an
     ``engine.bounded_replay`` config): the kept suffix is counted from each request's own
-    prompt, so a request recomputed after preemption replays as it first did."""
+    prompt, so a request recomputed after preemption replays as it first did. An input token
+    < 0 (a :data:`~deepinfer.engine.request.PLACEHOLDER`) is read on the device from
+    ``last_tokens`` at the request's state slot, where the sampler of the step before wrote it."""
 
     def __init__(self, model: GenerativeModel, runtime: Runtime, num_blocks: int, num_state_slots: int,
                  max_num_seqs: int, num_draft_tokens: int = 0, confidence_temperature: float = 1.0,
@@ -37,6 +39,7 @@ class ModelRunner:
         self.replay = bounded_replay if bounded_replay is not None and bounded_replay.mode != "off" else None
         self.k, self.confidence_temperature = num_draft_tokens, confidence_temperature
         self.caches = model.allocate_caches(num_blocks, num_state_slots)
+        self.last_tokens = torch.zeros(num_state_slots, dtype=torch.int64, device=runtime.device)
         self.table_width = math.ceil((model.max_model_len + model.position_margin) / model.page_tokens)
         self.logits_trace: dict[int, list[torch.Tensor]] | None = None
         self.passes: dict[str, PaddedPass] = {}
@@ -67,7 +70,8 @@ class ModelRunner:
         sampled with each request's own parameters and seed."""
         k = self.k
         arrays = self._sequence_arrays_of([[r.token_ids[-1]] + [self.model.draft_noise_token] * (k - 1) for r in requests],
-                                          [r.num_computed for r in requests], requests)
+                                          [r.num_computed for r in requests], [r.state_slot for r in requests],
+                                          [r.blocks for r in requests], requests)
         params = [r.params for r in requests]
         arrays.update(temperature=float_bits([p.temperature for p in params]),
                       top_p=float_bits([p.top_p for p in params]), top_k=[p.top_k for p in params],
@@ -118,7 +122,9 @@ class ModelRunner:
 
     def _decode_context(self, inputs, query_len: int, draft_block: int = 0) -> ForwardContext:
         replay = inputs["replay"][:, 0] if "replay" in inputs else None
-        return ForwardContext.for_decode(inputs["ids"].reshape(-1), inputs["start"][:, 0], inputs["slot"][:, 0],
+        ids = inputs["ids"]
+        ids = torch.where(ids < 0, self.last_tokens[inputs["slot"]], ids)
+        return ForwardContext.for_decode(ids.reshape(-1), inputs["start"][:, 0], inputs["slot"][:, 0],
                                          inputs["table"], query_len, replay_start=replay, draft_block=draft_block,
                                          write_draft_cache=bool(self.k) and not draft_block)
 
@@ -136,14 +142,14 @@ class ModelRunner:
 
     def _sequence_arrays(self, chunks) -> dict[str, np.ndarray]:
         return self._sequence_arrays_of([c.token_ids for c in chunks], [c.start for c in chunks],
+                                        [c.slot for c in chunks], [c.blocks for c in chunks],
                                         [c.request for c in chunks])
 
-    def _sequence_arrays_of(self, tokens, starts, requests) -> dict[str, np.ndarray]:
+    def _sequence_arrays_of(self, tokens, starts, slots, blocks, requests) -> dict[str, np.ndarray]:
         table = np.zeros((len(requests), self.table_width), dtype=np.int64)
-        for row, request in enumerate(requests):
-            table[row, :len(request.blocks)] = request.blocks
-        arrays = {"ids": np.asarray(tokens, dtype=np.int64), "start": starts,
-                  "slot": [r.state_slot for r in requests], "table": table}
+        for row, owned in enumerate(blocks):
+            table[row, :len(owned)] = owned
+        arrays = {"ids": np.asarray(tokens, dtype=np.int64), "start": starts, "slot": slots, "table": table}
         if self.replay is not None:
             arrays["replay"] = self._replay_starts(requests)
         return arrays
@@ -161,9 +167,11 @@ class ModelRunner:
         requests = [c.request for c in chunks]
         starts = self._replay_starts(requests) if self.replay is not None else None
         ctx = ForwardContext.for_sequences(
-            [c.token_ids for c in chunks], [c.start for c in chunks], [r.state_slot for r in requests],
-            [r.blocks for r in requests], decode=batch.decode, logits_rows=rows, replay_starts=starts,
+            [c.token_ids for c in chunks], [c.start for c in chunks], [c.slot for c in chunks],
+            [list(c.blocks) for c in chunks], decode=batch.decode, logits_rows=rows, replay_starts=starts,
             replay_compact=starts is not None and self.replay.mode == "compact", device=self.runtime.device,
             upload=self.runtime.upload)
         ctx.write_draft_cache = bool(self.k)
+        if any(t < 0 for c in chunks for t in c.token_ids):
+            ctx.input_ids = torch.where(ctx.input_ids < 0, self.last_tokens[ctx.slot_of_token], ctx.input_ids)
         return ctx

@@ -12,13 +12,17 @@ from deepinfer.engine.request import Request, Status
 class Chunk:
     """``token_ids`` of ``request`` starting at position ``start``; ``samples`` when the chunk
     ends at the request's last known token, so the step produces its next token. ``drafts`` are
-    the DSpark draft tokens appended for verification (the last ``len(drafts)`` token ids)."""
+    the DSpark draft tokens appended for verification (the last ``len(drafts)`` token ids).
+    ``slot`` and ``blocks`` are the request's state slot and cache blocks when it was scheduled
+    (what the step's device work reads, whatever the host does meanwhile)."""
 
     request: Request
     token_ids: list[int]
     start: int
     samples: bool
     drafts: list[int] = field(default_factory=list)
+    slot: int = 0
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -97,7 +101,8 @@ class Scheduler:
     def _chunk(self, request: Request, size: int, drafts: list[int] = ()) -> Chunk:
         start = request.num_computed
         tokens = request.token_ids[start:start + size] + list(drafts)
-        return Chunk(request, tokens, start, start + size == request.num_tokens, list(drafts))
+        return Chunk(request, tokens, start, start + size == request.num_tokens, list(drafts), request.state_slot,
+                     tuple(request.blocks))
 
     def _reserve_or_preempt(self, request: Request, num_tokens: int) -> bool:
         while not self.kv.reserve(request, num_tokens):
@@ -116,8 +121,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Mark ``request`` finished and free its cache."""
+    def finish(self, request: Request, reason: str, release: bool = True) -> None:
+        """Mark ``request`` finished and free its cache (later, with :meth:`KVManager.release`,
+        when ``release`` is False: a launched step still writes there)."""
         request.status, request.finish_reason = Status.FINISHED, reason
-        self.kv.release(request)
+        if release:
+            self.kv.release(request)
         self.running.remove(request)

@@ -155,7 +155,7 @@ class OpTable:
                 if not warned:
                     warned.append(op)
                     log.warning("op %s: %s; running %r for such calls, as configured (backend.fallback)",
-                                op, error, fallback.name)
+                                op, str(error), fallback.name)
                 return other(*args, **kwargs)
 
         return guarded

@@ -89,8 +89,9 @@ def test_decode_passes_read_nothing_on_the_host(monkeypatch, graphs, dspark):
     monkeypatch.setattr(llm.runner, "run", run)
     monkeypatch.setattr(llm.runner, "draft", draft_pass)
     downloads = []
-    original_download = Runtime.download
-    monkeypatch.setattr(Runtime, "download", lambda self, t: downloads.append(t.shape) or original_download(self, t))
+    original_download = Runtime.start_download
+    monkeypatch.setattr(Runtime, "start_download",
+                        lambda self, t: downloads.append(t.shape) or original_download(self, t))
     for _ in range(3):
         stats = llm.step()
         assert stats.decode and stats.num_decode_tokens == 2 * (1 + (llm.dspark.k if dspark else 0))

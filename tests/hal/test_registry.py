@@ -77,6 +77,23 @@ def test_inputs_a_backend_does_not_cover_run_on_the_configured_fallback(halfway,
     assert torch.equal(table.rms_norm(x.float(), weight, 1e-6), 2 * SPECS["rms_norm"].reference(x.float(), weight, 1e-6))
 
 
+def test_the_fallback_warning_keeps_no_reference_to_the_call(halfway, caplog):
+    """A kept log record (pytest keeps them, so may a user's handler) must not hold the refused
+    call's frames, or the tensors in them (a model's caches) outlive their engine."""
+    import gc
+    import weakref
+
+    table = OpTable("halfway", fallback="reference")
+    x = torch.ones(2, 4, dtype=torch.float64)
+    alive = weakref.ref(x)
+    with caplog.at_level(logging.WARNING):
+        table.rms_norm(x, torch.ones(4), 1e-6)
+    del x
+    gc.collect()
+    assert any("rms_norm" in r.message for r in caplog.records)
+    assert alive() is None, "the log record holds the refused call's inputs"
+
+
 def test_per_op_override_takes_the_op_from_another_backend(halfway):
     table = OpTable("reference", overrides={"rms_norm": "halfway"})
     assert table.sources["rms_norm"] == "halfway"

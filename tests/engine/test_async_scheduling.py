@@ -1,0 +1,140 @@
+"""Asynchronous scheduling: decode step N+1 is scheduled and launched before step N is
+collected, its input tokens filled in on the device. Every output matches the synchronous
+engine's, requests that stop while a step is in flight drop that step's row and keep their
+cache until it is collected, and the overlap really happens."""
+import gc
+import importlib.util
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.kv_manager import KVManager
+
+QUIET = ["engine.use_tqdm=false"]
+PROMPTS = [[5, 17, 99, 230, 41], [300, 12], list(range(40, 75)), [7] * 9, [120, 121, 122], [64, 65],
+           list(range(200, 260)), list(range(3, 128))]
+
+
+def _params():
+    """Greedy, seeded sampling with logprobs, a stop token hit mid-generation, varied lengths."""
+    return [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+            SamplingParams(temperature=0.9, top_p=0.9, max_tokens=11, seed=3, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=1.0, top_k=20, max_tokens=9, seed=11, stop_token_ids=list(range(3, 200))),
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            SamplingParams(temperature=0.7, max_tokens=16, seed=5, ignore_eos=True),
+            SamplingParams(temperature=1.0, max_tokens=12, seed=8, stop_token_ids=list(range(100, 400))),
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=0.8, max_tokens=10, seed=2)]
+
+
+def _generate(overrides, monkeypatch=None):
+    llm = LLM("tiny_random", "reference", QUIET + ["engine.max_num_seqs=4"] + overrides)
+    overlapped = []
+    if monkeypatch is not None:
+        can_overlap = type(llm)._can_overlap
+        monkeypatch.setattr(llm, "_can_overlap", lambda step: overlapped.append(can_overlap(llm, step)) or
+                            overlapped[-1])
+    outputs = llm.generate(PROMPTS, _params())
+    return llm, outputs, sum(overlapped)
+
+
+def _same(got, want):
+    """Same tokens, stops and text; log-probabilities to float32 rounding (a step in flight can
+    hold a row the synchronous engine no longer runs, so batch shapes differ)."""
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text)
+        assert (g.logprobs is None) == (w.logprobs is None)
+        for a, b in zip(g.logprobs or [], w.logprobs or []):
+            assert a.keys() == b.keys() and a == pytest.approx(b, abs=1e-5)
+
+
+@pytest.mark.parametrize("extra", [[], ["engine.cuda_graphs=true"]], ids=["eager", "padded"])
+def test_async_scheduling_emits_the_synchronous_outputs(monkeypatch, extra):
+    _, want, _ = _generate(["engine.async_scheduling=false"] + extra)
+    llm, got, overlapped = _generate(["engine.async_scheduling=true"] + extra, monkeypatch)
+    _same(got, want)
+    assert overlapped > 5, "no decode step stayed in flight: the asynchronous path went untested"
+    assert any(o.finish_reason == "stop" for o in got), "no request stopped on a token mid-batch"
+    assert llm._inflight is None
+    assert len(llm.scheduler.kv.free_blocks) == llm.scheduler.kv.num_blocks - 1, "blocks leaked"
+
+
+def test_preemption_under_async_scheduling_gives_the_synchronous_outputs():
+    """Nine usable blocks for 8 requests that each grow past one block: steps run with the
+    cache too full to overlap, preemptions happen, outputs match."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(120 + i)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for mode in ("false", "true"):
+        llm = LLM("tiny_random", "reference", QUIET + ["engine.num_kv_blocks=10", "engine.max_num_seqs=8",
+                                                       f"engine.async_scheduling={mode}"])
+        outputs[mode] = llm.generate(prompts, params)
+        assert llm.scheduler.num_preemptions > 0, "the cache budget did not force a preemption"
+        assert len(llm.scheduler.kv.free_blocks) == 9
+    assert [o.token_ids for o in outputs["true"]] == [o.token_ids for o in outputs["false"]]
+
+
+def test_a_stopped_request_keeps_its_cache_until_its_last_step_is_collected(monkeypatch):
+    llm = LLM("tiny_random", "reference", QUIET + ["engine.max_num_seqs=4", "engine.async_scheduling=true"])
+    released, early = [], []
+    release = KVManager.release
+
+    def checked(self, request):
+        launched = llm._inflight
+        if launched is not None and any(c.request is request for c in launched.batch.chunks):
+            early.append(request.request_id)
+        released.append(request.request_id)
+        release(self, request)
+
+    monkeypatch.setattr(KVManager, "release", checked)
+    outputs = llm.generate(PROMPTS, _params())
+    assert not early, f"requests {early} lost their cache while a launched step still wrote there"
+    assert sorted(released) == sorted(o.request_id for o in outputs)
+    assert any(o.finish_reason == "stop" for o in outputs)
+
+
+def test_dspark_and_grammar_steps_are_collected_before_the_next(monkeypatch):
+    """Steps whose next inputs need the host (drafts to propose, masks to fill) never overlap,
+    and give the synchronous tokens."""
+    overrides = ["decoding=dspark", "decoding.varlen=false"]
+    _, want, _ = _generate(["engine.async_scheduling=false"] + overrides)
+    _, got, overlapped = _generate(["engine.async_scheduling=true"] + overrides, monkeypatch)
+    _same(got, want)
+    assert overlapped == 0
+
+
+def test_on_a_slow_threaded_device_the_host_works_while_steps_compute(monkeypatch):
+    """The device work runs on a worker thread and each step is made slow: the host collects
+    step N while step N+1 is still computing, and the outputs stay the synchronous ones."""
+    import deepinfer.engine.llm as llm_module
+    from deepinfer.engine.device import ThreadedCpuRuntime
+
+    _, want, _ = _generate(["engine.async_scheduling=false"])
+    monkeypatch.setattr(llm_module, "make_runtime", lambda device: ThreadedCpuRuntime(device, delay_s=0.02))
+    llm = LLM("tiny_random", "reference", QUIET + ["engine.max_num_seqs=4", "engine.async_scheduling=true"])
+    collect, overlapped = llm._collect, []
+
+    def watching(step, stats):
+        launched = llm._inflight
+        overlapped.append(launched is not None and launched is not step and not launched.pending.__self__.done())
+        collect(step, stats)
+
+    monkeypatch.setattr(llm, "_collect", watching)
+    _same(llm.generate(PROMPTS, _params()), want)
+    assert sum(overlapped) > 5, "the host never collected a step while the next one computed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="the sm100 backend needs tilelang")
+def test_async_scheduling_emits_the_synchronous_outputs_on_the_gpu():
+    outputs = []
+    for mode in ("false", "true"):
+        llm = LLM("tiny", "sm100", QUIET + ["engine.max_num_seqs=4", "backend.fallback=reference",
+                                            "model.dtype=bfloat16", "engine.gpu_memory_utilization=0.15",
+                                            f"engine.async_scheduling={mode}"])
+        outputs.append([(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, _params())])
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outputs[1] == outputs[0]
