@@ -81,8 +81,7 @@ def engine_row(overrides: list[str], batch: int, max_tokens: int) -> dict:
         try:
             while llm.scheduler.has_work or llm._awaiting_grammar:
                 started = time.perf_counter()
-                llm.step()
-                if llm._last_batch.chunks and llm._last_batch.decode:
+                if llm.step().decode:
                     steps.append(time.perf_counter() - started)
         finally:
             llm_module.step_bitmasks, llm.ops._impls["apply_token_bitmask"] = fill.fn, apply.fn

@@ -23,7 +23,7 @@ class ModelRunner:
     its metadata goes up in one transfer. With ``padded_decode``, decode steps (one token per
     sequence), verify steps (``num_draft_tokens + 1`` per sequence) and draft passes run over
     batches padded to :func:`graph_batch_sizes`, from CUDA graphs once :meth:`capture_graphs`
-    has run. ``write_draft_cache``: every forward also fills the DSpark draft layers' main
+    has run. With ``num_draft_tokens`` every forward also fills the DSpark draft layers' main
     caches. ``logits_trace``: set it to a dict (debugging, invariance tests) and each step's
     logits rows are appended there under their request id. ``bounded_replay`` (an
     ``engine.bounded_replay`` config): the kept suffix is counted from each request's own

@@ -43,8 +43,8 @@ class ForwardContext:
     sequences' first rows. ``logits_indices`` selects the rows whose logits are returned.
     ``decode`` asks for the decode path (every sequence has ``decode_query_len`` query tokens,
     and compressed keys are laid out per sequence up to the block table's width).
-    ``context_lens_host`` holds the context lengths on the host where the builder knew them
-    (prefill steps size their gathered compressed keys with it). ``write_draft_cache``: the
+    ``context_lens_host`` and ``query_lens_host`` hold the context and query lengths on the host
+    where the builder knew them (prefill steps size and group their compressed keys with them). ``write_draft_cache``: the
     target forward also writes the DSpark draft layers' main keys. ``draft_block`` > 0 marks a
     DSpark draft pass: each sequence's rows are one block that attends bidirectionally to itself
     and to the ``window`` keys before it. ``replay_start`` (SWA bounded replay; None: off) is
@@ -67,6 +67,7 @@ class ForwardContext:
     decode: bool = False
     decode_query_len: int = 0
     context_lens_host: tuple[int, ...] | None = None
+    query_lens_host: tuple[int, ...] | None = None
     write_draft_cache: bool = False
     draft_block: int = 0
     replay_start: torch.Tensor | None = None
@@ -127,7 +128,8 @@ class ForwardContext:
                                       ("rows", "counts", "query_start", "chunk_start", "logits")))
         tensors["block_tables"] = tensors["block_tables"].view(num_seqs, width)
         return cls(**tensors, num_seqs=num_seqs, decode=decode, decode_query_len=lens[0] if decode and lens else 0,
-                   context_lens_host=tuple(int(n) for n in context_lens), replay_compact=replay_compact,
+                   context_lens_host=tuple(int(n) for n in context_lens), query_lens_host=tuple(lens),
+                   replay_compact=replay_compact,
                    consumer=consumer)
 
     @classmethod

@@ -11,6 +11,9 @@ from deepinfer.models.deepseek_v41.config import ATTENTION_DIM, INDEX_HEAD_DIM, 
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.layers import Linear, RMSNorm
 
+INDEXER_GROUP_ELEMENTS = 1 << 26
+"""Most ``rows x keys`` logits a prefill step's indexer scores at once (float32: 256 MiB)."""
+
 
 class Compressor(nn.Module):
     """Projects the compressed KV stream: ``wkv`` (latent) and, for C2, ``wgate`` (score)."""
@@ -89,8 +92,9 @@ class Attention(nn.Module):
         ops.kv_norm_rope_store(keys, comp.norm.weight, comp.norm.eps, key_pos, cos_sin, cache.compressed, slots,
                                self.cfg.compressed_cache_format)
         pre_rope, k_norm = comp.norm(keys), self.indexer.k_norm  # the indexer projects the keys before RoPE
-        ops.kv_norm_rope_store(self.indexer.wk(pre_rope), k_norm.weight, k_norm.eps, key_pos, cos_sin, cache.index_k,
-                               slots, "index_fp4")
+        index_keys = self.indexer.wk(pre_rope.to(source.dtype))  # KProject runs in the activation dtype
+        ops.kv_norm_rope_store(index_keys, k_norm.weight, k_norm.eps, key_pos, cos_sin, cache.index_k, slots,
+                               "index_fp4")
 
     def swa_keys(self, latent: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache: LayerCache,
                  slots: torch.Tensor) -> torch.Tensor:
@@ -126,12 +130,30 @@ class Attention(nn.Module):
         key_slots, first = self._compressed_keys(ctx, cache)
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
         visible = (ctx.positions + 1) // self.ratio
+        topk = self.cfg.index_topk
         if ctx.decode:
             keys = keys.view(ctx.num_seqs, -1, INDEX_HEAD_DIM)
-            starts = torch.zeros_like(visible)
-        else:
-            starts = first[ctx.seq_of_token]
-        return ops.indexer_topk(ops.indexer_logits(q, keys, weights), starts, visible, self.cfg.index_topk)
+            return ops.indexer_topk(ops.indexer_logits(q, keys, weights), torch.zeros_like(visible), visible, topk)
+        starts = first[ctx.seq_of_token]
+        return torch.cat([ops.indexer_topk(ops.indexer_logits(q[t0:t1], keys[k0:k1], weights[t0:t1]),
+                                           starts[t0:t1] - k0, visible[t0:t1], topk)
+                          for t0, t1, k0, k1 in self._indexer_groups(ctx)])
+
+    def _indexer_groups(self, ctx: ForwardContext) -> list[tuple[int, int, int, int]]:
+        """Runs of consecutive sequences ``(first row, end row, first key, end key)`` whose dense
+        ``rows x keys`` logits stay within :data:`INDEXER_GROUP_ELEMENTS` (a sequence alone may
+        exceed it): a step of many sequences never scores every query against every sequence's
+        keys. One run when the host does not know the query lengths."""
+        if ctx.query_lens_host is None:
+            return [(0, ctx.num_tokens, 0, sum(n // self.ratio for n in ctx.context_lens_host))]
+        groups, t0, k0, t1, k1 = [], 0, 0, 0, 0
+        for rows, context in zip(ctx.query_lens_host, ctx.context_lens_host):
+            keys = context // self.ratio
+            if t1 > t0 and (t1 + rows - t0) * (k1 + keys - k0) > INDEXER_GROUP_ELEMENTS:
+                groups.append((t0, t1, k0, k1))
+                t0, k0 = t1, k1
+            t1, k1 = t1 + rows, k1 + keys
+        return groups + [(t0, t1, k0, k1)]
 
     def _attend_prefill(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
         ops, cfg = self.ops, self.cfg

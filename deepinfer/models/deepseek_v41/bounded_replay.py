@@ -64,5 +64,5 @@ def enter_consumer_half(layer, residual: torch.Tensor, pre: torch.Tensor | None,
                                query_lens=consumer.counts, logits_indices=consumer.logits_indices,
                                seq_of_token=seq_of_token, query_start=consumer.query_start,
                                chunk_start=consumer.chunk_start, chunk_start_of_token=consumer.chunk_start[seq_of_token],
-                               slot_of_token=ctx.slot_of_token[rows], consumer=None)
+                               slot_of_token=ctx.slot_of_token[rows], query_lens_host=None, consumer=None)
     return view, lambda tensor: None if tensor is None else tensor[rows]

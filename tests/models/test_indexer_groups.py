@@ -1,0 +1,46 @@
+"""A prefill step scores its indexer queries in runs of sequences (bounded ``rows x keys``
+logits): every row's logits are the ones of one run over the whole step."""
+import random
+
+import pytest
+import torch
+
+from deepinfer.models.deepseek_v41 import attention
+from tests.models.tiny_model import SequenceRunner, tiny_model
+
+
+def _mixed_steps(monkeypatch, group_elements: int) -> list[torch.Tensor]:
+    """Prefill chunks of five sequences, then a step mixing decodes, chunk continuations and a
+    new prompt; all logits rows of both steps."""
+    monkeypatch.setattr(attention, "INDEXER_GROUP_ELEMENTS", group_elements)
+    model, rng = tiny_model(seed=3), random.Random(0)
+    runner = SequenceRunner(model, num_seqs=6, max_len=256)
+    tokens = {s: [rng.randrange(3, 500) for _ in range(rng.randint(20, 90))] for s in range(5)}
+    first = runner.step({s: t[:len(t) // 2] for s, t in tokens.items()}, all_logits=True)
+    second = runner.step({**{s: t[len(t) // 2:] for s, t in tokens.items() if s % 2},
+                          **{s: t[len(t) // 2:len(t) // 2 + 1] for s, t in tokens.items() if not s % 2},
+                          5: [rng.randrange(3, 500) for _ in range(40)]}, all_logits=True)
+    return [first, second]
+
+
+def test_runs_of_sequences_give_the_whole_step_logits(monkeypatch):
+    whole = _mixed_steps(monkeypatch, 1 << 40)
+    calls = []
+    groups = attention.Attention._indexer_groups
+    monkeypatch.setattr(attention.Attention, "_indexer_groups",
+                        lambda self, ctx: calls.append(groups(self, ctx)) or calls[-1])
+    split = _mixed_steps(monkeypatch, 1)
+    assert max(len(g) for g in calls) == 6, "with a budget of one element every sequence is its own run"
+    for a, b in zip(split, whole):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget, runs", [(1, 3), (10 * 15, 1), (70, 2), (60, 2)])
+def test_runs_keep_to_the_budget_and_to_sequence_order(budget, runs, monkeypatch):
+    monkeypatch.setattr(attention, "INDEXER_GROUP_ELEMENTS", budget)
+    layer = next(layer.attn for layer in tiny_model().layers if layer.attn.ratio == 2)
+    ctx = type("Ctx", (), {"query_lens_host": (4, 3, 3), "context_lens_host": (10, 10, 10), "num_tokens": 10})
+    groups = layer._indexer_groups(ctx)
+    assert len(groups) == runs
+    assert groups[0][0] == 0 and groups[-1][1] == 10 and groups[-1][3] == 15
+    assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(groups, groups[1:]))
