@@ -26,6 +26,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def graph_table_widths(table_width: int) -> list[int]:
+    """Block-table widths the padded passes are built for: 16, 64, 256, 1024 blocks (those
+    below ``table_width``), then ``table_width``. A step takes the narrowest that holds its
+    longest sequence, so the work that scales with the table (the decode indexer scores every
+    key slot it covers) follows the batch's context, not ``max_model_len``."""
+    return [w for w in (16, 64, 256, 1024) if w < table_width] + [table_width]
+
+
 class PaddedPass:
     """``fn(inputs) -> outputs`` over batches padded to one of ``sizes``.
 

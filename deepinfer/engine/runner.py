@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine.device import Runtime
-from deepinfer.engine.graphs import PaddedPass, as_float, float_bits, graph_batch_sizes
+from deepinfer.engine.graphs import PaddedPass, as_float, float_bits, graph_batch_sizes, graph_table_widths
 from deepinfer.engine.scheduler import Batch
 from deepinfer.hal.ops.sampling import as_int64
 from deepinfer.hal.value_checks import skip_value_checks
@@ -23,7 +23,8 @@ class ModelRunner:
     its metadata goes up in one transfer. With ``padded_decode``, decode steps (one token per
     sequence), verify steps (``num_draft_tokens + 1`` per sequence) and draft passes run over
     batches padded to :func:`graph_batch_sizes`, from CUDA graphs once :meth:`capture_graphs`
-    has run. With ``num_draft_tokens`` every forward also fills the DSpark draft layers' main
+    has run; each kind is built for every width of :func:`graph_table_widths`, and a step
+    runs at the narrowest that holds its sequences' blocks. With ``num_draft_tokens`` every forward also fills the DSpark draft layers' main
     caches. ``logits_trace``: set it to a dict (debugging, invariance tests) and each step's
     logits rows are appended there under their request id. ``bounded_replay`` (an
     ``engine.bounded_replay`` config): the kept suffix is counted from each request's own
@@ -42,9 +43,10 @@ class ModelRunner:
         self.last_tokens = torch.zeros(num_state_slots, dtype=torch.int64, device=runtime.device)
         self.table_width = math.ceil((model.max_model_len + model.position_margin) / model.page_tokens)
         self.logits_trace: dict[int, list[torch.Tensor]] | None = None
-        self.passes: dict[str, PaddedPass] = {}
+        self.passes: dict[tuple[str, int], PaddedPass] = {}
         if padded_decode:
-            self._build_passes(graph_batch_sizes(max_num_seqs))
+            for width in graph_table_widths(self.table_width):
+                self._build_passes(graph_batch_sizes(max_num_seqs), width)
 
     def run(self, batch: Batch) -> torch.Tensor:
         """float32 logits of the rows that emit tokens: for each sampling chunk in order, one row
@@ -52,7 +54,7 @@ class ModelRunner:
         chunks = batch.chunks
         padded = self._padded_pass(batch)
         if padded is not None:
-            logits = padded(len(chunks), self._sequence_arrays(chunks))["logits"]
+            logits = padded(len(chunks), self._sequence_arrays(chunks, padded.fields["table"]))["logits"]
         else:
             with skip_value_checks(), torch.no_grad():
                 logits = self.model(self._context(batch), self.caches)
@@ -69,15 +71,16 @@ class ModelRunner:
         """One DSpark draft pass for ``requests`` (each with exactly its last token uncomputed),
         sampled with each request's own parameters and seed."""
         k = self.k
+        padded = self._pass_for("draft", len(requests), max(len(r.blocks) for r in requests))
         arrays = self._sequence_arrays_of([[r.token_ids[-1]] + [self.model.draft_noise_token] * (k - 1) for r in requests],
                                           [r.num_computed for r in requests], [r.state_slot for r in requests],
-                                          [r.blocks for r in requests], requests)
+                                          [r.blocks for r in requests], requests,
+                                          padded.fields["table"] if padded is not None else self.table_width)
         params = [r.params for r in requests]
         arrays.update(temperature=float_bits([p.temperature for p in params]),
                       top_p=float_bits([p.top_p for p in params]), top_k=[p.top_k for p in params],
                       seed=[as_int64(r.seed) for r in requests])
-        padded = self.passes.get("draft")
-        if padded is not None and padded.size_for(len(requests)) is not None:
+        if padded is not None:
             out = padded(len(requests), arrays)
             return DraftProposal(out["tokens"].clone(), out["logprobs"].clone(), out["confidences"].clone())
         flat = np.concatenate([np.asarray(v, dtype=np.int64).reshape(-1) for v in arrays.values()])
@@ -100,25 +103,31 @@ class ModelRunner:
     def num_graphs(self) -> int:
         return sum(len(p.sizes) for p in self.passes.values())
 
-    def _build_passes(self, sizes: list[int]) -> None:
-        sequence = {"start": 1, "slot": 1, "table": self.table_width}
+    def _build_passes(self, sizes: list[int], width: int) -> None:
+        sequence = {"start": 1, "slot": 1, "table": width}
         if self.replay is not None:
             sequence["replay"] = 1
-        self.passes["decode"] = PaddedPass("decode", self._target_pass(1), {"ids": 1, **sequence}, sizes, self.runtime)
+        kinds = {"decode": (self._target_pass(1), {"ids": 1})}
         if self.k:
-            k = self.k
-            self.passes["verify"] = PaddedPass("verify", self._target_pass(k + 1), {"ids": k + 1, **sequence}, sizes,
-                                               self.runtime)
             sampling = {"temperature": 1, "top_p": 1, "top_k": 1, "seed": 1}
-            self.passes["draft"] = PaddedPass("draft", self._draft_pass, {"ids": k, **sequence, **sampling}, sizes,
-                                              self.runtime)
+            kinds["verify"] = (self._target_pass(self.k + 1), {"ids": self.k + 1})
+            kinds["draft"] = (self._draft_pass, {"ids": self.k, **sampling})
+        for kind, (fn, fields) in kinds.items():
+            self.passes[kind, width] = PaddedPass(f"{kind} (table width {width})", fn, {**fields, **sequence}, sizes,
+                                                  self.runtime)
+
+    def _pass_for(self, kind: str, count: int, blocks: int) -> PaddedPass | None:
+        """The narrowest padded pass of ``kind`` for ``count`` sequences of up to ``blocks`` blocks."""
+        fitting = [p for (k, width), p in self.passes.items() if k == kind and width >= blocks]
+        padded = min(fitting, key=lambda p: p.fields["table"], default=None)
+        return padded if padded is not None and padded.size_for(count) is not None else None
 
     def _padded_pass(self, batch: Batch) -> PaddedPass | None:
         if not self.passes or not batch.decode:
             return None
         query_len = len(batch.chunks[0].token_ids)
-        padded = self.passes.get("decode" if query_len == 1 else "verify" if query_len == self.k + 1 else "")
-        return padded if padded is not None and padded.size_for(len(batch.chunks)) is not None else None
+        kind = "decode" if query_len == 1 else "verify" if query_len == self.k + 1 else ""
+        return self._pass_for(kind, len(batch.chunks), max(len(c.blocks) for c in batch.chunks))
 
     def _decode_context(self, inputs, query_len: int, draft_block: int = 0) -> ForwardContext:
         replay = inputs["replay"][:, 0] if "replay" in inputs else None
@@ -140,13 +149,13 @@ class ModelRunner:
         proposal = self.model.draft(ctx, self.caches, sampling)
         return {"tokens": proposal.tokens, "logprobs": proposal.logprobs, "confidences": proposal.confidences}
 
-    def _sequence_arrays(self, chunks) -> dict[str, np.ndarray]:
+    def _sequence_arrays(self, chunks, width: int) -> dict[str, np.ndarray]:
         return self._sequence_arrays_of([c.token_ids for c in chunks], [c.start for c in chunks],
                                         [c.slot for c in chunks], [c.blocks for c in chunks],
-                                        [c.request for c in chunks])
+                                        [c.request for c in chunks], width)
 
-    def _sequence_arrays_of(self, tokens, starts, slots, blocks, requests) -> dict[str, np.ndarray]:
-        table = np.zeros((len(requests), self.table_width), dtype=np.int64)
+    def _sequence_arrays_of(self, tokens, starts, slots, blocks, requests, width: int) -> dict[str, np.ndarray]:
+        table = np.zeros((len(requests), width), dtype=np.int64)
         for row, owned in enumerate(blocks):
             table[row, :len(owned)] = owned
         arrays = {"ids": np.asarray(tokens, dtype=np.int64), "start": starts, "slot": slots, "table": table}

@@ -65,9 +65,10 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of 4-bit e2m1 codes."""
-    magnitude = (codes & 7).to(torch.int32)
+    magnitude = torch.arange(8, device=codes.device)  # the grid, made on the device (no host copy)
     exponent, half = magnitude >> 1, (magnitude & 1).float() * 0.5
-    value = torch.where(exponent == 0, half, torch.exp2((exponent - 1).float()) * (1 + half))
+    grid = torch.where(exponent == 0, half, torch.exp2((exponent - 1).float()) * (1 + half))
+    value = grid[(codes & 7).long()]
     return torch.where((codes & 8) > 0, -value, value)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.graphs import graph_batch_sizes
+from deepinfer.engine.graphs import PaddedPass, graph_batch_sizes, graph_table_widths
 
 QUIET = ["engine.use_tqdm=false"]
 PROMPTS = [[5, 17, 99, 230, 41], [300, 12], list(range(40, 75)), [7] * 9, [120, 121, 122]]
@@ -18,6 +18,28 @@ PROMPTS = [[5, 17, 99, 230, 41], [300, 12], list(range(40, 75)), [7] * 9, [120, 
     (64, [1, 2, 4, 8, 16, 32, 48, 64])])
 def test_padded_batch_sizes(max_num_seqs, sizes):
     assert graph_batch_sizes(max_num_seqs) == sizes
+
+
+@pytest.mark.parametrize("table_width, widths", [
+    (9, [9]), (16, [16]), (33, [16, 33]), (1025, [16, 64, 256, 1024, 1025])])
+def test_table_widths(table_width, widths):
+    assert graph_table_widths(table_width) == widths
+
+
+def test_a_step_runs_at_the_narrowest_table_that_holds_its_sequences(monkeypatch):
+    """Short sequences decode with 16-block tables; once one holds 17 blocks the step takes the
+    full width; tokens match the unpadded engine either way."""
+    widths, call = [], PaddedPass.__call__
+    monkeypatch.setattr(PaddedPass, "__call__", lambda self, count, arrays: widths.append(self.fields["table"]) or
+                        call(self, count, arrays))
+    prompts = [[5, 17, 99], list(range(3, 500)) * 4 + list(range(3, 40))]  # 3 and 2,025 tokens (16 blocks)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = {}
+    for graphs in ("false", "true"):
+        llm = LLM("tiny", "reference", QUIET + ["model.max_model_len=4096", f"engine.cuda_graphs={graphs}"])
+        outputs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["true"] == outputs["false"]
+    assert sorted(set(widths)) == [16, 33] and widths[0] == 16 and widths[-1] == 33
 
 
 def _params():
