@@ -17,11 +17,12 @@ Rows (``kind``):
   sequence's attended KV) over the measured copy bandwidth.
 
 ``--dspark-model`` (the trained ``tiny``) adds rows with drafts off and on, to read the
-wall-clock speedup of DSpark. Prints a table, writes ``experiments/results/bench_engine_<tag>.csv``
+wall-clock speedup of DSpark; ``--compare-async`` adds the first backend's rows with
+asynchronous scheduling off (engines run with it on, the GPU default). Prints a table, writes ``experiments/results/bench_engine_<tag>.csv``
 and the Pareto-style plot (decode tok/s against tok/s per user) beside it.
 
     python experiments/bench_engine.py --tag h200 [--backends sm100 reference] [--batches 1 4 16 64 128]
-        [--prompts 512 4096] [--steps 32] [--hf] [--dspark-model tiny] [overrides...]
+        [--prompts 512 4096] [--steps 32] [--hf] [--dspark-model tiny] [--compare-async] [overrides...]
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ HF_WIDTHS = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_a
 
 
 def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int], steps: int, dspark: bool,
-                overrides: list[str], profile: tuple[int, ...] = (), memory_share: float = 0.45) -> list[dict]:
+                overrides: list[str], profile: tuple[int, ...] = (), memory_share: float = 0.45,
+                asynchronous: bool = True) -> list[dict]:
     """One engine's points. Engines run one after another in this process, each taking
     ``memory_share`` of the card (``engine.gpu_memory_utilization``)."""
     longest = max(prompts) + steps * 8 + 64
@@ -60,13 +62,15 @@ def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int]
     llm = LLM(model, backend, ["engine.use_tqdm=false", f"engine.max_num_seqs={max(batches)}",
                                f"model.max_model_len={longest}", f"engine.max_num_batched_tokens={max(8192, max(prompts))}",
                                f"engine.prefill_chunk_tokens={max(prompts)}",
-                               f"engine.gpu_memory_utilization={memory_share}", *decoding, *overrides])
+                               f"engine.gpu_memory_utilization={memory_share}",
+                               f"engine.async_scheduling={str(asynchronous).lower()}", *decoding, *overrides])
     _point(llm, 64, 2, 4)  # kernels compile, caches warm
     rows = []
     for prompt in prompts:
         for batch in batches:
             row = _point(llm, prompt, batch, steps, profile=batch in profile and prompt == prompts[0])
-            row.update(kind="engine", backend=backend, model=model, dspark=dspark, prompt=prompt, batch=batch)
+            row.update(kind="engine", backend=backend, model=model, dspark=dspark, prompt=prompt, batch=batch,
+                       asynchronous=asynchronous)
             rows.append(row)
             print(_line(row), flush=True)
     rows += floor_rows(llm, rows)
@@ -81,7 +85,7 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
     params = SamplingParams(temperature=0, max_tokens=(steps + 2) * (1 + (llm.dspark.k if llm.dspark else 0))
                             + math.ceil(batch * prompt / budget), ignore_eos=True)
     requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
-    prefill_s, decode_times, emitted = 0.0, [], 0
+    prefill_s, decode_times, emitted, decoding = 0.0, [], 0, False
     tracing = None
     while not all(r.finished for r in requests):
         before = sum(len(r.output_token_ids) for r in requests)
@@ -90,6 +94,8 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
         elapsed = time.perf_counter() - started
         if stats.num_prefill_tokens:
             prefill_s += elapsed
+        elif not decoding:
+            decoding = stats.decode  # the first decode step collects the prefill's tokens (or none, in flight)
         elif stats.decode and stats.num_seqs == batch and len(decode_times) < steps:
             decode_times.append(elapsed)
             emitted += sum(len(r.output_token_ids) for r in requests) - before
@@ -242,6 +248,7 @@ def _line(row: dict) -> str:
     def num(key, fmt):
         return format(row[key], fmt) if isinstance(row.get(key), (int, float)) else "-"
     return (f"{row['kind']:<8} {row['backend']:<15} {row['model']:<12} dspark={str(row.get('dspark', '')):<5} "
+            f"async={str(row.get('asynchronous', '')):<5} "
             f"prompt {row.get('prompt', 0):>5} batch {row.get('batch', 0):>4}  prefill {num('prefill_tok_s', '>9')} tok/s  "
             f"step {num('step_ms', '>8.3f')} ms  decode {num('decode_tok_s', '>9.1f')} tok/s  "
             f"per user {num('tok_s_per_user', '>7.1f')}  GPU idle {num('gpu_idle_pct', '>5.1f')} %")
@@ -259,7 +266,8 @@ def plot(rows: list[dict], path: Path) -> None:
         series: dict[str, list] = {}
         for r in rows:
             if r.get("prompt") == prompt and r["kind"] in ("engine", "hf", "floor"):
-                label = f"{r['backend']} {r['model']}" + (" dspark" if r.get("dspark") else "")
+                label = f"{r['backend']} {r['model']}" + (" dspark" if r.get("dspark") else "") + \
+                    (" sync" if r.get("asynchronous") is False else "")
                 series.setdefault(label, []).append((r["tok_s_per_user"], r["decode_tok_s"], r["batch"]))
         for label, points in sorted(series.items()):
             points.sort()
@@ -292,6 +300,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dspark-model", default="", help="e.g. tiny: DSpark off/on rows on a trained model")
     parser.add_argument("--dspark-batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--hf", action="store_true", help="add the HF transformers peer rows")
+    parser.add_argument("--compare-async", action="store_true",
+                        help="also the first backend with asynchronous scheduling off (first prompt length)")
     parser.add_argument("--hf-max-kv-gib", type=float, default=40.0)
     parser.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
                         help="engine points (first prompt length) whose decode steps are traced for GPU idle time")
@@ -312,6 +322,11 @@ def main(argv=None) -> int:
                 backend, args.model, args.reference_prompts if reference else args.prompts,
                 args.reference_batches if reference else args.batches, args.steps, dspark, args.overrides,
                 profile=() if reference else tuple(args.profile_batches), memory_share=0.3 if reference else 0.45))
+        if backend == args.backends[0] and args.compare_async:
+            sections.append(lambda backend=backend: [
+                r for r in engine_rows(backend, args.model, args.prompts[:1], args.batches, args.steps, False,
+                                       args.overrides, profile=tuple(args.profile_batches), asynchronous=False)
+                if r["kind"] == "engine"])
         if backend == args.backends[0] and args.dspark_model:
             for dspark in (False, True):
                 sections.append(lambda backend=backend, dspark=dspark: [
