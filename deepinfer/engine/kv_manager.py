@@ -1,18 +1,18 @@
-"""Cache resources: paged blocks of 128 tokens (compressed KV and index K) and per-sequence state
-slots (SWA rings and compress state). Block 0 and slot 0 are never handed out (padding)."""
+"""Cache resources: paged blocks of the model's ``page_tokens`` tokens and per-sequence state slots
+(for DeepSeek-V4.1: compressed KV and index K in blocks of 128 tokens; SWA rings and compress
+state in slots). Block 0 and slot 0 are never handed out (padding)."""
 from __future__ import annotations
 
 import math
 from collections import deque
 
 from deepinfer.engine.request import Request
-from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
 
 
 class KVManager:
     """Hands out blocks (free list: pop front, push back) and state slots to requests."""
 
-    def __init__(self, num_blocks: int, num_state_slots: int, block_tokens: int = PAGE_TOKENS):
+    def __init__(self, num_blocks: int, num_state_slots: int, block_tokens: int):
         if num_blocks < 2 or num_state_slots < 2:
             raise ValueError(f"need at least 2 blocks and 2 state slots (index 0 is padding), got "
                              f"{num_blocks} and {num_state_slots}")

@@ -158,7 +158,7 @@ class LLM:
         return stats
 
     def _launch(self, batch: Batch, stats: "StepStats") -> "LaunchedStep":
-        """Queue the forward and sampling of ``batch``. Fed tokens count as computed now; each
+        """Queue the forward and sampling of ``batch``. Fed tokens count as computed at launch; each
         sampling chunk's next token becomes a placeholder until the step is collected."""
         stats.count_launch(batch)
         sampling = [c for c in batch.chunks if c.samples]
