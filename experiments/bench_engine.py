@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from bench_ops import ceilings, write_csv
 from deepinfer import LLM, SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -51,7 +52,7 @@ HF_WIDTHS = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_a
 
 
 def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int], steps: int, dspark: bool,
-                overrides: list[str], profile: tuple[int, ...] = (), memory_share: float = 0.45,
+                overrides: list[str], bandwidth: float, profile: tuple[int, ...] = (), memory_share: float = 0.45,
                 asynchronous: bool = True) -> list[dict]:
     """One engine's points. Engines run one after another in this process, each taking
     ``memory_share`` of the card (``engine.gpu_memory_utilization``)."""
@@ -73,7 +74,7 @@ def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int]
                        asynchronous=asynchronous)
             rows.append(row)
             print(_line(row), flush=True)
-    rows += floor_rows(llm, rows)
+    rows += floor_rows(llm, rows, bandwidth)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -141,8 +142,8 @@ def _prompts(llm: LLM, length: int, batch: int) -> list[list[int]]:
     return [text[(i * 37) % (len(text) - length):][:length] for i in range(batch)]
 
 
-def floor_rows(llm: LLM, rows: list[dict]) -> list[dict]:
-    """The bytes-over-bandwidth floor of each engine decode point."""
+def floor_rows(llm: LLM, rows: list[dict], bandwidth: float) -> list[dict]:
+    """The bytes-over-``bandwidth`` floor of each engine decode point."""
     model, cfg = llm.model, llm.model.cfg
     expert, other = 0, 0
     for name, param in model.named_parameters():
@@ -155,7 +156,6 @@ def floor_rows(llm: LLM, rows: list[dict]) -> list[dict]:
             other += size
     per_expert = expert / (cfg.n_routed_experts * cfg.num_hidden_layers)
     kv_per_token = model.cache_bytes(1, 0) / model.page_tokens
-    bandwidth = copy_bandwidth()
     out = []
     for row in rows:
         batch, context = row["batch"], row["prompt"]
@@ -167,31 +167,6 @@ def floor_rows(llm: LLM, rows: list[dict]) -> list[dict]:
                         batch=batch, step_ms=round(1e3 * seconds, 4), decode_tok_s=round(batch / seconds, 1),
                         tok_s_per_user=round(1 / seconds, 2), step_bytes=int(step_bytes)))
     return out
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read plus write), best of 10."""
-    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / _best_seconds(lambda: dst.copy_(src))
-
-
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    return 2 * 8192 ** 3 / _best_seconds(lambda: a @ a)
-
-
-def _best_seconds(fn, repeats: int = 10) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
 
 
 def hf_rows(prompts: list[int], batches: list[int], steps: int, max_kv_gib: float) -> list[dict]:
@@ -311,8 +286,10 @@ def main(argv=None) -> int:
     stamp = dict(card=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit or "-",
                  torch=torch.__version__, command=" ".join(["python", *sys.argv]))
     path = RESULTS / f"bench_engine_{args.tag}.csv"
-    rows = [dict(kind="ceiling", backend="copy", model="-", gb_s=round(copy_bandwidth() / 1e9, 1)),
-            dict(kind="ceiling", backend="bf16_matmul", model="-", tflop_s=round(matmul_rate() / 1e12, 1))]
+    measured = ceilings()
+    bandwidth = measured["copy_bw"]
+    rows = [dict(kind="ceiling", backend="copy", model="-", gb_s=round(bandwidth / 1e9, 1)),
+            dict(kind="ceiling", backend="bf16_matmul", model="-", tflop_s=round(measured["dense_bf16"] / 1e12, 1))]
     print(rows)
     sections = []
     for backend in args.backends:
@@ -320,18 +297,18 @@ def main(argv=None) -> int:
         for dspark in ([False, True] if args.dspark else [False]):
             sections.append(lambda backend=backend, reference=reference, dspark=dspark: engine_rows(
                 backend, args.model, args.reference_prompts if reference else args.prompts,
-                args.reference_batches if reference else args.batches, args.steps, dspark, args.overrides,
+                args.reference_batches if reference else args.batches, args.steps, dspark, args.overrides, bandwidth,
                 profile=() if reference else tuple(args.profile_batches), memory_share=0.3 if reference else 0.45))
         if backend == args.backends[0] and args.compare_async:
             sections.append(lambda backend=backend: [
                 r for r in engine_rows(backend, args.model, args.prompts[:1], args.batches, args.steps, False,
-                                       args.overrides, profile=tuple(args.profile_batches), asynchronous=False)
+                                       args.overrides, bandwidth, profile=tuple(args.profile_batches), asynchronous=False)
                 if r["kind"] == "engine"])
         if backend == args.backends[0] and args.dspark_model:
             for dspark in (False, True):
                 sections.append(lambda backend=backend, dspark=dspark: [
                     r for r in engine_rows(backend, args.dspark_model, [args.prompts[0]], args.dspark_batches,
-                                           args.steps, dspark, args.overrides, memory_share=0.03)
+                                           args.steps, dspark, args.overrides, bandwidth, memory_share=0.03)
                     if r["kind"] == "engine"])
         if backend == args.backends[0] and args.hf:
             sections.append(lambda: hf_rows(args.prompts, args.batches, args.steps, args.hf_max_kv_gib))
@@ -343,13 +320,10 @@ def main(argv=None) -> int:
 
 
 def _write(path: Path, stamp: dict, rows: list[dict]) -> None:
-    from bench_ops import write_csv
-
     fields = list(stamp) + sorted({k for r in rows for k in r})
     write_csv(path, fields, [{**stamp, **r} for r in rows])
     plot(rows, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     raise SystemExit(main())

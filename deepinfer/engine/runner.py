@@ -12,7 +12,7 @@ from deepinfer.engine.graphs import PaddedPass, as_float, float_bits, graph_batc
 from deepinfer.engine.scheduler import Batch
 from deepinfer.hal.ops.sampling import as_int64
 from deepinfer.hal.value_checks import skip_value_checks
-from deepinfer.models.forward_context import ForwardContext
+from deepinfer.models.forward_context import ForwardContext, upload_arrays
 from deepinfer.models.interface import DraftProposal, DraftSampling, GenerativeModel
 
 
@@ -83,13 +83,8 @@ class ModelRunner:
         if padded is not None:
             out = padded(len(requests), arrays)
             return DraftProposal(out["tokens"].clone(), out["logprobs"].clone(), out["confidences"].clone())
-        flat = np.concatenate([np.asarray(v, dtype=np.int64).reshape(-1) for v in arrays.values()])
-        inputs, offset = {}, 0
-        moved = self.runtime.upload(flat)
-        for name, values in arrays.items():
-            size = np.asarray(values).size
-            inputs[name] = moved[offset:offset + size].view(len(requests), -1)
-            offset += size
+        moved = upload_arrays(arrays, self.runtime.device, self.runtime.upload)
+        inputs = {name: values.view(len(requests), -1) for name, values in moved.items()}
         with skip_value_checks(), torch.no_grad():
             out = self._draft_pass(inputs)
         return DraftProposal(out["tokens"], out["logprobs"], out["confidences"])

@@ -121,7 +121,7 @@ class ForwardContext:
                                       np.asarray(logits_rows, dtype=np.int64))
             if replay_compact:
                 arrays.update(layout)
-        tensors = _upload(arrays, device, upload)
+        tensors = upload_arrays(arrays, device, upload)
         consumer = None
         if "consumer_rows" in tensors:
             consumer = ConsumerRows(*(tensors.pop(f"consumer_{name}") for name in
@@ -176,8 +176,9 @@ def _consumer_layout(replay, chunk_start, context_lens, query_start, positions, 
             "consumer_logits": at}
 
 
-def _upload(arrays: dict, device, upload: Upload | None) -> dict[str, torch.Tensor]:
-    """Every array as an int64 tensor on ``device``, moved there as one buffer."""
+def upload_arrays(arrays: dict, device, upload: Upload | None = None) -> dict[str, torch.Tensor]:
+    """Every array as a flat int64 tensor on ``device``, moved there as one buffer (by
+    ``upload`` when given)."""
     flat = [np.asarray(value, dtype=np.int64).reshape(-1) for value in arrays.values()]
     buffer = np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64)
     moved = upload(buffer) if upload is not None else torch.from_numpy(buffer).to(device)

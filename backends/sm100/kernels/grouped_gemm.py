@@ -11,6 +11,8 @@ import tilelang
 import tilelang.language as T
 import torch
 
+from deepinfer.hal.ops.grouped_gemm import tile_bounds
+
 
 @tilelang.jit
 def grouped_gemm_bf16(experts: int, n: int, k: int, block_m: int = 128, block_n: int = 256, block_k: int = 64,
@@ -46,19 +48,10 @@ def grouped_gemm_bf16(experts: int, n: int, k: int, block_m: int = 128, block_n:
 
 def tile_schedule(group_sizes: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
     """``int32 [3, ceil(rows / block_m) + experts]``: each tile's expert, first row and end row
-    (exclusive), computed on ``group_sizes``' device without a host sync. Unused tiles get expert
-    ``experts`` (which the kernel skips)."""
-    experts = group_sizes.shape[0]
-    sizes = group_sizes.to(torch.int64)
-    ends = torch.cumsum(sizes, 0)
-    tiles_per = (sizes + block_m - 1) // block_m
-    tile_ends = torch.cumsum(tiles_per, 0)
-    tile = torch.arange(-(-rows // block_m) + experts, device=sizes.device)
-    expert = torch.searchsorted(tile_ends, tile, right=True)
-    safe = expert.clamp(max=experts - 1)
-    first_tile = tile_ends[safe] - tiles_per[safe]
-    row = ends[safe] - sizes[safe] + (tile - first_tile) * block_m
-    return torch.stack((expert, row, ends[safe])).to(torch.int32)
+    (exclusive), computed on ``group_sizes``' device without a host sync
+    (:func:`~deepinfer.hal.ops.grouped_gemm.tile_bounds`). Unused tiles get expert ``experts``
+    (which the kernel skips)."""
+    return torch.stack(tile_bounds(group_sizes, rows, block_m)).to(torch.int32)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

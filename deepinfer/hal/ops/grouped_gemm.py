@@ -72,11 +72,11 @@ def grouped_gemm_tiled(x: Operand, weight: Operand, group_sizes: torch.Tensor, t
     return out[:rows]
 
 
-def expert_tiles(group_sizes: torch.Tensor, num_rows: int, tile_rows: int):
-    """The tiles covering every expert segment: ``(expert int64 [n], rows int64 [n, tile_rows],
-    valid bool [n, tile_rows])`` with ``n = ceil(num_rows / tile_rows) + E``, an upper bound on
-    the tiles any sizes need. A tile starts at its segment's start plus a multiple of
-    ``tile_rows``; rows past the segment (or of unused tiles) are invalid and clamped into range."""
+def tile_bounds(group_sizes: torch.Tensor, num_rows: int, tile_rows: int):
+    """Tiles of ``tile_rows`` rows over the expert segments: ``(expert, first row, end row)``,
+    int64 ``[n]`` each, ``n = ceil(num_rows / tile_rows) + E`` (an upper bound on the tiles any
+    sizes need), computed on the sizes' device without a host read. A tile starts at its
+    segment's start plus a multiple of ``tile_rows``; an unused tile has expert ``E``."""
     experts = group_sizes.shape[0]
     sizes = group_sizes.to(torch.int64)
     ends = torch.cumsum(sizes, 0)
@@ -86,9 +86,18 @@ def expert_tiles(group_sizes: torch.Tensor, num_rows: int, tile_rows: int):
     expert = torch.searchsorted(tile_ends, tile, right=True)
     safe = expert.clamp(max=max(experts - 1, 0))
     first = ends[safe] - sizes[safe] + (tile - tile_ends[safe] + tiles_per[safe]) * tile_rows
-    rows = first[:, None] + torch.arange(tile_rows, device=sizes.device)
-    valid = (expert < experts)[:, None] & (rows < ends[safe][:, None])
-    return safe, rows.clamp(0, max(num_rows - 1, 0)), valid
+    return expert, first, ends[safe]
+
+
+def expert_tiles(group_sizes: torch.Tensor, num_rows: int, tile_rows: int):
+    """The tiles of :func:`tile_bounds` as ``(expert int64 [n], rows int64 [n, tile_rows],
+    valid bool [n, tile_rows])``: rows past the segment (or of unused tiles) are invalid and
+    clamped into range, and unused tiles name the last expert."""
+    experts = group_sizes.shape[0]
+    expert, first, end = tile_bounds(group_sizes, num_rows, tile_rows)
+    rows = first[:, None] + torch.arange(tile_rows, device=first.device)
+    valid = (expert < experts)[:, None] & (rows < end[:, None])
+    return expert.clamp(max=max(experts - 1, 0)), rows.clamp(0, max(num_rows - 1, 0)), valid
 
 
 def check_grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> None:
