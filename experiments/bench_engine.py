@@ -18,15 +18,20 @@ Rows (``kind``):
 
 ``--dspark-model`` (the trained ``tiny``) adds rows with drafts off and on, to read the
 wall-clock speedup of DSpark; ``--compare-async`` adds the first backend's rows with
-asynchronous scheduling off (engines run with it on, the GPU default). Prints a table, writes ``experiments/results/bench_engine_<tag>.csv``
-and the Pareto-style plot (decode tok/s against tok/s per user) beside it.
+asynchronous scheduling off (engines run with it on, the GPU default); ``--trace-prefill``
+prints the heaviest kernels of one traced prefill. Prints a table, writes
+``experiments/results/bench_engine_<tag>.csv`` after every row (``--append`` keeps an earlier
+run's rows, each with its own stamp) and the Pareto-style plot (decode tok/s against tok/s per
+user) beside it.
 
     python experiments/bench_engine.py --tag h200 [--backends sm100 reference] [--batches 1 4 16 64 128]
-        [--prompts 512 4096] [--steps 32] [--hf] [--dspark-model tiny] [--compare-async] [overrides...]
+        [--prompts 512 4096] [--steps 32] [--hf] [--dspark-model tiny] [--compare-async] [--append]
+        [overrides...]
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import gc
 import math
@@ -49,13 +54,18 @@ HF_WIDTHS = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_a
                  moe_intermediate_size=2048, intermediate_size=2048, n_shared_experts=1, n_group=1, topk_group=1,
                  first_k_dense_replace=0)
 """The HF peer: ``model=small``'s attention and MoE widths in DeepSeek-V3's layout."""
+STAMP = ("card", "date", "commit", "torch", "command")
 
 
 def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int], steps: int, dspark: bool,
-                overrides: list[str], bandwidth: float, profile: tuple[int, ...] = (), memory_share: float = 0.45,
-                asynchronous: bool = True) -> list[dict]:
-    """One engine's points. Engines run one after another in this process, each taking
-    ``memory_share`` of the card (``engine.gpu_memory_utilization``)."""
+                overrides: list[str], bandwidth: float, record, profile: tuple[int, ...] = (),
+                memory_share: float = 0.45, asynchronous: bool = True, trace_prefill: int = 0,
+                floors: bool = True) -> None:
+    """One engine's points, each passed to ``record`` as it is measured (then the floor rows, with
+    ``floors``). Engines run one after another in this process, each taking ``memory_share`` of
+    the card (``engine.gpu_memory_utilization``). ``trace_prefill``: a batch size whose prefill at
+    the first prompt length is traced once more, after the timed points, its heaviest kernels
+    printed."""
     longest = max(prompts) + steps * 8 + 64
     decoding = ["decoding=dspark", "decoding.varlen=false"] if dspark else ["decoding=greedy"]
     if backend == "reference":
@@ -73,12 +83,14 @@ def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int]
             row.update(kind="engine", backend=backend, model=model, dspark=dspark, prompt=prompt, batch=batch,
                        asynchronous=asynchronous)
             rows.append(row)
-            print(_line(row), flush=True)
-    rows += floor_rows(llm, rows, bandwidth)
+            record(row)
+    if trace_prefill:
+        print(prefill_kernels(llm, prompts[0], trace_prefill), flush=True)
+    for row in floor_rows(llm, rows, bandwidth) if floors else []:
+        record(row)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return rows
 
 
 def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False) -> dict:
@@ -116,7 +128,34 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
     return row
 
 
-def _gpu_busy(prof) -> dict:
+def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
+    """The prefill of ``batch`` fresh ``prompt``-token requests under the profiler: GPU-busy
+    share, kernel count and the ``top`` kernels by total GPU time."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt + 1, batch)]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        while not all(r.finished for r in requests):
+            llm.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    busy = _gpu_busy(prof, steps=1)
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(e.name, [0.0, 0])
+            entry[0] += e.time_range.end - e.time_range.start
+            entry[1] += 1
+    gpu_us = sum(t for t, _ in totals.values())
+    lines = [f"prefill trace, {batch} x {prompt} tokens: wall {1e3 * wall:.1f} ms (traced), kernels "
+             f"{busy['gpu_kernels_per_step']:.0f}, GPU idle {busy['gpu_idle_pct']} %, kernel time {gpu_us / 1e3:.1f} ms"]
+    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {us / 1e3:8.2f} ms {100 * us / gpu_us:5.1f} % x{count:<5d} {name[:110]}")
+    return "\n".join(lines)
+
+
+def _gpu_busy(prof, steps: int = 8) -> dict:
     """GPU-busy share of the traced decode steps: the union of kernel (and copy) intervals over
     the span from the first to the last one, and kernels per step."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -126,7 +165,7 @@ def _gpu_busy(prof) -> dict:
         busy += max(0.0, hi - max(lo, end))
         end = max(end, hi)
     total = spans[-1][1] - spans[0][0]
-    return dict(gpu_idle_pct=round(100 * (1 - busy / total), 2), gpu_kernels_per_step=round(len(spans) / 8, 1))
+    return dict(gpu_idle_pct=round(100 * (1 - busy / total), 2), gpu_kernels_per_step=round(len(spans) / steps, 1))
 
 
 def _prompts(llm: LLM, length: int, batch: int) -> list[list[int]]:
@@ -169,7 +208,7 @@ def floor_rows(llm: LLM, rows: list[dict], bandwidth: float) -> list[dict]:
     return out
 
 
-def hf_rows(prompts: list[int], batches: list[int], steps: int, max_kv_gib: float) -> list[dict]:
+def hf_rows(prompts: list[int], batches: list[int], steps: int, max_kv_gib: float, record) -> None:
     """The transformers DeepseekV3 peer: prefill, then greedy decode with its own cache."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -210,13 +249,11 @@ def hf_rows(prompts: list[int], batches: list[int], steps: int, max_kv_gib: floa
                            step_ms=round(1e3 * statistics.median(times), 3),
                            decode_tok_s=round(batch * steps / sum(times), 1),
                            tok_s_per_user=round(steps / sum(times), 2))
-                rows.append(row)
-                print(_line(row), flush=True)
+                record(row)
                 del out, cache
                 torch.cuda.empty_cache()
     del model
     torch.cuda.empty_cache()
-    return rows
 
 
 def _line(row: dict) -> str:
@@ -264,7 +301,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tag", default="h200")
     parser.add_argument("--model", default="small")
-    parser.add_argument("--backends", nargs="+", default=["sm100", "reference"])
+    parser.add_argument("--backends", nargs="*", default=["sm100", "reference"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 128])
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--reference-batches", type=int, nargs="+", default=[1, 16, 64],
@@ -274,55 +311,84 @@ def main(argv=None) -> int:
     parser.add_argument("--dspark", action="store_true", help="also every engine point with DSpark on")
     parser.add_argument("--dspark-model", default="", help="e.g. tiny: DSpark off/on rows on a trained model")
     parser.add_argument("--dspark-batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--dspark-backend", default="", help="the backend of the --dspark-model rows (first of --backends)")
     parser.add_argument("--hf", action="store_true", help="add the HF transformers peer rows")
     parser.add_argument("--compare-async", action="store_true",
                         help="also the first backend with asynchronous scheduling off (first prompt length)")
     parser.add_argument("--hf-max-kv-gib", type=float, default=40.0)
     parser.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
                         help="engine points (first prompt length) whose decode steps are traced for GPU idle time")
+    parser.add_argument("--trace-prefill", type=int, default=16,
+                        help="batch size whose prefill (first prompt length) the first backend traces; 0: none")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows already in the CSV (each with its own card, date, commit and command)")
+    parser.add_argument("--commit", default="", help="the commit to record where the tree is not a git checkout")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of every engine, e.g. backend.fallback=reference")
     args = parser.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    stamp = dict(card=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit or "-",
-                 torch=torch.__version__, command=" ".join(["python", *sys.argv]))
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
+    stamp = dict(zip(STAMP, (torch.cuda.get_device_name(), datetime.date.today().isoformat(), commit or "-",
+                             torch.__version__, " ".join(["python", *sys.argv]))))
     path = RESULTS / f"bench_engine_{args.tag}.csv"
     measured = ceilings()
     bandwidth = measured["copy_bw"]
-    rows = [dict(kind="ceiling", backend="copy", model="-", gb_s=round(bandwidth / 1e9, 1)),
-            dict(kind="ceiling", backend="bf16_matmul", model="-", tflop_s=round(measured["dense_bf16"] / 1e12, 1))]
-    print(rows)
-    sections = []
+    earlier = _read(path) if args.append else []
+    rows = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        if row["kind"] != "floor":
+            print(_line(row) if row["kind"] != "ceiling" else row, flush=True)
+        _write(path, stamp, rows, earlier)
+
+    record(dict(kind="ceiling", backend="copy", model="-", gb_s=round(bandwidth / 1e9, 1)))
+    record(dict(kind="ceiling", backend="bf16_matmul", model="-", tflop_s=round(measured["dense_bf16"] / 1e12, 1)))
+    first = args.backends[0] if args.backends else ""
     for backend in args.backends:
         reference = backend == "reference"
         for dspark in ([False, True] if args.dspark else [False]):
-            sections.append(lambda backend=backend, reference=reference, dspark=dspark: engine_rows(
-                backend, args.model, args.reference_prompts if reference else args.prompts,
-                args.reference_batches if reference else args.batches, args.steps, dspark, args.overrides, bandwidth,
-                profile=() if reference else tuple(args.profile_batches), memory_share=0.3 if reference else 0.45))
-        if backend == args.backends[0] and args.compare_async:
-            sections.append(lambda backend=backend: [
-                r for r in engine_rows(backend, args.model, args.prompts[:1], args.batches, args.steps, False,
-                                       args.overrides, bandwidth, profile=tuple(args.profile_batches), asynchronous=False)
-                if r["kind"] == "engine"])
-        if backend == args.backends[0] and args.dspark_model:
-            for dspark in (False, True):
-                sections.append(lambda backend=backend, dspark=dspark: [
-                    r for r in engine_rows(backend, args.dspark_model, [args.prompts[0]], args.dspark_batches,
-                                           args.steps, dspark, args.overrides, bandwidth, memory_share=0.03)
-                    if r["kind"] == "engine"])
-        if backend == args.backends[0] and args.hf:
-            sections.append(lambda: hf_rows(args.prompts, args.batches, args.steps, args.hf_max_kv_gib))
-    for section in sections:
-        rows += section()
-        _write(path, stamp, rows)
+            engine_rows(backend, args.model, args.reference_prompts if reference else args.prompts,
+                        args.reference_batches if reference else args.batches, args.steps, dspark, args.overrides,
+                        bandwidth, record, profile=() if reference else tuple(args.profile_batches),
+                        memory_share=0.3 if reference else 0.45,
+                        trace_prefill=args.trace_prefill if backend == first and not dspark else 0)
+        if backend == first and args.compare_async:
+            engine_rows(backend, args.model, args.prompts[:1], args.batches, args.steps, False, args.overrides,
+                        bandwidth, record, profile=tuple(args.profile_batches), asynchronous=False, floors=False)
+    if args.dspark_model:
+        for dspark in (False, True):
+            engine_rows(args.dspark_backend or first, args.dspark_model, [args.prompts[0]], args.dspark_batches,
+                        args.steps, dspark, args.overrides, bandwidth, record, memory_share=0.03, floors=False)
+    if args.hf:
+        hf_rows(args.prompts, args.batches, args.steps, args.hf_max_kv_gib, record)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
 
-def _write(path: Path, stamp: dict, rows: list[dict]) -> None:
-    fields = list(stamp) + sorted({k for r in rows for k in r})
-    write_csv(path, fields, [{**stamp, **r} for r in rows])
-    plot(rows, path.with_suffix(".png"))
+def _write(path: Path, stamp: dict, rows: list[dict], earlier: list[dict]) -> None:
+    stamped = earlier + [{**stamp, **r} for r in rows]
+    fields = list(stamp) + sorted({k for r in stamped for k in r} - set(stamp))
+    write_csv(path, fields, stamped)
+    plot(stamped, path.with_suffix(".png"))
+
+
+def _read(path: Path) -> list[dict]:
+    """The rows of an earlier run's CSV, numbers and booleans parsed back (the stamp columns stay
+    text), empty cells dropped."""
+    if not path.exists():
+        return []
+
+    def parse(text: str):
+        if text in ("True", "False"):
+            return text == "True"
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+    with open(path, newline="") as f:
+        return [{k: v if k in STAMP else parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
 if __name__ == "__main__":
