@@ -15,6 +15,7 @@ from deepinfer.engine.device import Runtime
 from deepinfer.hal.ops.sampling import as_int64
 from deepinfer.hal.ops.speculative import acceptance_probability
 from deepinfer.hal.registry import OpTable
+from deepinfer.hal.value_checks import skip_value_checks
 
 
 @dataclass
@@ -51,7 +52,14 @@ def emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor,
     their rows) are applied first, so sampling, verification and logprobs all see the
     constrained distribution. ``last_tokens`` (int64, one entry per state slot): the token each
     chunk without drafts emits is written at its request's slot, where the next step's
-    placeholder input reads it on the device."""
+    placeholder input reads it on the device. The ops skip their value checks (the engine
+    validated every parameter on the host): reading a device value here would wait for the
+    step's forward, which is what asynchronous scheduling overlaps with the host's work."""
+    with skip_value_checks():
+        return _emit(ops, runtime, chunks, logits, masks, last_tokens)
+
+
+def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, last_tokens) -> PendingEmissions:
     rows = [(chunk, j) for chunk in chunks for j in range(len(chunk.drafts) + 1)]
     if not rows:
         return PendingEmissions(chunks, None, 0)

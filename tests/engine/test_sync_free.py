@@ -1,6 +1,7 @@
-"""No host synchronisation inside a forward: every way a tensor value (or a shape that depends
-on values) can reach the host is counted while the engine's decode, verify and draft passes
-run, and a whole engine step copies results down exactly once per pass that needs them."""
+"""No host synchronisation while a step is launched: every way a tensor value (or a shape that
+depends on values) can reach the host is counted while the engine launches its decode and
+verify steps (forward and sampling) and runs its draft passes, and a whole engine step copies
+results down exactly once per pass that needs them."""
 import contextlib
 import importlib.util
 
@@ -64,21 +65,21 @@ def test_the_counter_sees_each_kind_of_host_read(monkeypatch):
 
 @pytest.mark.parametrize("graphs", ["false", "true"])
 @pytest.mark.parametrize("dspark", [False, True], ids=["plain", "dspark"])
-def test_decode_passes_read_nothing_on_the_host(monkeypatch, graphs, dspark):
+def test_decode_launches_read_nothing_on_the_host(monkeypatch, graphs, dspark):
     decoding = ["decoding=dspark", "decoding.varlen=false"] if dspark else []
     llm = LLM("tiny", "reference", QUIET + [f"engine.cuda_graphs={graphs}"] + decoding)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=1, ignore_eos=True)
     for prompt in ([5, 17, 99, 230], [300, 12, 7]):
         llm.add_request(prompt, params)
     llm.step()  # prefill (and the first draft pass)
-    forward, draft = llm.runner.run, llm.runner.draft
+    launch, draft = llm._launch, llm.runner.draft
     seen = {}
 
-    def run(batch):
+    def launching(batch, stats):
         with count_host_reads(monkeypatch) as counts:
-            logits = forward(batch)
+            launched = launch(batch, stats)
         seen.setdefault("decode" if batch.decode else "other", []).append(dict(counts))
-        return logits
+        return launched
 
     def draft_pass(requests):
         with count_host_reads(monkeypatch) as counts:
@@ -86,7 +87,7 @@ def test_decode_passes_read_nothing_on_the_host(monkeypatch, graphs, dspark):
         seen.setdefault("draft", []).append(dict(counts))
         return proposal
 
-    monkeypatch.setattr(llm.runner, "run", run)
+    monkeypatch.setattr(llm, "_launch", launching)
     monkeypatch.setattr(llm.runner, "draft", draft_pass)
     downloads = []
     original_download = Runtime.start_download
@@ -95,7 +96,7 @@ def test_decode_passes_read_nothing_on_the_host(monkeypatch, graphs, dspark):
     for _ in range(3):
         stats = llm.step()
         assert stats.decode and stats.num_decode_tokens == 2 * (1 + (llm.dspark.k if dspark else 0))
-    assert seen["decode"] == [{}] * 3, f"host reads inside decode forwards: {seen['decode']}"
+    assert seen["decode"] == [{}] * 3, f"host reads while decode steps launch: {seen['decode']}"
     if dspark:
         assert seen["draft"] == [{}] * 3, f"host reads inside draft passes: {seen['draft']}"
     assert len(downloads) == 3 * (2 if dspark else 1), "one copy down per step (plus one per draft pass)"
@@ -113,23 +114,25 @@ def test_value_checks_stay_on_outside_the_engine():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="the sm100 backend needs tilelang")
-def test_graphed_decode_step_has_one_synchronisation_on_the_gpu():
-    """CUDA's sync debug mode raises on any synchronising call; a graphed decode step makes one
-    (the copy of its results), so exactly that one is allowed."""
+def test_graphed_decode_step_launches_without_synchronisation_on_the_gpu():
+    """CUDA's sync debug mode raises on any synchronising call: launching a graphed decode step
+    (inputs up, forward, sampling, the copy of its results started) makes none; the host waits
+    only when it collects the step."""
     llm = LLM("tiny", "sm100", QUIET + ["backend.fallback=reference", "model.dtype=bfloat16",
                                         "engine.gpu_memory_utilization=0.15"])
     for prompt in ([5, 17, 99, 230], [300, 12, 7]):
-        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        llm.add_request(prompt, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=4, max_tokens=8,
+                                               ignore_eos=True, logprobs=2))
     llm.step()
-    forward = llm.runner.run
+    launch = llm._launch
 
-    def strict(batch):
+    def strict(batch, stats):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return forward(batch)
+            return launch(batch, stats)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    llm.runner.run = strict
+    llm._launch = strict
     for _ in range(3):
         assert llm.step().decode
