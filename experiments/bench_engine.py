@@ -132,7 +132,7 @@ def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
     """The prefill of ``batch`` fresh ``prompt``-token requests under the profiler: GPU-busy
     share, kernel count and the ``top`` kernels by total GPU time."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt + 1, batch)]
+    requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
@@ -156,16 +156,26 @@ def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
 
 
 def _gpu_busy(prof, steps: int = 8) -> dict:
-    """GPU-busy share of the traced decode steps: the union of kernel (and copy) intervals over
-    the span from the first to the last one, and kernels per step."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    """GPU-busy share of the traced steps: the union of kernel (and copy) intervals over the span
+    from the first to the last one (``gpu_idle_pct``: all idle time, also the gaps between the
+    kernels of one step), the idle time between consecutive steps (``gpu_idle_between_steps_pct``:
+    from the end of a step's copy to the host to the start of the next device work), and kernels
+    per step."""
+    spans = sorted((e.time_range.start, e.time_range.end, "DtoH" in e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0.0, -math.inf
-    for lo, hi in spans:
+    busy, between, end, after_copy = 0.0, 0.0, -math.inf, None
+    for lo, hi, copy_down in spans:
+        if after_copy is not None and lo >= after_copy:
+            between += lo - after_copy
+            after_copy = None
         busy += max(0.0, hi - max(lo, end))
         end = max(end, hi)
+        if copy_down:
+            after_copy = hi
     total = spans[-1][1] - spans[0][0]
-    return dict(gpu_idle_pct=round(100 * (1 - busy / total), 2), gpu_kernels_per_step=round(len(spans) / steps, 1))
+    return dict(gpu_idle_pct=round(100 * (1 - busy / total), 2),
+                gpu_idle_between_steps_pct=round(100 * between / total, 2),
+                gpu_kernels_per_step=round(len(spans) / steps, 1))
 
 
 def _prompts(llm: LLM, length: int, batch: int) -> list[list[int]]:
@@ -263,7 +273,8 @@ def _line(row: dict) -> str:
             f"async={str(row.get('asynchronous', '')):<5} "
             f"prompt {row.get('prompt', 0):>5} batch {row.get('batch', 0):>4}  prefill {num('prefill_tok_s', '>9')} tok/s  "
             f"step {num('step_ms', '>8.3f')} ms  decode {num('decode_tok_s', '>9.1f')} tok/s  "
-            f"per user {num('tok_s_per_user', '>7.1f')}  GPU idle {num('gpu_idle_pct', '>5.1f')} %")
+            f"per user {num('tok_s_per_user', '>7.1f')}  GPU idle {num('gpu_idle_pct', '>5.1f')} % "
+            f"(between steps {num('gpu_idle_between_steps_pct', '>5.1f')} %)")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -295,6 +306,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -358,7 +370,7 @@ def main(argv=None) -> int:
     if args.dspark_model:
         for dspark in (False, True):
             engine_rows(args.dspark_backend or first, args.dspark_model, [args.prompts[0]], args.dspark_batches,
-                        args.steps, dspark, args.overrides, bandwidth, record, memory_share=0.03, floors=False)
+                        args.steps, dspark, args.overrides, bandwidth, record, memory_share=0.1, floors=False)
     if args.hf:
         hf_rows(args.prompts, args.batches, args.steps, args.hf_max_kv_gib, record)
     print(f"wrote {path} and {path.with_suffix('.png')}")

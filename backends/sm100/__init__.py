@@ -1,9 +1,10 @@
-"""The sm100 backend: TileLang kernels for NVIDIA Hopper (sm_90a, measured on H200) and Blackwell
+"""The sm100 backend: TileLang kernels (and Triton for small fused ops) for NVIDIA Hopper (sm_90a, measured on H200) and Blackwell
 (sm_100a: the same portable kernels lower there, and tcgen05/TMEM variants of grouped_gemm and
 mla_sparse_decode behind ``DEEPINFER_SM100_TCGEN05=1``; no Blackwell hardware has run any of them).
 
-Importing this package does not import tilelang (about 6 s); the first call of an op does,
-and compiles that op's kernel for the shape (kept for the process, and on disk by TileLang)."""
+Importing this package does not import tilelang (about 6 s) or triton; the first call of an op
+does, and compiles that op's kernel for the shape (kept for the process, and on disk by TileLang
+or Triton)."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ import torch
 
 from deepinfer.hal.backend import Backend, Capabilities
 
-IMPLEMENTED = ("grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mla_sparse_decode",
+IMPLEMENTED = ("grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mhc_mixes", "mla_sparse_decode",
                "mla_sparse_prefill", "rms_norm")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
@@ -63,6 +64,8 @@ class Sm100Backend(Backend):
             "before it on Hopper; no FP8 tensor-core GEMM yet",
             "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
             "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128, at most 8192",
+            "mhc_mixes: the mixes GEMM in PyTorch, the gates and every Sinkhorn iteration in one Triton kernel; "
+            "in the batch-invariant mode it goes to the fallback (the GEMM's algorithm follows the row count)",
             "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "
             "measured bitwise end to end on an H200 with the reference fallback for the other ops",
         ),

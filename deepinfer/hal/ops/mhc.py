@@ -26,7 +26,7 @@ def mhc_mixes(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     _check_shape("base", base, (hc * (2 + hc),))
     if sinkhorn_iters < 0:
         raise ValueError(f"sinkhorn_iters must be >= 0, got {sinkhorn_iters}")
-    mixes = _normalized_mixes(residual, fn, norm_eps)
+    mixes = normalized_mixes(residual, fn, norm_eps)
     scale, base = scale.float(), base.float()
     pre = torch.sigmoid(scale[0] * mixes[:, :hc] + base[:hc]) + hc_eps
     post = 2.0 * torch.sigmoid(scale[1] * mixes[:, hc:2 * hc] + base[hc:2 * hc])
@@ -74,11 +74,13 @@ def mhc_head(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     _check_shape("fn", fn, (hc, hc * hidden))
     _check_shape("scale", scale, (1,))
     _check_shape("base", base, (hc,))
-    mixes = _normalized_mixes(residual, fn, norm_eps)
+    mixes = normalized_mixes(residual, fn, norm_eps)
     return torch.sigmoid(scale.float()[0] * mixes + base.float()) + hc_eps
 
 
-def _normalized_mixes(residual: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def normalized_mixes(residual: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``(flat @ fn.T) * rsqrt(mean(flat^2) + norm_eps)`` with ``flat = residual.flatten(1)``,
+    float32 ``[T, rows of fn]``: the raw mixes before their scales, biases and Sinkhorn."""
     flat = residual.float().flatten(1)
     inv_rms = torch.rsqrt(flat.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
     return (flat @ fn.float().T) * inv_rms
@@ -145,7 +147,9 @@ register(OpSpec(
         OpCase("tiny_hc4", _mixes_case(5, 4, 16, 3)),
         OpCase("tiny_hc2_large_eps", _mixes_case(3, 2, 8, 2, hc_eps=0.01)),
         OpCase("tiny_bf16_residual", _mixes_case(4, 4, 16, 5, torch.bfloat16)),
+        OpCase("many_tokens_bf16", _mixes_case(150, 4, 64, 20, torch.bfloat16)),
         OpCase("v41_hidden", _mixes_case(8, 4, 4096, 20), size="real"),
+        OpCase("v41_hidden_bf16", _mixes_case(8, 4, 4096, 20, torch.bfloat16), size="real"),
     ),
 ))
 
