@@ -35,6 +35,6 @@ def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
     if tokens:
         grid = (-(-tokens // BLOCK_TOKENS),)
         mhc_mixes_kernel[grid](mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, tokens,
-                               mixes.stride(0), float(hc_eps), int(sinkhorn_iters), HC=hc, BLOCK=BLOCK_TOKENS,
+                               mixes.stride(0), float(hc_eps), HC=hc, ITERS=int(sinkhorn_iters), BLOCK=BLOCK_TOKENS,
                                num_warps=4)
     return pre, post, comb

@@ -24,7 +24,7 @@ for case in spec.cases:
     pre, post, comb = torch.empty(tokens, hc), torch.empty(tokens, hc), torch.empty(tokens, hc, hc)
     mhc_mixes_kernel[(-(-tokens // BLOCK_TOKENS),)](
         mixes, inputs["scale"].float(), inputs["base"].float(), pre, post, comb, tokens, mixes.stride(0),
-        float(inputs["hc_eps"]), int(inputs["sinkhorn_iters"]), HC=hc, BLOCK=BLOCK_TOKENS)
+        float(inputs["hc_eps"]), HC=hc, ITERS=int(inputs["sinkhorn_iters"]), BLOCK=BLOCK_TOKENS)
     failures = compare((pre, post, comb), mhc_mixes(**inputs), spec.tolerance(torch.float32), case.name)
     assert not failures, failures
     print(case.name, "ok")

@@ -10,10 +10,11 @@ BLOCK_TOKENS = 64
 
 
 @triton.jit
-def mhc_mixes_kernel(mixes, scale, base, pre, post, comb, tokens, stride, hc_eps, iters,
-                     HC: tl.constexpr, BLOCK: tl.constexpr):
+def mhc_mixes_kernel(mixes, scale, base, pre, post, comb, tokens, stride, hc_eps,
+                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
     """Tokens ``[BLOCK * pid, BLOCK * (pid + 1))``: ``mixes`` float32 ``[tokens, HC * (2 + HC)]``
-    (row stride ``stride``) to ``pre``, ``post`` ``[tokens, HC]`` and ``comb`` ``[tokens, HC, HC]``."""
+    (row stride ``stride``) to ``pre``, ``post`` ``[tokens, HC]`` and ``comb`` ``[tokens, HC, HC]``,
+    with ``ITERS`` Sinkhorn iterations."""
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = token < tokens
     stream = tl.arange(0, HC)
@@ -32,7 +33,7 @@ def mhc_mixes_kernel(mixes, scale, base, pre, post, comb, tokens, stride, hc_eps
     logits = tl.load(scale + 2) * logits + tl.load(base + 2 * HC + cell)[None, :, :]
     shifted = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
     matrix = shifted / tl.sum(shifted, axis=2)[:, :, None] + hc_eps
-    for _ in range(iters):
+    for _ in range(ITERS):
         matrix = matrix / (tl.sum(matrix, axis=1)[:, None, :] + hc_eps)
         matrix = matrix / (tl.sum(matrix, axis=2)[:, :, None] + hc_eps)
     tl.store(comb + token[:, None, None] * (HC * HC) + cell[None, :, :], matrix, mask=live[:, None, None])

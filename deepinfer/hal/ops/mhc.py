@@ -146,10 +146,10 @@ register(OpSpec(
     cases=(
         OpCase("tiny_hc4", _mixes_case(5, 4, 16, 3)),
         OpCase("tiny_hc2_large_eps", _mixes_case(3, 2, 8, 2, hc_eps=0.01)),
-        OpCase("tiny_bf16_residual", _mixes_case(4, 4, 16, 5, torch.bfloat16)),
-        OpCase("many_tokens_bf16", _mixes_case(150, 4, 64, 20, torch.bfloat16)),
+        OpCase("tiny_bf16_residual", _mixes_case(4, 4, 16, 5, torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("many_tokens_bf16", _mixes_case(150, 4, 64, 20, torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_hidden", _mixes_case(8, 4, 4096, 20), size="real"),
-        OpCase("v41_hidden_bf16", _mixes_case(8, 4, 4096, 20, torch.bfloat16), size="real"),
+        OpCase("v41_hidden_bf16", _mixes_case(8, 4, 4096, 20, torch.bfloat16), size="real", dtype=torch.bfloat16),
     ),
 ))
 
