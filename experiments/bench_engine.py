@@ -149,7 +149,8 @@ def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
             entry[1] += 1
     gpu_us = sum(t for t, _ in totals.values())
     lines = [f"prefill trace, {batch} x {prompt} tokens: wall {1e3 * wall:.1f} ms (traced), kernels "
-             f"{busy['gpu_kernels_per_step']:.0f}, GPU idle {busy['gpu_idle_pct']} %, kernel time {gpu_us / 1e3:.1f} ms"]
+             f"{busy['gpu_kernels_per_step']:.0f}, GPU idle {busy['gpu_idle_pct']} %, "
+             f"kernel time {gpu_us / 1e3:.1f} ms"]
     for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.2f} ms {100 * us / gpu_us:5.1f} % x{count:<5d} {name[:110]}")
     return "\n".join(lines)
@@ -232,7 +233,6 @@ def hf_rows(prompts: list[int], batches: list[int], steps: int, max_kv_gib: floa
     torch.set_default_dtype(default)
     per_token = 2 * HF_WIDTHS["num_hidden_layers"] * HF_WIDTHS["num_attention_heads"] * \
         (HF_WIDTHS["qk_nope_head_dim"] + HF_WIDTHS["qk_rope_head_dim"] + HF_WIDTHS["v_head_dim"])
-    rows = []
     with torch.no_grad():
         model(torch.randint(3, 1000, (1, 16), device="cuda"))
         for prompt in prompts:
@@ -323,7 +323,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dspark", action="store_true", help="also every engine point with DSpark on")
     parser.add_argument("--dspark-model", default="", help="e.g. tiny: DSpark off/on rows on a trained model")
     parser.add_argument("--dspark-batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--dspark-backend", default="", help="the backend of the --dspark-model rows (first of --backends)")
+    parser.add_argument("--dspark-backend", default="",
+                        help="the backend of the --dspark-model rows (default: the first of --backends)")
     parser.add_argument("--hf", action="store_true", help="add the HF transformers peer rows")
     parser.add_argument("--compare-async", action="store_true",
                         help="also the first backend with asynchronous scheduling off (first prompt length)")

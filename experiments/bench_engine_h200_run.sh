@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The engine-speed run on the device machine, from the repo root: TileLang from .carry/, the GPU
-# tests of CUDA graphs, the sync-free step and asynchronous scheduling, one profiled decode step
-# (kernels, syncs, GPU-busy share; .carry/tools/gpu_step_profile.py, copied from ../shared/tools),
-# then experiments/bench_engine.py (stopped BENCH_UNTIL seconds after the start, default 590; the
-# CSV holds every section finished by then). Logs and results go to $OUT.
+# tests (the sm100 mhc_mixes kernel against the reference, then CUDA graphs, the sync-free launch
+# and asynchronous scheduling), one profiled decode step per batch size of `profile`
+# (.carry/tools/gpu_step_profile.py, copied from ../shared/tools), then
+# experiments/bench_engine.py with the given arguments (stopped BENCH_UNTIL seconds after the
+# start, default 590; its CSV holds every row measured by then). Logs and results go to $OUT.
 #   bash experiments/bench_engine_h200_run.sh [tests] [profile] [bench] [bench arguments...]
+# The recorded run (experiments/results/bench_engine_h200.*):
+#   bash experiments/bench_engine_h200_run.sh tests bench --backends sm100 reference --reference-batches 1 16 \
+#     --compare-async --dspark-model tiny --hf --steps 16 --commit <commit>
 set -u
 export TILELANG_CACHE_DIR=/tmp/tlcache
 out=${OUT:-/tmp/out}
@@ -17,9 +21,12 @@ while [[ $# -gt 0 && $1 =~ ^(tests|profile|bench)$ ]]; do stages="$stages $1"; s
 stages=${stages:-tests profile bench}
 sm100="backend.fallback=reference model.dtype=bfloat16"
 if [[ $stages == *tests* ]]; then
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -rA --tb=short tests/hal/test_parity.py \
+    tests/backends/test_sm100_fused.py -k "(sm100 and mhc_mixes) or interpreter" >"$out/mhc_gpu_pytest.log" 2>&1
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rA --tb=short tests/engine/test_cuda_graphs.py \
     tests/engine/test_sync_free.py tests/engine/test_async_scheduling.py -k gpu >"$out/engine_gpu_pytest.log" 2>&1
-  grep -E "^(E |FAILED|PASSED|[0-9]+ (passed|failed))|Error" "$out/engine_gpu_pytest.log" | head -30
+  grep -hE "^(E |FAILED|PASSED|[0-9]+ (passed|failed))|Error" "$out/mhc_gpu_pytest.log" "$out/engine_gpu_pytest.log" \
+    | head -30
   echo "tests done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *profile* ]]; then
@@ -31,8 +38,8 @@ if [[ $stages == *profile* ]]; then
   echo "profile done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *bench* ]]; then
-  timeout $(( ${BENCH_UNTIL:-590} - ($(date +%s) - start) )) python3 experiments/bench_engine.py "$@" $sm100 2>&1 \
-    | grep -v "it/s\]" | tee "$out/bench_engine.log" | tail -60
+  timeout $(( ${BENCH_UNTIL:-590} - ($(date +%s) - start) )) python3 experiments/bench_engine.py --tag h200 "$@" $sm100 \
+    2>&1 | grep -v "it/s\]\|TileLang\|lacks it\|_warn_once\|acc_events" | tee "$out/bench_engine.log" | tail -80
   cp experiments/results/bench_engine_* "$out/" 2>/dev/null
 fi
 echo "total $(( $(date +%s) - start )) s"

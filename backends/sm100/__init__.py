@@ -1,6 +1,7 @@
-"""The sm100 backend: TileLang kernels (and Triton for small fused ops) for NVIDIA Hopper (sm_90a, measured on H200) and Blackwell
-(sm_100a: the same portable kernels lower there, and tcgen05/TMEM variants of grouped_gemm and
-mla_sparse_decode behind ``DEEPINFER_SM100_TCGEN05=1``; no Blackwell hardware has run any of them).
+"""The sm100 backend: TileLang kernels (and Triton for small fused ops) for NVIDIA Hopper (sm_90a,
+measured on H200) and Blackwell (sm_100a: the same portable kernels lower there, and tcgen05/TMEM
+variants of grouped_gemm and mla_sparse_decode behind ``DEEPINFER_SM100_TCGEN05=1``; no Blackwell
+hardware has run any of them).
 
 Importing this package does not import tilelang (about 6 s) or triton; the first call of an op
 does, and compiles that op's kernel for the shape (kept for the process, and on disk by TileLang
@@ -13,8 +14,8 @@ import torch
 
 from deepinfer.hal.backend import Backend, Capabilities
 
-IMPLEMENTED = ("grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mhc_mixes", "mla_sparse_decode",
-               "mla_sparse_prefill", "rms_norm")
+IMPLEMENTED = ("grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mhc_mixes",
+               "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
     "kv_store": "the model stores its SWA, compressed and indexer keys through kv_norm_rope_store (fused kernel "

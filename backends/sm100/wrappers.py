@@ -11,5 +11,5 @@ from deepinfer_backends.sm100.mhc import mhc_mixes
 from deepinfer_backends.sm100.norm import KV_STORE_FORMATS, kv_norm_rope_store, rms_norm
 
 __all__ = ["HEAD_BLOCK", "INVARIANT_TILES", "KV_STORE_FORMATS", "UnsupportedInput", "align_lists", "compiled",
-           "gemm_tiles", "grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mhc_mixes", "mla_sparse_decode",
-           "mla_sparse_prefill", "rms_norm", "split_count"]
+           "gemm_tiles", "grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mhc_mixes",
+           "mla_sparse_decode", "mla_sparse_prefill", "rms_norm", "split_count"]
