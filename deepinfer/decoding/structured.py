@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.decoding.schema_check import json_validator, json_violation
 from deepinfer.hal.ops.token_bitmask import bitmask_words
 from deepinfer.tokenizer import ByteTokenizer, Tokenizer, TokenizerBase
 
@@ -36,9 +37,11 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is f
 def check_structured(value: Any) -> dict | None:
     """The validated form of ``SamplingParams.structured``: ``{"type": ..., "schema": ...}``.
 
-    ``json``: ``schema`` a JSON schema as a dict or a string, or absent / None for any JSON;
-    ``regex`` and ``ebnf``: ``schema`` a non-empty string (EBNF in xgrammar's GBNF dialect,
-    with a ``root`` rule). The grammar itself is checked when it compiles, per request."""
+    ``json``: ``schema`` a JSON schema as a dict or a string, or absent / None for any JSON; a
+    dict is serialised in its own key order, so properties are generated in the order the schema
+    lists them, the same for a dict and for its ``json.dumps`` string. ``regex`` and ``ebnf``:
+    ``schema`` a non-empty string (EBNF in xgrammar's GBNF dialect, with a ``root`` rule). The
+    grammar itself is checked when it compiles, per request."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") not in STRUCTURED_TYPES:
@@ -54,7 +57,7 @@ def check_structured(value: Any) -> dict | None:
                              f"got {type(schema).__name__}")
         if isinstance(schema, dict):
             try:
-                schema = json.dumps(schema, sort_keys=True)
+                schema = json.dumps(schema)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"structured JSON schema is not JSON-serialisable: {err}") from err
     elif not isinstance(schema, str) or not schema:
@@ -105,13 +108,28 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 @dataclass
 class RequestGrammar:
-    """One request's grammar: the compile future until it is ready, then its matcher."""
+    """One request's grammar: the compile future until it is ready, then its matcher, and for
+    JSON the validator of the finished output."""
 
     spec: dict
     future: Future
     deadline: float
     matcher: Any = None
     error: str | None = None
+    validator: Any = None
+    invalid_schema: str | None = None
+
+    def violation(self, text: str) -> str | None:
+        """Why the output ``text`` of a request that stopped must not end "stop", or None: the
+        grammar did not complete (a stop string or stop token cut it short), or, for JSON, the
+        text does not parse or breaks its schema (:func:`~deepinfer.decoding.schema_check.json_violation`)."""
+        if not self.matcher.is_terminated():
+            return ("structured output: a stop string or stop token ended the request before its grammar "
+                    "completed; the output is partial")
+        if self.spec["type"] != "json":
+            return None
+        found = json_violation(text, self.validator)
+        return None if found is None else f"structured output: {found}"
 
 
 class GrammarService:
@@ -124,9 +142,10 @@ class GrammarService:
 
     def __init__(self, tokenizer: TokenizerBase, vocab_size: int, timeout_s: float, threads: int,
                  any_whitespace: bool = False):
-        if importlib.util.find_spec("xgrammar") is None:
-            raise ImportError(f"structured outputs use xgrammar, which is not installed; install it with: "
-                              f"pip install 'deepinfer[{EXTRA}]'")
+        for package in ("xgrammar", "jsonschema"):
+            if importlib.util.find_spec(package) is None:
+                raise ImportError(f"structured outputs use {package}, which is not installed; install it with: "
+                                  f"pip install 'deepinfer[{EXTRA}]'")
         self.vocab_size, self.timeout_s = vocab_size, timeout_s
         self.any_whitespace = any_whitespace
         self.stop_ids = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
@@ -137,15 +156,24 @@ class GrammarService:
         self._cache: dict[tuple[str, str | None], Future] = {}
 
     def request(self, spec: dict) -> RequestGrammar:
-        """Start (or reuse) the compilation of ``spec`` (from :func:`check_structured`)."""
+        """Start (or reuse) the compilation of ``spec`` (from :func:`check_structured`). A JSON
+        schema that breaks its own metaschema fails the request once it has compiled (a compile
+        error, more specific, goes first)."""
         key = (spec["type"], spec["schema"])
+        validator, invalid = None, None
+        if spec["type"] == "json":
+            try:
+                validator = json_validator(spec["schema"])
+            except ValueError as error:
+                invalid = f"structured output: invalid json grammar: {error}"
         with self._lock:
             future = self._cache.get(key)
             if future is None:
                 if len(self._cache) >= CACHE_ENTRIES:
                     self._cache.pop(next((k for k, f in self._cache.items() if f.done()), None), None)
                 future = self._cache[key] = self._pool.submit(self._compile, spec)
-        return RequestGrammar(spec, future, time.monotonic() + self.timeout_s)
+        return RequestGrammar(spec, future, time.monotonic() + self.timeout_s, validator=validator,
+                              invalid_schema=invalid)
 
     def poll(self, grammar: RequestGrammar) -> bool:
         """True once ``grammar`` is settled: its matcher is ready, or ``grammar.error`` says why not."""
@@ -155,6 +183,8 @@ class GrammarService:
             error = grammar.future.exception()
             if error is not None:
                 grammar.error = f"structured output: invalid {grammar.spec['type']} grammar: {_clean(error)}"
+            elif grammar.invalid_schema is not None:
+                grammar.error = grammar.invalid_schema
             else:
                 import xgrammar
 

@@ -12,7 +12,9 @@ class OutputProcessor:
     """Advances each request by what its step emitted. A request stops on an end-of-sequence
     token (unless ``ignore_eos``), one of its ``stop_token_ids`` or ``stop`` strings (the text
     is cut before the string), its grammar ending or refusing a token, ``max_tokens`` or
-    ``max_model_len``. ``finish(request, reason)`` releases a stopped request."""
+    ``max_model_len``. A constrained request that would stop with output its grammar or JSON
+    schema rejects (cut short, or breaking a keyword the grammar cannot enforce) ends "error"
+    instead, its ``error`` saying why. ``finish(request, reason)`` releases a stopped request."""
 
     def __init__(self, eos_token_ids, max_model_len: int, finish: Callable[[Request, str], None]):
         self.eos_token_ids, self.max_model_len, self.finish = set(eos_token_ids), max_model_len, finish
@@ -44,6 +46,10 @@ class OutputProcessor:
                 if reason:
                     if reason == "length" or grammar_end:
                         request.text += request.detokenizer.finish()
+                    if reason == "stop" and request.grammar is not None:
+                        violation = request.grammar.violation(request.text)
+                        if violation is not None:
+                            request.error, reason = violation, "error"
                     self.finish(request, reason)
                     finished.append(request)
                     break

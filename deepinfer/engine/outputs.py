@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 class RequestOutput:
     """One finished request: generated ``text`` and ``token_ids``, ``finish_reason`` ("stop" for
     EOS, a stop token, a stop string or a completed grammar; "length" for max_tokens or
-    max_model_len; "error" when the request could not run, with ``error`` saying why), optional
+    max_model_len; "error" when the request could not run, or its structured output would break
+    its grammar or JSON schema, with ``error`` saying why), optional
     per-token ``logprobs`` ({token id: logprob}), and DSpark counts: drafts verified, drafts
     accepted, and per verify step ``(verified, accepted)`` in ``verify_log``."""
 

@@ -140,3 +140,55 @@ def test_a_grammar_that_compiles_too_slowly_times_out_alone(monkeypatch):
 def test_malformed_structured_params_are_refused_when_built(value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(structured=value)
+
+
+def test_properties_are_generated_in_the_schema_order_from_a_dict_and_from_its_string(llm):
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 6},
+                                               "answer": {"type": "string", "maxLength": 3}},
+              "required": ["reasoning", "answer"]}
+    seeds = range(4)
+    outputs = llm.generate(["{"] * 8, [_params("json", s, seed) for s in (schema, json.dumps(schema)) for seed in seeds])
+    for out in outputs:
+        assert out.finish_reason == "stop", (out.text, out.error)
+        assert [key for key, _ in json.loads(out.text, object_pairs_hook=list)] == ["reasoning", "answer"]
+    assert [o.text for o in outputs[:4]] == [o.text for o in outputs[4:]]
+
+
+def test_stop_happens_only_with_output_the_schema_accepts(llm):
+    """``uniqueItems`` is not in the grammar: outputs with a repeated item end "error" naming it,
+    the others "stop"; with five unique items out of four values no output can be valid."""
+    import jsonschema
+
+    possible = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 5}, "minItems": 3,
+                "maxItems": 3, "uniqueItems": True}
+    impossible = {**possible, "items": {"type": "integer", "minimum": 0, "maximum": 3}, "minItems": 5, "maxItems": 5}
+    params = [_params("json", schema, seed) for schema in (possible, impossible) for seed in range(12)]
+    outputs = llm.generate(["["] * len(params), params)
+    for out, p in zip(outputs, params):
+        schema = p.structured["schema"]
+        valid = jsonschema.Draft202012Validator(json.loads(schema)).is_valid(json.loads(out.text))
+        assert out.finish_reason == ("stop" if valid else "error"), (out.text, out.finish_reason, out.error)
+        if not valid:
+            assert "breaks its JSON schema: keyword 'uniqueItems' at $ " in out.error, out.error
+    assert all(o.finish_reason == "error" for o in outputs[12:])
+
+
+@pytest.mark.parametrize("kind,schema,stop", [
+    ("json", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}, ","),
+    ("regex", r"x,y\d", ","),
+])
+def test_a_stop_string_inside_the_grammar_ends_error_not_stop(llm, kind, schema, stop):
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=3, stop=[stop],
+                            structured={"type": kind, "schema": schema})
+    out = llm.generate("{", params)[0]
+    assert out.finish_reason == "error" and "before its grammar completed" in out.error, (out.text, out.error)
+
+
+def test_a_schema_its_own_metaschema_rejects_fails_its_request_alone(llm):
+    bad = {"type": "array", "items": {"type": "integer"}, "uniqueItems": "yes"}
+    outputs = llm.generate(["a", "b"], [_params("json", bad, seed=0), _params("regex", r"\d{2}", seed=1)])
+    assert outputs[0].finish_reason == "error" and outputs[0].token_ids == []
+    assert "invalid json grammar: the JSON schema is not valid under Draft202012Validator" in outputs[0].error
+    assert "at #/uniqueItems" in outputs[0].error
+    assert outputs[1].finish_reason == "stop" and re.fullmatch(r"\d{2}", outputs[1].text)
