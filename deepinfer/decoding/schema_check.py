@@ -9,6 +9,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+UNENFORCED = ("not", "contains", "minContains", "maxContains", "if", "then", "else", "dependentRequired",
+              "dependentSchemas", "dependencies", "propertyNames", "patternProperties", "unevaluatedProperties",
+              "unevaluatedItems")
+"""Keywords xgrammar 0.2.9's JSON-schema grammar leaves out wherever they appear (``oneOf`` is
+enforced as ``anyOf``, without its exclusivity; ``uniqueItems: true`` is left out too)."""
+TYPED = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+         "multipleOf", "items", "prefixItems", "minItems", "maxItems", "properties", "required",
+         "additionalProperties", "minProperties", "maxProperties")
+"""Type-specific keywords, which it leaves out in a subschema without ``"type"``."""
+COMBINED = ("type", "properties", "required")
+"""Keywords it leaves out beside ``anyOf`` / ``oneOf`` / ``allOf``."""
+_CHILD = ("additionalProperties", "not", "if", "then", "else", "contains", "propertyNames", "items",
+          "unevaluatedProperties", "unevaluatedItems")
+_CHILDREN = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+
 
 def json_validator(schema: str | None):
     """A validator for the JSON schema text ``schema`` (None: any JSON, no validator). Raises
@@ -49,6 +65,45 @@ def json_violation(text: str, validator) -> str | None:
         return None
     return (f"the output breaks its JSON schema: keyword {error.validator!r} at {_json_path(error.absolute_path)} "
             f"(schema {_pointer(error.absolute_schema_path)}): {_short(error.message)}")
+
+
+def validation_only_keywords(schema: str | None) -> list[str]:
+    """The keywords of the JSON schema text ``schema`` that the grammar does not enforce, so only
+    the finished output's validation does, each as ``"keyword at #/path"`` (see :data:`UNENFORCED`,
+    :data:`TYPED`, :data:`COMBINED`; also ``$ref`` other than a local JSON pointer)."""
+    if schema is None:
+        return []
+    found: list[str] = []
+    _walk(json.loads(schema), (), found)
+    return found
+
+
+def _walk(node, path: tuple, found: list[str]) -> None:
+    if not isinstance(node, dict):
+        return
+    here = lambda key: f"{key} at {_pointer((*path, key))}"  # noqa: E731
+    found += [here(k) for k in UNENFORCED if k in node]
+    if node.get("oneOf") is not None:
+        found.append(f"oneOf exclusivity at {_pointer((*path, 'oneOf'))}")
+    if node.get("uniqueItems") is True:
+        found.append(here("uniqueItems"))
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        found.append(here("$ref"))
+    if any(k in node for k in ("anyOf", "oneOf", "allOf")):
+        found += [here(k) for k in COMBINED if k in node]
+    elif "type" not in node and not any(k in node for k in ("$ref", "enum", "const")):
+        found += [here(k) for k in TYPED if k in node]
+    for key in _CHILD:
+        if isinstance(node.get(key), dict):
+            _walk(node[key], (*path, key), found)
+    for key in _CHILDREN:
+        for name, child in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
+            _walk(child, (*path, key, name), found)
+    for key in _LISTS:
+        if isinstance(node.get(key), list):
+            for index, child in enumerate(node[key]):
+                _walk(child, (*path, key, index), found)
 
 
 def _json_path(parts) -> str:

@@ -15,13 +15,13 @@ import json
 import re
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from deepinfer.decoding.grammar_pool import CompilePool, CompileTimeout
-from deepinfer.decoding.schema_check import json_validator, json_violation
+from deepinfer.decoding.schema_check import json_validator, json_violation, validation_only_keywords
 from deepinfer.hal.ops.token_bitmask import bitmask_words
 from deepinfer.tokenizer import ByteTokenizer, Tokenizer, TokenizerBase
 
@@ -109,7 +109,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 @dataclass
 class RequestGrammar:
     """One request's grammar: the compile future until it is ready, then its matcher, and for
-    JSON the validator of the finished output (or why the schema itself is invalid)."""
+    JSON the validator of the finished output (or why the schema itself is invalid) and the
+    schema's keywords that only that validation enforces (``"keyword at #/path"``)."""
 
     spec: dict
     future: Future
@@ -117,6 +118,7 @@ class RequestGrammar:
     error: str | None = None
     validator: Any = None
     invalid_schema: str | None = None
+    validation_only: list[str] = field(default_factory=list)
 
     def violation(self, text: str) -> str | None:
         """Why the output ``text`` of a request that stopped must not end "stop", or None: the
@@ -161,10 +163,11 @@ class GrammarService:
         schema that breaks its own metaschema fails the request once it has compiled (a compile
         error, more specific, goes first)."""
         key = (spec["type"], spec["schema"])
-        validator, invalid = None, None
+        validator, invalid, validation_only = None, None, []
         if spec["type"] == "json":
             try:
                 validator = json_validator(spec["schema"])
+                validation_only = validation_only_keywords(spec["schema"])
             except ValueError as error:
                 invalid = f"structured output: invalid json grammar: {error}"
         with self._lock:
@@ -175,7 +178,8 @@ class GrammarService:
                     self._cache.pop(oldest, None)
                     self._compiled.pop(oldest, None)
                 future = self._cache[key] = self._pool.submit(spec)
-        return RequestGrammar(spec, future, validator=validator, invalid_schema=invalid)
+        return RequestGrammar(spec, future, validator=validator, invalid_schema=invalid,
+                              validation_only=validation_only)
 
     def poll(self, grammar: RequestGrammar) -> bool:
         """True once ``grammar`` is settled: its matcher is ready, or ``grammar.error`` says why not."""

@@ -87,7 +87,7 @@ class OutputProcessor:
 
 def request_output(request: Request) -> RequestOutput:
     """The user-facing result of a request."""
-    return RequestOutput(
+    output = RequestOutput(
         request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
         text=request.text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
         logprobs=request.output_logprobs if request.params.logprobs is not None else None,
@@ -101,3 +101,6 @@ def request_output(request: Request) -> RequestOutput:
                                   if request.calibration_errors else 0.0),
         },
     )
+    if request.grammar is not None and request.grammar.spec["type"] == "json":
+        output.metrics["structured_validation_only"] = list(request.grammar.validation_only)
+    return output

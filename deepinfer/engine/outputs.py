@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -9,9 +10,12 @@ class RequestOutput:
     """One finished request: generated ``text`` and ``token_ids``, ``finish_reason`` ("stop" for
     EOS, a stop token, a stop string or a completed grammar; "length" for max_tokens or
     max_model_len; "error" when the request could not run, or its structured output would break
-    its grammar or JSON schema, with ``error`` saying why), optional
-    per-token ``logprobs`` ({token id: logprob}), and DSpark counts: drafts verified, drafts
-    accepted, and per verify step ``(verified, accepted)`` in ``verify_log``."""
+    its grammar or JSON schema, with ``error`` saying why), optional per-token ``logprobs``
+    ({token id: logprob}), DSpark counts (drafts verified, drafts accepted, and per verify step
+    ``(verified, accepted)`` in ``verify_log``) and ``metrics``: preemptions, DSpark verify
+    statistics and, under a JSON schema, ``structured_validation_only``: the schema's keywords
+    the grammar does not enforce, checked only by validating the finished output
+    (``"keyword at #/path"``)."""
 
     request_id: int
     prompt: str | None
@@ -23,5 +27,5 @@ class RequestOutput:
     num_drafted: int = 0
     num_accepted: int = 0
     verify_log: list[tuple[int, int]] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None

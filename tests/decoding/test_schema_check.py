@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("jsonschema")
 
-from deepinfer.decoding.schema_check import json_validator, json_violation  # noqa: E402
+from deepinfer.decoding.schema_check import json_validator, json_violation, validation_only_keywords  # noqa: E402
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
 
@@ -40,3 +40,18 @@ def test_the_schema_is_read_under_its_own_draft():
         json_validator(json.dumps(tuple_items))
     with pytest.raises(ValueError, match="the JSON schema is not JSON"):
         json_validator("{not json")
+
+
+def test_keywords_only_validation_enforces_are_listed_with_their_paths():
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "uniqueItems": True, "items": {"minLength": 2}},
+        "x": {"type": "integer", "oneOf": [{"minimum": 0}, {"not": {"const": 3}}]},
+        "y": {"$ref": "#/$defs/y"}},
+        "$defs": {"y": {"$ref": "urn:example:y"}}}
+    assert validation_only_keywords(json.dumps(schema)) == [
+        "uniqueItems at #/properties/tags/uniqueItems", "minLength at #/properties/tags/items/minLength",
+        "oneOf exclusivity at #/properties/x/oneOf", "type at #/properties/x/type",
+        "minimum at #/properties/x/oneOf/0/minimum", "not at #/properties/x/oneOf/1/not",
+        "$ref at #/$defs/y/$ref"]
+    assert validation_only_keywords(json.dumps({"type": "array", "items": {"type": "string", "minLength": 2}})) == []
+    assert validation_only_keywords(None) == []

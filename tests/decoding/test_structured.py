@@ -12,7 +12,6 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.decoding import structured  # noqa: E402
 from tests.decoding.grammars import EBNF, JSON_SCHEMAS, REGEXES, valid_json  # noqa: E402
 
 SEEDS = (0, 1, 2)
@@ -144,12 +143,12 @@ def test_slow_grammars_fail_alone_in_this_call_and_the_next():
 def test_exit_does_not_wait_for_a_compile_in_progress():
     """A compile of about a minute is running when the script ends: the process is gone within
     a few seconds (its workers are killed), not after the compile."""
-    script = f"""
+    script = """
 import json, sys, time
 from deepinfer import LLM, SamplingParams
 from tests.decoding.test_structured import ENGINE, _slow_schema
 llm = LLM("tiny_random", "reference", ENGINE + ["engine.structured.compile_timeout_s=600"])
-llm.add_request("a", SamplingParams(max_tokens=4, structured={{"type": "json", "schema": _slow_schema(0, 9600)}}))
+llm.add_request("a", SamplingParams(max_tokens=4, structured={"type": "json", "schema": _slow_schema(0, 9600)}))
 deadline = time.monotonic() + 60
 while not llm.grammars._pool._processes and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -207,6 +206,7 @@ def test_stop_happens_only_with_output_the_schema_accepts(llm):
         assert out.finish_reason == ("stop" if valid else "error"), (out.text, out.finish_reason, out.error)
         if not valid:
             assert "breaks its JSON schema: keyword 'uniqueItems' at $ " in out.error, out.error
+        assert out.metrics["structured_validation_only"] == ["uniqueItems at #/uniqueItems"]
     assert all(o.finish_reason == "error" for o in outputs[12:])
 
 
