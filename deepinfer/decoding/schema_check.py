@@ -60,7 +60,10 @@ def json_violation(text: str, validator) -> str | None:
         return None
     import jsonschema
 
-    error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+    try:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+    except Exception as failure:  # e.g. a $ref that cannot be resolved: unvalidated output must not end "stop"
+        return f"the output could not be validated against its JSON schema: {_short(failure)}"
     if error is None:
         return None
     return (f"the output breaks its JSON schema: keyword {error.validator!r} at {_json_path(error.absolute_path)} "

@@ -55,3 +55,9 @@ def test_keywords_only_validation_enforces_are_listed_with_their_paths():
         "$ref at #/$defs/y/$ref"]
     assert validation_only_keywords(json.dumps({"type": "array", "items": {"type": "string", "minLength": 2}})) == []
     assert validation_only_keywords(None) == []
+
+
+def test_an_output_that_cannot_be_validated_is_not_passed():
+    found = _check({"$ref": "http://localhost:1234/integer.json"}, "1")
+    assert found.startswith("the output could not be validated against its JSON schema: ")
+    assert "localhost:1234/integer.json" in found

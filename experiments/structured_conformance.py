@@ -1,0 +1,128 @@
+"""Structured JSON outputs against the official JSON-Schema-Test-Suite, without a model.
+
+Every test of the suite's draft folders (``optional/`` left out) goes through the pipeline a
+generated output goes through (:func:`deepinfer.decoding.conformance.pipeline_outcome`): the
+schema compiles as a request's would (``engine.structured`` of the composed config), the
+instance, written as the strict grammar writes JSON, is fed to the matcher token by token with
+the byte tokenizer, then the end token, then the finished text is validated. Reported per draft:
+invalid instances that would end "stop" (must be 0), valid instances rejected and why, and
+schemas refused at compile, by suite file (the keyword it tests). Writes
+``experiments/results/structured_conformance.csv`` (one row per test) and prints the summary.
+
+The suite ships in jsonschema's source distribution:
+    pip download --no-deps --no-binary :all: jsonschema && tar xzf jsonschema-*.tar.gz
+    python experiments/structured_conformance.py --suite jsonschema-*/json/tests [--drafts draft7 draft2020-12]
+        [hydra overrides, e.g. engine.structured.any_whitespace=true]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from deepinfer.config.compose import compose
+from deepinfer.decoding.conformance import OUTCOMES, canonical_text, pipeline_outcome
+from deepinfer.decoding.structured import GrammarService
+from deepinfer.tokenizer import ByteTokenizer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VOCAB = 300
+REASON_CHARS = 160
+
+
+DRAFT_URIS = {"draft7": "http://json-schema.org/draft-07/schema#",
+              "draft2019-09": "https://json-schema.org/draft/2019-09/schema",
+              "draft2020-12": "https://json-schema.org/draft/2020-12/schema"}
+"""The ``$schema`` a folder's schemas mean when they do not say (the pipeline reads a schema
+without one as 2020-12)."""
+
+
+def suite_cases(folder: Path):
+    """``(file stem, case description, schema, test description, data, valid)`` of every test,
+    each object schema naming its folder's draft."""
+    draft = DRAFT_URIS.get(folder.name)
+    for path in sorted(folder.glob("*.json")):
+        for case in json.loads(path.read_text()):
+            schema = case["schema"]
+            if isinstance(schema, dict) and draft and "$schema" not in schema:
+                schema = {"$schema": draft, **schema}
+            for test in case["tests"]:
+                yield path.stem, case["description"], schema, test["description"], test["data"], test["valid"]
+
+
+def run(suite: Path, drafts: list[str], overrides: list[str]) -> list[dict]:
+    structured = compose(overrides).engine.structured
+    tokenizer = ByteTokenizer()
+    service = GrammarService(tokenizer, VOCAB, structured.compile_timeout_s, structured.compile_workers,
+                             structured.any_whitespace)
+    rows = []
+    try:
+        for draft in drafts:
+            for keyword, case, schema, test, data, valid in suite_cases(suite / draft):
+                outcome, reason = pipeline_outcome(service, tokenizer, schema, canonical_text(data))
+                rows.append(dict(draft=draft, keyword=keyword, case=case, test=test, valid=valid, outcome=outcome,
+                                 reason=(reason or "")[:REASON_CHARS]))
+    finally:
+        service.shutdown()
+    return rows
+
+
+def summary(rows: list[dict]) -> list[str]:
+    lines = []
+    for draft in sorted({r["draft"] for r in rows}):
+        mine = [r for r in rows if r["draft"] == draft]
+        valid = [r for r in mine if r["valid"]]
+        invalid = [r for r in mine if not r["valid"]]
+        lied = [r for r in invalid if r["outcome"] == "stop"]
+        caught = [r for r in invalid if r["outcome"] == "validation"]
+        rejected = [r for r in valid if r["outcome"] != "stop"]
+        counts = collections.Counter(r["outcome"] for r in rejected)
+        lines.append(f"{draft}: {len(mine)} tests; invalid instances ending stop: {len(lied)} of {len(invalid)}; "
+                     f"valid instances rejected: {len(rejected)} of {len(valid)} "
+                     f"({100 * len(rejected) / max(len(valid), 1):.1f} %: "
+                     + ", ".join(f"{o} {counts[o]}" for o in OUTCOMES if counts[o]) + ")")
+        lines.append(f"  invalid instances the grammar accepts, ended by validation: {len(caught)} of {len(invalid)} ("
+                     + ", ".join(f"{k} {n}" for k, n in collections.Counter(r["keyword"] for r in caught).most_common())
+                     + ")")
+        refused = collections.Counter(r["keyword"] for r in mine if r["outcome"] == "compile")
+        lines.append("  schemas refused at compile, tests by suite file: "
+                     + ", ".join(f"{k} {n}" for k, n in refused.most_common()))
+        by_grammar = collections.Counter(r["keyword"] for r in rejected if r["outcome"] == "grammar")
+        lines.append("  valid instances the grammar refuses, by suite file: "
+                     + ", ".join(f"{k} {n}" for k, n in by_grammar.most_common()))
+        for r in lied:
+            lines.append(f"  ENDS STOP BUT INVALID: {r['keyword']} / {r['case']} / {r['test']}")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--suite", type=Path, required=True, help="the suite's tests folder (json/tests)")
+    parser.add_argument("--drafts", nargs="+", default=["draft7", "draft2020-12"])
+    parser.add_argument("--tag", default="")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (engine.structured.*)")
+    args = parser.parse_args(argv)
+    rows = run(args.suite, args.drafts, args.overrides)
+    lines = summary(rows)
+    print("\n".join(lines))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    stamp = dict(date=datetime.date.today().isoformat(), commit=commit or "-", command=" ".join(["python", *sys.argv]))
+    name = "structured_conformance" + (f"_{args.tag}" if args.tag else "")
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*stamp, *rows[0]])
+        writer.writeheader()
+        writer.writerows({**stamp, **r} for r in rows)
+    (RESULTS / f"{name}.txt").write_text("\n".join([f"# {stamp['command']} ({stamp['date']}, commit {stamp['commit']})",
+                                                    *lines]) + "\n")
+    print(f"wrote {RESULTS / name}.csv and .txt")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
