@@ -9,17 +9,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from deepinfer.decoding.schema_rewrite import merge_all_of
+
 UNENFORCED = ("not", "contains", "minContains", "maxContains", "if", "then", "else", "dependentRequired",
               "dependentSchemas", "dependencies", "propertyNames", "patternProperties", "unevaluatedProperties",
               "unevaluatedItems")
 """Keywords xgrammar 0.2.9's JSON-schema grammar leaves out wherever they appear (``oneOf`` is
 enforced as ``anyOf``, without its exclusivity; ``uniqueItems: true`` is left out too)."""
-TYPED = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-         "multipleOf", "items", "prefixItems", "minItems", "maxItems", "properties", "required",
-         "additionalProperties", "minProperties", "maxProperties")
-"""Type-specific keywords, which it leaves out in a subschema without ``"type"``."""
 COMBINED = ("type", "properties", "required")
-"""Keywords it leaves out beside ``anyOf`` / ``oneOf`` / ``allOf``."""
+"""Keywords it leaves out beside ``anyOf`` / ``oneOf`` / ``allOf`` (an ``allOf`` whose entries
+merge into the schema is rewritten away first, :mod:`deepinfer.decoding.schema_rewrite`, as are
+type-specific keywords in a subschema without ``"type"``)."""
 _CHILD = ("additionalProperties", "not", "if", "then", "else", "contains", "propertyNames", "items",
           "unevaluatedProperties", "unevaluatedItems")
 _CHILDREN = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -72,8 +72,8 @@ def json_violation(text: str, validator) -> str | None:
 
 def validation_only_keywords(schema: str | None) -> list[str]:
     """The keywords of the JSON schema text ``schema`` that the grammar does not enforce, so only
-    the finished output's validation does, each as ``"keyword at #/path"`` (see :data:`UNENFORCED`,
-    :data:`TYPED`, :data:`COMBINED`; also ``$ref`` other than a local JSON pointer)."""
+    the finished output's validation does, each as ``"keyword at #/path"`` (see :data:`UNENFORCED`
+    and :data:`COMBINED`; also ``$ref`` other than a local JSON pointer)."""
     if schema is None:
         return []
     found: list[str] = []
@@ -93,10 +93,8 @@ def _walk(node, path: tuple, found: list[str]) -> None:
     ref = node.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         found.append(here("$ref"))
-    if any(k in node for k in ("anyOf", "oneOf", "allOf")):
+    if any(k in node for k in ("anyOf", "oneOf")) or "allOf" in merge_all_of(node):
         found += [here(k) for k in COMBINED if k in node]
-    elif "type" not in node and not any(k in node for k in ("$ref", "enum", "const")):
-        found += [here(k) for k in TYPED if k in node]
     for key in _CHILD:
         if isinstance(node.get(key), dict):
             _walk(node[key], (*path, key), found)

@@ -22,6 +22,7 @@ import torch
 
 from deepinfer.decoding.grammar_pool import CompilePool, CompileTimeout
 from deepinfer.decoding.schema_check import json_validator, json_violation, validation_only_keywords
+from deepinfer.decoding.schema_rewrite import grammar_schema
 from deepinfer.hal.ops.token_bitmask import bitmask_words
 from deepinfer.tokenizer import ByteTokenizer, Tokenizer, TokenizerBase
 
@@ -177,7 +178,7 @@ class GrammarService:
                     oldest = next((k for k, f in self._cache.items() if f.done()), None)
                     self._cache.pop(oldest, None)
                     self._compiled.pop(oldest, None)
-                future = self._cache[key] = self._pool.submit(spec)
+                future = self._cache[key] = self._pool.submit(_compiled_spec(spec))
         return RequestGrammar(spec, future, validator=validator, invalid_schema=invalid,
                               validation_only=validation_only)
 
@@ -212,6 +213,18 @@ class GrammarService:
     def shutdown(self) -> None:
         """Stop compiling: queued compiles are cancelled and the workers killed."""
         self._pool.shutdown()
+
+
+def _compiled_spec(spec: dict) -> dict:
+    """What the grammar compiles for ``spec``: a JSON schema rewritten into the equivalent the
+    grammar enforces best (:func:`~deepinfer.decoding.schema_rewrite.grammar_schema`); a schema
+    that is not JSON goes as written, for the compiler to name the error."""
+    if spec["type"] != "json":
+        return spec
+    try:
+        return {**spec, "schema": grammar_schema(spec["schema"])}
+    except ValueError:
+        return spec
 
 
 def _clean(error: BaseException) -> str:

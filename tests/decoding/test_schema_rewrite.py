@@ -1,0 +1,71 @@
+"""The grammar's rewritten schemas accept exactly what the schemas as written accept (checked
+with jsonschema on instances of every JSON type), and take forms the grammar enforces."""
+import json
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+
+from deepinfer.decoding.schema_rewrite import grammar_schema  # noqa: E402
+
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+INSTANCES = [None, True, 0, 7, -2.5, "", "a", "abc", [], [1], [1, "x"], [1, "x", True], {}, {"a": 1},
+             {"a": 1, "b": "s"}, {"b": "s"}, {"foo": 1}, {"bar": 2}]
+SCHEMAS = [
+    {"minLength": 2},
+    {"minimum": 1, "maxLength": 2},
+    {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"$schema": DRAFT7, "type": "array", "items": [{"type": "integer"}, {"type": "string"}], "additionalItems": False},
+    {"$schema": DRAFT7, "type": "array", "items": [{"type": "integer"}], "additionalItems": {"type": "string"}},
+    {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                 {"properties": {"b": {"minLength": 1}}}]},
+    {"type": "object", "properties": {"foo": False, "bar": True}},
+    {"type": "array", "items": False},
+    {"anyOf": [False, {"type": "integer"}]},
+]
+
+
+def strict(node):
+    """``node`` read as the grammar's strict mode reads it: no properties beyond those named, no
+    items beyond a tuple's."""
+    if isinstance(node, list):
+        return [strict(child) for child in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: strict(value) for key, value in node.items()}
+    if "properties" in node and "additionalProperties" not in node:
+        node["additionalProperties"] = False
+    if isinstance(node.get("items"), list) and "additionalItems" not in node:
+        node["additionalItems"] = False
+    if "prefixItems" in node and "items" not in node:
+        node["items"] = False
+    return node
+
+
+STRICT_ONLY = (3, 4, 6)
+"""Rewrites equivalent in strict mode only (a dropped ``false`` property, a tuple's extra items)."""
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)), ids=[json.dumps(s)[:40] for s in SCHEMAS])
+def test_rewritten_schema_accepts_what_the_schema_accepts(index):
+    """The rewritten schema read in the grammar's (2020-12) vocabulary; both in strict mode
+    where the rewrite relies on it."""
+    schema = SCHEMAS[index]
+    read = strict if index in STRICT_ONLY else (lambda node: node)
+    rewritten = {k: v for k, v in json.loads(grammar_schema(json.dumps(schema))).items() if k != "$schema"}
+    original = jsonschema.validators.validator_for(schema)(read(schema))
+    again = jsonschema.Draft202012Validator(read(rewritten))
+    for instance in INSTANCES:
+        assert again.is_valid(instance) == original.is_valid(instance), (rewritten, instance)
+
+
+def test_forms_the_grammar_enforces():
+    assert json.loads(grammar_schema('{"minLength": 2}'))["anyOf"][0] == {"type": "string", "minLength": 2}
+    draft7 = json.loads(grammar_schema(json.dumps(SCHEMAS[4])))
+    assert draft7["prefixItems"] == [{"type": "integer"}] and draft7["items"] == {"type": "string"}
+    merged = json.loads(grammar_schema(json.dumps(SCHEMAS[5])))
+    assert "allOf" not in merged and merged["required"] == ["a"] and list(merged["properties"]) == ["a", "b"]
+    assert json.loads(grammar_schema(json.dumps(SCHEMAS[6])))["properties"] == {"bar": {}}
+    assert json.loads(grammar_schema(json.dumps(SCHEMAS[7]))) == {"type": "array", "maxItems": 0}
+    text = '{"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}'
+    assert grammar_schema(text) == text and grammar_schema(None) is None
