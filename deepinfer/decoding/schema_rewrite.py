@@ -4,12 +4,15 @@ The grammar compiler (xgrammar) leaves out some keywords and refuses some forms;
 equivalent form exists, the grammar gets that instead (the finished output is still validated
 against the schema as written, :mod:`deepinfer.decoding.schema_check`):
 
-* type-specific keywords in a subschema without ``"type"`` (``{"minLength": 2}`` constrains only
-  strings) become ``anyOf`` of each keyword family under its type, beside the types it leaves free;
+* string, number and array keywords in a subschema without ``"type"`` (``{"minLength": 2}``
+  constrains only strings) become ``anyOf`` of each keyword family under its type, beside the
+  types it leaves free (:data:`FAMILIES`);
 * draft-7's array form of ``items`` (with ``additionalItems``) becomes ``prefixItems`` (with ``items``);
 * ``allOf`` entries whose keywords do not overlap the schema's own merge into it (``properties``
   of distinct names and ``required`` lists combine);
-* boolean subschemas: ``true`` becomes ``{}``; a ``false`` property is dropped from
+* integral decimals of count keywords (``"minItems": 1.0``) become integers;
+* boolean subschemas: ``true`` becomes ``{}``; a ``false`` tuple position ends the tuple there
+  (``maxItems``); a ``false`` property is dropped from
   ``properties`` (strict mode then refuses it), ``items: false`` is dropped after
   ``prefixItems`` (strict mode refuses extra items) and becomes ``maxItems: 0`` otherwise, a
   ``false`` branch of ``anyOf`` / ``oneOf`` is dropped.
@@ -20,14 +23,16 @@ import json
 from typing import Any
 
 FAMILIES = {
-    "string": ("minLength", "maxLength", "pattern", "format"),
-    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
-    "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "contains", "minContains",
-              "maxContains", "uniqueItems"),
-    "object": ("properties", "required", "additionalProperties", "minProperties", "maxProperties",
-               "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies"),
+    "string": ("minLength", "maxLength", "pattern"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+    "array": ("items", "minItems", "maxItems"),
 }
-"""Keywords that constrain one JSON type only (``number`` covers ``integer``)."""
+"""Type-specific keywords the grammar enforces once their type is named (``number`` covers
+``integer``). Object keywords are left alone: naming the type would make the grammar's strict
+mode refuse properties the schema allows."""
+COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+          "maxContains")
+"""Count keywords, whose integral decimals (``2.0``) the grammar reads as integers."""
 OTHER_TYPES = ("string", "number", "boolean", "null", "array", "object")
 _DECIDED = ("type", "$ref", "enum", "const", "anyOf", "oneOf", "allOf", "not", "if", "$dynamicRef")
 _ONE = ("additionalProperties", "items", "contains", "propertyNames", "not", "if", "then", "else",
@@ -37,12 +42,40 @@ _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
 def grammar_schema(schema: str | None) -> str | None:
-    """The JSON schema text to compile for ``schema`` (unchanged when nothing applies)."""
+    """The JSON schema text to compile for ``schema`` (unchanged when nothing applies, or when a
+    rewrite would break one of its local ``$ref`` pointers)."""
     if schema is None:
         return None
     document = json.loads(schema)
     rewritten = _rewrite(document)
-    return schema if rewritten == document else json.dumps(rewritten)
+    if rewritten == document or not all(_resolves(rewritten, ref) for ref in _local_refs(rewritten)):
+        return schema
+    return json.dumps(rewritten)
+
+
+def _local_refs(node: Any):
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            yield ref
+        for value in node.values():
+            yield from _local_refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _local_refs(value)
+
+
+def _resolves(document: Any, ref: str) -> bool:
+    node = document
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
 
 
 def _rewrite(node: Any) -> Any:
@@ -51,6 +84,9 @@ def _rewrite(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     node = merge_all_of(dict(node))
+    for key in COUNTS:
+        if isinstance(node.get(key), float) and node[key].is_integer():
+            node[key] = int(node[key])
     if isinstance(node.get("items"), list):
         node["prefixItems"] = node.pop("items")
         if "additionalItems" in node:
@@ -66,6 +102,15 @@ def _rewrite(node: Any) -> Any:
             node[key] = [_rewrite(child) for child in node[key]]
     if isinstance(node.get("properties"), dict):
         node["properties"] = {name: child for name, child in node["properties"].items() if child is not False}
+    prefix = node.get("prefixItems")
+    if isinstance(prefix, list) and False in prefix:
+        cut = prefix.index(False)
+        node["maxItems"] = min(node.get("maxItems", cut), cut)
+        node.pop("items", None)
+        if cut:
+            node["prefixItems"] = prefix[:cut]
+        else:
+            del node["prefixItems"]
     if node.get("items") is False:
         del node["items"]
         if "prefixItems" not in node:
@@ -104,5 +149,8 @@ def _typed(node: dict) -> dict:
         return node
     shared = {k: v for k, v in node.items() if not any(k in keywords for keywords in FAMILIES.values())}
     branches = [{"type": t, **{k: v for k, v in node.items() if k in FAMILIES[t]}} for t in families]
+    for branch in branches:
+        if branch["type"] == "array" and "items" not in branch:
+            branch["items"] = {}  # strict mode reads an array without items as empty
     branches += [{"type": t} for t in OTHER_TYPES if t not in families]
     return {**shared, "anyOf": branches}

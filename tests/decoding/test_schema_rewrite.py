@@ -22,6 +22,8 @@ SCHEMAS = [
     {"type": "object", "properties": {"foo": False, "bar": True}},
     {"type": "array", "items": False},
     {"anyOf": [False, {"type": "integer"}]},
+    {"minItems": 1.0, "maxLength": 2.0},
+    {"type": "array", "prefixItems": [{"type": "integer"}, False]},
 ]
 
 
@@ -42,7 +44,7 @@ def strict(node):
     return node
 
 
-STRICT_ONLY = (3, 4, 6)
+STRICT_ONLY = (3, 4, 6, 10)
 """Rewrites equivalent in strict mode only (a dropped ``false`` property, a tuple's extra items)."""
 
 
@@ -67,5 +69,11 @@ def test_forms_the_grammar_enforces():
     assert "allOf" not in merged and merged["required"] == ["a"] and list(merged["properties"]) == ["a", "b"]
     assert json.loads(grammar_schema(json.dumps(SCHEMAS[6])))["properties"] == {"bar": {}}
     assert json.loads(grammar_schema(json.dumps(SCHEMAS[7]))) == {"type": "array", "maxItems": 0}
+    assert json.loads(grammar_schema(json.dumps(SCHEMAS[9])))["anyOf"][:2] == [
+        {"type": "string", "maxLength": 2}, {"type": "array", "minItems": 1, "items": {}}]
+    assert json.loads(grammar_schema(json.dumps(SCHEMAS[10]))) == {"type": "array", "prefixItems": [{"type": "integer"}],
+                                                                   "maxItems": 1}
     text = '{"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}'
     assert grammar_schema(text) == text and grammar_schema(None) is None
+    pointing = json.dumps({"$schema": DRAFT7, "items": [{"type": "integer"}, {"$ref": "#/items/0"}]})
+    assert grammar_schema(pointing) == pointing, "a rewrite that breaks a local $ref is not taken"
