@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.decoding.grammar_pool import CompilePool, CompileTimeout
+from deepinfer.decoding.grammar_pool import CompilePool, CompileTimeout, GrammarCompileError
 from deepinfer.decoding.schema_check import json_validator, json_violation, validation_only_keywords
 from deepinfer.decoding.schema_rewrite import grammar_schema
 from deepinfer.hal.ops.token_bitmask import bitmask_words
@@ -189,13 +189,18 @@ class GrammarService:
         if not grammar.future.done():
             return False
         kind = grammar.spec["type"]
-        error = grammar.future.exception() if not grammar.future.cancelled() else RuntimeError("cancelled")
+        if grammar.future.cancelled():
+            grammar.error = f"structured output: the engine shut down before the {kind} grammar compiled"
+            return True
+        error = grammar.future.exception()
         if isinstance(error, CompileTimeout):
             grammar.error = (f"structured output: the {kind} grammar did not compile within "
                              f"engine.structured.compile_timeout_s={self.timeout_s:g} s of compiling; simplify it "
                              f"or raise the timeout")
-        elif error is not None:
+        elif isinstance(error, GrammarCompileError):
             grammar.error = f"structured output: invalid {kind} grammar: {_clean(error)}"
+        elif error is not None:
+            grammar.error = f"structured output: the {kind} grammar could not be compiled: {error}"
         elif grammar.invalid_schema is not None:
             grammar.error = grammar.invalid_schema
         else:
