@@ -12,7 +12,11 @@ schemas refused at compile, by suite file (the keyword it tests). Writes
 The suite ships in jsonschema's source distribution:
     pip download --no-deps --no-binary :all: jsonschema && tar xzf jsonschema-*.tar.gz
     python experiments/structured_conformance.py --suite jsonschema-*/json/tests [--drafts draft7 draft2020-12]
-        [hydra overrides, e.g. engine.structured.any_whitespace=true]
+        [--generate MAX_TOKENS] [hydra overrides, e.g. engine.structured.any_whitespace=true]
+
+``--generate`` also sends each distinct schema to the trained ``tiny`` model at temperature 1
+and checks every output that ends "stop" with ``jsonschema``
+(``structured_conformance_generation.csv``).
 """
 from __future__ import annotations
 
@@ -77,6 +81,34 @@ def run(suite: Path, drafts: list[str], overrides: list[str]) -> list[dict]:
     return rows
 
 
+def generate(suite: Path, drafts: list[str], overrides: list[str], max_tokens: int) -> list[dict]:
+    """Each distinct schema of the suite as a structured request to the trained ``tiny`` model at
+    temperature 1 (one seed each), on the CPU reference backend; every output that ends "stop" is
+    checked independently with ``jsonschema`` (``valid``)."""
+    import jsonschema
+
+    from deepinfer import LLM, SamplingParams
+
+    schemas = {}
+    for draft in drafts:
+        for keyword, _, schema, _, _, _ in suite_cases(suite / draft):
+            schemas.setdefault(json.dumps(schema), (draft, keyword, schema))
+    llm = LLM("tiny", "reference", ["engine.use_tqdm=false", *overrides])
+    items = list(schemas.values())
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed,
+                             structured={"type": "json", "schema": schema if isinstance(schema, dict) else json.dumps(schema)})
+              for seed, (_, _, schema) in enumerate(items)]
+    rows = []
+    for (draft, keyword, schema), out in zip(items, llm.generate(["config = "] * len(items), params)):
+        valid = ""
+        if out.finish_reason == "stop":
+            validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+            valid = validator.is_valid(json.loads(out.text))
+        rows.append(dict(draft=draft, keyword=keyword, finish=out.finish_reason, valid=valid,
+                         text=out.text[:REASON_CHARS], error=(out.error or "")[:REASON_CHARS]))
+    return rows
+
+
 def summary(rows: list[dict]) -> list[str]:
     lines = []
     for draft in sorted({r["draft"] for r in rows}):
@@ -110,6 +142,8 @@ def main(argv=None) -> int:
     parser.add_argument("--suite", type=Path, required=True, help="the suite's tests folder (json/tests)")
     parser.add_argument("--drafts", nargs="+", default=["draft7", "draft2020-12"])
     parser.add_argument("--tag", default="")
+    parser.add_argument("--generate", type=int, default=0, metavar="MAX_TOKENS",
+                        help="also generate once per distinct schema with the trained tiny model (temperature 1)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (engine.structured.*)")
     args = parser.parse_args(argv)
     rows = run(args.suite, args.drafts, args.overrides)
@@ -126,6 +160,20 @@ def main(argv=None) -> int:
     (RESULTS / f"{name}.txt").write_text("\n".join([f"# {stamp['command']} ({stamp['date']}, commit {stamp['commit']})",
                                                     *lines]) + "\n")
     print(f"wrote {RESULTS / name}.csv and .txt")
+    if args.generate:
+        generated = generate(args.suite, args.drafts, args.overrides, args.generate)
+        finishes = collections.Counter(r["finish"] for r in generated)
+        broken = [r for r in generated if r["finish"] == "stop" and not r["valid"]]
+        line = (f"generation, tiny at temperature 1, {len(generated)} schemas: "
+                + ", ".join(f"{k} {n}" for k, n in finishes.most_common())
+                + f"; outputs ending stop that jsonschema rejects: {len(broken)}")
+        print(line)
+        with open(RESULTS / f"{name}_generation.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=[*stamp, *generated[0]])
+            writer.writeheader()
+            writer.writerows({**stamp, **r} for r in generated)
+        with open(RESULTS / f"{name}.txt", "a") as f:
+            f.write(line + "\n")
     return 0
 
 
