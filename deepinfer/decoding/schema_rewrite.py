@@ -6,7 +6,7 @@ against the schema as written, :mod:`deepinfer.decoding.schema_check`):
 
 * string, number and array keywords in a subschema without ``"type"`` (``{"minLength": 2}``
   constrains only strings) become ``anyOf`` of each keyword family under its type, beside the
-  types it leaves free (:data:`FAMILIES`);
+  types it leaves free (:data:`FAMILIES`); a ``propertyNames`` schema without one is a string's;
 * draft-7's array form of ``items`` (with ``additionalItems``) becomes ``prefixItems`` (with ``items``);
 * ``allOf`` entries whose keywords do not overlap the schema's own merge into it (``properties``
   of distinct names and ``required`` lists combine);
@@ -91,6 +91,9 @@ def _rewrite(node: Any) -> Any:
         node["prefixItems"] = node.pop("items")
         if "additionalItems" in node:
             node["items"] = node.pop("additionalItems")
+    names = node.get("propertyNames")
+    if isinstance(names, dict) and not any(key in names for key in _DECIDED):
+        node["propertyNames"] = {"type": "string", **names}  # names are strings
     for key in _ONE:
         if key in node:
             node[key] = _rewrite(node[key])

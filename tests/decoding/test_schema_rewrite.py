@@ -24,6 +24,7 @@ SCHEMAS = [
     {"anyOf": [False, {"type": "integer"}]},
     {"minItems": 1.0, "maxLength": 2.0},
     {"type": "array", "prefixItems": [{"type": "integer"}, False]},
+    {"propertyNames": {"maxLength": 1}, "additionalProperties": {"type": "number"}},
 ]
 
 
@@ -73,6 +74,7 @@ def test_forms_the_grammar_enforces():
         {"type": "string", "maxLength": 2}, {"type": "array", "minItems": 1, "items": {}}]
     assert json.loads(grammar_schema(json.dumps(SCHEMAS[10]))) == {"type": "array", "prefixItems": [{"type": "integer"}],
                                                                    "maxItems": 1}
+    assert json.loads(grammar_schema(json.dumps(SCHEMAS[11])))["propertyNames"] == {"type": "string", "maxLength": 1}
     text = '{"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}'
     assert grammar_schema(text) == text and grammar_schema(None) is None
     pointing = json.dumps({"$schema": DRAFT7, "items": [{"type": "integer"}, {"$ref": "#/items/0"}]})
