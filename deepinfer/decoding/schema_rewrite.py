@@ -11,6 +11,8 @@ against the schema as written, :mod:`deepinfer.decoding.schema_check`):
 * ``allOf`` entries whose keywords do not overlap the schema's own merge into it (``properties``
   of distinct names and ``required`` lists combine);
 * integral decimals of count keywords (``"minItems": 1.0``) become integers;
+* an object's ``minProperties`` above its named properties, with ``additionalProperties``
+  unsaid, says it (``true``): the grammar's strict mode would otherwise allow none beyond them;
 * boolean subschemas: ``true`` becomes ``{}``; a ``false`` tuple position ends the tuple there
   (``maxItems``); a ``false`` property is dropped from
   ``properties`` (strict mode then refuses it), ``items: false`` is dropped after
@@ -118,6 +120,11 @@ def _rewrite(node: Any) -> Any:
         del node["items"]
         if "prefixItems" not in node:
             node["maxItems"] = 0
+    named = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    if node.get("type") == "object" and isinstance(node.get("minProperties"), int) \
+            and node["minProperties"] > len(named) and "additionalProperties" not in node \
+            and "patternProperties" not in node:
+        node["additionalProperties"] = True
     for key in ("anyOf", "oneOf"):
         if isinstance(node.get(key), list) and False in node[key] and any(c is not False for c in node[key]):
             node[key] = [child for child in node[key] if child is not False]

@@ -25,6 +25,7 @@ SCHEMAS = [
     {"minItems": 1.0, "maxLength": 2.0},
     {"type": "array", "prefixItems": [{"type": "integer"}, False]},
     {"propertyNames": {"maxLength": 1}, "additionalProperties": {"type": "number"}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 2},
 ]
 
 
@@ -75,6 +76,7 @@ def test_forms_the_grammar_enforces():
     assert json.loads(grammar_schema(json.dumps(SCHEMAS[10]))) == {"type": "array", "prefixItems": [{"type": "integer"}],
                                                                    "maxItems": 1}
     assert json.loads(grammar_schema(json.dumps(SCHEMAS[11])))["propertyNames"] == {"type": "string", "maxLength": 1}
+    assert json.loads(grammar_schema(json.dumps(SCHEMAS[12])))["additionalProperties"] is True
     text = '{"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}'
     assert grammar_schema(text) == text and grammar_schema(None) is None
     pointing = json.dumps({"$schema": DRAFT7, "items": [{"type": "integer"}, {"$ref": "#/items/0"}]})
