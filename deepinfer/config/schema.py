@@ -156,9 +156,13 @@ class StructuredConfig:
     any_whitespace: bool = False
     """JSON schemas allow any whitespace between tokens; false fixes the separators to ``", "``
     and ``": "`` (no runaway whitespace)."""
+    retries: int = 0
+    """A JSON output its schema rejects (a keyword the grammar cannot enforce) is generated again
+    from the prompt with another seed, up to this many times; 0 ends the request "error"."""
 
     def __post_init__(self) -> None:
         _require(self.compile_timeout_s > 0, "engine.structured.compile_timeout_s", self.compile_timeout_s, "must be > 0")
+        _require(self.retries >= 0, "engine.structured.retries", self.retries, "must be >= 0")
         _require(self.compile_workers >= 1, "engine.structured.compile_workers", self.compile_workers, "must be >= 1")
 
 

@@ -27,6 +27,8 @@ from deepinfer.models.registry import build_model, resolve_checkpoint
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
 
 Prompt = str | Sequence[int]
+RETRY_SEED_STEP = 0x9E3779B97F4A7C15
+"""Added to a request's seed (mod 2**64) for each retry of a structured output."""
 
 
 class LLM:
@@ -84,7 +86,7 @@ class LLM:
                        dynamic_ncols=True)
             self.runner.capture_graphs(lambda: bar.update(1))
             bar.close()
-        self.outputs = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len, self._finish)
+        self.outputs = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len, self._finish, self._retry)
         self.async_scheduling = engine.async_scheduling if engine.async_scheduling is not None \
             else self.runtime.overlaps_host
         self._inflight: LaunchedStep | None = None
@@ -177,7 +179,7 @@ class LLM:
         for request in step.release_after:
             self.scheduler.kv.release(request)
         if self.dspark:
-            self.dspark.propose([c.request for c in step.sampling if not c.request.finished])
+            self.dspark.propose([c.request for c in step.sampling if c.request.status is Status.RUNNING])
 
     def _can_overlap(self, step: "LaunchedStep") -> bool:
         """Whether the step after ``step`` may be scheduled before ``step`` is collected: a pure
@@ -196,6 +198,20 @@ class LLM:
         self.scheduler.finish(request, reason, release=not keep)
         if keep:
             launched.release_after.append(request)
+
+    def _retry(self, request: Request) -> bool:
+        """Run a structured request whose output broke its schema again from its prompt, with
+        another seed, while ``engine.structured.retries`` allows; False when it does not."""
+        if request.num_retries >= self.config.engine.structured.retries or request.inflight:
+            return False
+        request.num_retries += 1
+        request.seed = (request.seed + RETRY_SEED_STEP) % (1 << 64)
+        request.output_token_ids, request.output_logprobs, request.text = [], [], ""
+        request.detokenizer = IncrementalDecoder(self.tokenizer)
+        request.draft_logprobs, request.draft_confidences = None, []
+        request.grammar.matcher.reset()
+        self.scheduler.restart(request)
+        return True
 
     def drain(self) -> list[Request]:
         """Collect the step in flight, if any; returns the requests that finished."""

@@ -14,10 +14,13 @@ class OutputProcessor:
     is cut before the string), its grammar ending or refusing a token, ``max_tokens`` or
     ``max_model_len``. A constrained request that would stop with output its grammar or JSON
     schema rejects (cut short, or breaking a keyword the grammar cannot enforce) ends "error"
-    instead, its ``error`` saying why. ``finish(request, reason)`` releases a stopped request."""
+    instead, its ``error`` saying why, unless ``retry(request)`` runs it again (True).
+    ``finish(request, reason)`` releases a stopped request."""
 
-    def __init__(self, eos_token_ids, max_model_len: int, finish: Callable[[Request, str], None]):
+    def __init__(self, eos_token_ids, max_model_len: int, finish: Callable[[Request, str], None],
+                 retry: Callable[[Request], bool] = lambda request: False):
         self.eos_token_ids, self.max_model_len, self.finish = set(eos_token_ids), max_model_len, finish
+        self.retry = retry
 
     def apply(self, chunks, emissions: list[Emission]) -> list[Request]:
         """The emissions of a step's sampling ``chunks``: a request's cache also holds the drafts
@@ -48,6 +51,8 @@ class OutputProcessor:
                         request.text += request.detokenizer.finish()
                     if reason == "stop" and request.grammar is not None:
                         violation = request.grammar.violation(request.text)
+                        if violation is not None and self.retry(request):
+                            break
                         if violation is not None:
                             request.error, reason = violation, "error"
                     self.finish(request, reason)
@@ -103,4 +108,5 @@ def request_output(request: Request) -> RequestOutput:
     )
     if request.grammar is not None and request.grammar.spec["type"] == "json":
         output.metrics["structured_validation_only"] = list(request.grammar.validation_only)
+        output.metrics["structured_retries"] = request.num_retries
     return output

@@ -23,7 +23,8 @@ class Request:
     A preempted request keeps its outputs and recomputes its KV when it runs again. With DSpark,
     ``drafts`` (with their distributions and confidences) wait for the next step, which verifies
     ``verify_drafts``, a prefix of them. ``grammar`` (structured outputs) holds the compile state
-    and matcher; ``error`` says why a request finished with reason "error". ``inflight``: tokens
+    and matcher; ``error`` says why a request finished with reason "error"; ``num_retries``: how
+    often a structured output its schema rejected was generated again. ``inflight``: tokens
     launched steps are sampling for it, not yet known on the host (each a :data:`PLACEHOLDER`
     at the end of ``token_ids``)."""
 
@@ -54,6 +55,7 @@ class Request:
     grammar: object | None = None
     error: str | None = None
     inflight: int = 0
+    num_retries: int = 0
 
     @property
     def token_ids(self) -> list[int]:

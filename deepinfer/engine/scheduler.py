@@ -113,12 +113,17 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self.restart(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def restart(self, request: Request) -> None:
+        """Free ``request``'s cache and queue it first, to run again from its prompt (the caller
+        resets its outputs)."""
         self.kv.release(request)
         self.running.remove(request)
         request.status, request.num_computed = Status.WAITING, 0
         request.drafts, request.verify_drafts = [], []
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str, release: bool = True) -> None:

@@ -229,3 +229,27 @@ def test_a_schema_its_own_metaschema_rejects_fails_its_request_alone(llm):
     assert "invalid json grammar: the JSON schema is not valid under Draft202012Validator" in outputs[0].error
     assert "at #/uniqueItems" in outputs[0].error
     assert outputs[1].finish_reason == "stop" and re.fullmatch(r"\d{2}", outputs[1].text)
+
+
+@pytest.mark.parametrize("decoding", [[], ["decoding=dspark", "decoding.varlen=false"]], ids=["plain", "dspark"])
+def test_a_rejected_output_is_generated_again_with_another_seed_when_retries_allow(decoding):
+    """``uniqueItems``, which the grammar cannot enforce, with few values: many first attempts
+    repeat an item. With retries every output that ends "stop" is valid, some needed a retry,
+    and a request out of retries ends "error" with its count."""
+    import jsonschema
+
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 4}, "minItems": 3,
+              "maxItems": 3, "uniqueItems": True}
+    llm = LLM("tiny_random", "reference", ENGINE + ["engine.structured.retries=6"] + decoding)
+    outputs = llm.generate(["["] * 12, [_params("json", schema, seed) for seed in range(12)])
+    for out in outputs:
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+        else:
+            assert out.finish_reason == "error" and out.metrics["structured_retries"] == 6, (out.text, out.error)
+    assert any(o.finish_reason == "stop" and o.metrics["structured_retries"] > 0 for o in outputs)
+    assert len(llm.scheduler.kv.free_blocks) == llm.scheduler.kv.num_blocks - 1, "a retried request leaked its cache"
+    once = LLM("tiny_random", "reference", ENGINE + decoding).generate(["["] * 12,
+                                                                     [_params("json", schema, s) for s in range(12)])
+    assert [o.token_ids for o, r in zip(once, outputs) if r.metrics["structured_retries"] == 0] == \
+        [o.token_ids for o in outputs if o.metrics["structured_retries"] == 0], "a first attempt is the same without retries"
