@@ -17,6 +17,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Callable
 
 WORKER = Path(__file__).with_name("grammar_worker.py")
 STARTUP_TIMEOUT_S = 120.0
@@ -35,15 +36,17 @@ class GrammarCompileError(Exception):
 
 class CompilePool:
     """``workers`` processes compiling ``{"type", "schema"}`` specs for one tokenizer
-    (``tokenizer_info``: xgrammar's serialised TokenizerInfo); :meth:`submit` returns a future of
-    the serialised CompiledGrammar. Workers start on first use."""
+    (``tokenizer_info()``: xgrammar's serialised TokenizerInfo, asked for when the first worker
+    starts); :meth:`submit` returns a future of the serialised CompiledGrammar. Workers start on
+    first use."""
 
-    def __init__(self, tokenizer_info: str, any_whitespace: bool, workers: int, timeout_s: float):
+    def __init__(self, tokenizer_info: Callable[[], str], any_whitespace: bool, workers: int, timeout_s: float):
         self.timeout_s = timeout_s
-        self._header = json.dumps({"tokenizer_info": tokenizer_info, "any_whitespace": any_whitespace}).encode()
+        self._tokenizer_info, self._any_whitespace = tokenizer_info, any_whitespace
+        self._header: bytes | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._processes: set[subprocess.Popen] = set()
-        self._lock = threading.Lock()
+        self._lock, self._header_lock = threading.Lock(), threading.Lock()
         self._closed, self._workers = False, workers
         for index in range(workers):
             threading.Thread(target=self._serve, name=f"deepinfer-grammar-{index}", daemon=True).start()
@@ -105,7 +108,7 @@ class CompilePool:
         with self._lock:
             self._processes.add(process)
         try:
-            process.stdin.write(self._header + b"\n")
+            process.stdin.write(self._startup_header() + b"\n")
             process.stdin.flush()
             if self._reply(process, STARTUP_TIMEOUT_S) != "ready":
                 raise RuntimeError("the grammar worker did not start")
@@ -113,6 +116,13 @@ class CompilePool:
             self._kill(process)
             raise RuntimeError(f"the grammar worker did not start: {error}") from None
         return process
+
+    def _startup_header(self) -> bytes:
+        with self._header_lock:
+            if self._header is None:
+                self._header = json.dumps({"tokenizer_info": self._tokenizer_info(),
+                                           "any_whitespace": self._any_whitespace}).encode()
+            return self._header
 
     def _compile(self, process: subprocess.Popen, spec: dict) -> str:
         process.stdin.write(json.dumps(spec).encode() + b"\n")

@@ -148,16 +148,26 @@ class GrammarService:
             if importlib.util.find_spec(package) is None:
                 raise ImportError(f"structured outputs use {package}, which is not installed; install it with: "
                                   f"pip install 'deepinfer[{EXTRA}]'")
-        import xgrammar
-
         self.vocab_size, self.timeout_s = vocab_size, timeout_s
-        stop_ids = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
-        self._info = xgrammar.TokenizerInfo(raw_token_bytes(tokenizer, vocab_size), xgrammar.VocabType.RAW,
-                                            vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self._pool = CompilePool(self._info.serialize_json(), any_whitespace, workers, timeout_s)
+        self._info: Future = Future()
+        threading.Thread(target=self._build_info, args=(tokenizer,), name="deepinfer-grammar-info",
+                         daemon=True).start()
+        self._pool = CompilePool(lambda: self._info.result().serialize_json(), any_whitespace, workers, timeout_s)
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str | None], Future] = {}
         self._compiled: dict[tuple[str, str | None], Any] = {}
+
+    def _build_info(self, tokenizer: TokenizerBase) -> None:
+        """xgrammar's view of the vocabulary (importing xgrammar takes seconds: off the engine's thread)."""
+        try:
+            import xgrammar
+
+            stop_ids = sorted(t for t in tokenizer.eos_token_ids if t < self.vocab_size)
+            self._info.set_result(xgrammar.TokenizerInfo(raw_token_bytes(tokenizer, self.vocab_size),
+                                                         xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
+                                                         stop_token_ids=stop_ids))
+        except BaseException as error:  # every compile then fails with it
+            self._info.set_exception(error)
 
     def request(self, spec: dict) -> RequestGrammar:
         """Start (or reuse) the compilation of ``spec`` (from :func:`check_structured`). A JSON
@@ -211,7 +221,7 @@ class GrammarService:
                 compiled = self._compiled.get(key)
                 if compiled is None:
                     compiled = self._compiled[key] = xgrammar.CompiledGrammar.deserialize_json(
-                        grammar.future.result(), self._info)
+                        grammar.future.result(), self._info.result())
             grammar.matcher = xgrammar.GrammarMatcher(compiled)
         return True
 

@@ -18,7 +18,7 @@ VOCAB = 300
 def pool_and_info():
     info = xgrammar.TokenizerInfo(raw_token_bytes(ByteTokenizer(), VOCAB), xgrammar.VocabType.RAW,
                                   vocab_size=VOCAB, stop_token_ids=sorted(ByteTokenizer().eos_token_ids))
-    pool = CompilePool(info.serialize_json(), any_whitespace=False, workers=1, timeout_s=0.5)
+    pool = CompilePool(info.serialize_json, any_whitespace=False, workers=1, timeout_s=0.5)
     yield pool, info
     pool.shutdown()
 
