@@ -10,7 +10,8 @@ against the schema as written, :mod:`deepinfer.decoding.schema_check`):
 * draft-7's array form of ``items`` (with ``additionalItems``) becomes ``prefixItems`` (with ``items``);
 * ``allOf`` entries whose keywords do not overlap the schema's own merge into it (``properties``
   of distinct names and ``required`` lists combine);
-* integral decimals of count keywords (``"minItems": 1.0``) become integers;
+* integral decimals of count keywords (``"minItems": 1.0``) become integers, and a pattern's
+  optional groups are counted (:func:`optional_groups_counted`);
 * an object's ``minProperties`` above its named properties, with ``additionalProperties``
   unsaid, says it (``true``): the grammar's strict mode would otherwise allow none beyond them;
 * boolean subschemas: ``true`` becomes ``{}``; a ``false`` tuple position ends the tuple there
@@ -86,6 +87,8 @@ def _rewrite(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     node = merge_all_of(dict(node))
+    if isinstance(node.get("pattern"), str):
+        node["pattern"] = optional_groups_counted(node["pattern"])
     for key in COUNTS:
         if isinstance(node.get(key), float) and node[key].is_integer():
             node[key] = int(node[key])
@@ -129,6 +132,30 @@ def _rewrite(node: Any) -> Any:
         if isinstance(node.get(key), list) and False in node[key] and any(c is not False for c in node[key]):
             node[key] = [child for child in node[key] if child is not False]
     return _typed(node)
+
+
+def optional_groups_counted(pattern: str) -> str:
+    """``pattern`` with each optional group ``(...)?`` written ``(...){0,1}`` (the same language):
+    xgrammar 0.2.9's JSON-schema patterns make the prefix of an optional group optional too
+    (``^1(-a+)?$`` accepts ``"1a"``), and read the counted form right."""
+    out, index, in_class = [], 0, False
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            out.append(pattern[index:index + 2])
+            index += 2
+            continue
+        if in_class:
+            in_class = char != "]" or pattern[index - 1] == "["
+        elif char == "[":
+            in_class = True
+        elif char == ")" and pattern[index + 1:index + 2] == "?":
+            out.append("){0,1}")
+            index += 2
+            continue
+        out.append(char)
+        index += 1
+    return "".join(out)
 
 
 def merge_all_of(node: dict) -> dict:

@@ -57,3 +57,6 @@ def test_the_grammar_or_validation_decides_as_expected(service):
     assert outcome == "grammar" and "refuses token 0" in reason
     outcome, reason = pipeline_outcome(service, tokenizer, {"type": "strin"}, "1")
     assert outcome == "compile" and "invalid json grammar" in reason
+    pattern = {"type": "string", "pattern": "^1(-a+)?$"}
+    assert pipeline_outcome(service, tokenizer, pattern, '"1a"')[0] == "grammar", "xgrammar's optional-group bug"
+    assert pipeline_outcome(service, tokenizer, pattern, '"1-aa"') == ("stop", None)

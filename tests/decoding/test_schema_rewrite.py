@@ -81,3 +81,17 @@ def test_forms_the_grammar_enforces():
     assert grammar_schema(text) == text and grammar_schema(None) is None
     pointing = json.dumps({"$schema": DRAFT7, "items": [{"type": "integer"}, {"$ref": "#/items/0"}]})
     assert grammar_schema(pointing) == pointing, "a rewrite that breaks a local $ref is not taken"
+
+
+@pytest.mark.parametrize("pattern,counted", [
+    (r"^1(-a+)?$", r"^1(-a+){0,1}$"), (r"^x(ab)??y$", r"^x(ab){0,1}?y$"), (r"\)?a", r"\)?a"),
+    (r"[)]?(a)?", r"[)]?(a){0,1}"), (r"[]a)]?(b)?", r"[]a)]?(b){0,1}"), (r"((a)?b)?", r"((a){0,1}b){0,1}"),
+])
+def test_optional_groups_are_counted_in_the_same_language(pattern, counted):
+    import re
+
+    from deepinfer.decoding.schema_rewrite import optional_groups_counted
+
+    assert optional_groups_counted(pattern) == counted
+    for text in ["", "1", "1a", "1-a", "1-aa", "xy", "xaby", ")", ")a", "a", "b", "ab", "]", "]b", "aab"]:
+        assert bool(re.fullmatch(pattern, text)) == bool(re.fullmatch(counted, text)), text
