@@ -12,7 +12,7 @@ Rows (``kind``):
   weights, bf16, eager PyTorch with SDPA attention, its own KV cache), same prompts and steps.
 * ``ceiling``: device copy bandwidth (GB/s, a large device-to-device copy) and the dense bf16
   matmul rate (TFLOP/s, 8192-cubed).
-* ``floor``: per engine point, the bytes a decode step must read (non-expert weights, the
+* ``floor``: per engine point of the first backend, the bytes a decode step must read (non-expert weights, the
   experts a batch routes to in expectation with uniform routing, the LM head, and each
   sequence's attended KV) over the measured copy bandwidth.
 
@@ -364,7 +364,8 @@ def main(argv=None) -> int:
                         args.reference_batches if reference else args.batches, args.steps, dspark, args.overrides,
                         bandwidth, record, profile=() if reference else tuple(args.profile_batches),
                         memory_share=0.3 if reference else 0.45,
-                        trace_prefill=args.trace_prefill if backend == first and not dspark else 0)
+                        trace_prefill=args.trace_prefill if backend == first and not dspark else 0,
+                        floors=backend == first)
         if backend == first and args.compare_async:
             engine_rows(backend, args.model, args.prompts[:1], args.batches, args.steps, False, args.overrides,
                         bandwidth, record, profile=tuple(args.profile_batches), asynchronous=False, floors=False)
