@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
 import datetime
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from bench_ops import write_csv
 from deepinfer.config.compose import compose
 from deepinfer.decoding.conformance import OUTCOMES, canonical_text, pipeline_outcome
 from deepinfer.decoding.structured import GrammarService
@@ -157,11 +157,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     stamp = dict(date=datetime.date.today().isoformat(), commit=commit or "-", command=" ".join(["python", *sys.argv]))
     name = "structured_conformance" + (f"_{args.tag}" if args.tag else "")
-    RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*stamp, *rows[0]])
-        writer.writeheader()
-        writer.writerows({**stamp, **r} for r in rows)
+    write_csv(RESULTS / f"{name}.csv", [*stamp, *rows[0]], [{**stamp, **r} for r in rows])
     (RESULTS / f"{name}.txt").write_text("\n".join([f"# {stamp['command']} ({stamp['date']}, commit {stamp['commit']})",
                                                     *lines]) + "\n")
     print(f"wrote {RESULTS / name}.csv and .txt")
@@ -173,10 +169,7 @@ def main(argv=None) -> int:
                 + ", ".join(f"{k} {n}" for k, n in finishes.most_common())
                 + f"; outputs ending stop that jsonschema rejects: {len(broken)}")
         print(line)
-        with open(RESULTS / f"{name}_generation.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=[*stamp, *generated[0]])
-            writer.writeheader()
-            writer.writerows({**stamp, **r} for r in generated)
+        write_csv(RESULTS / f"{name}_generation.csv", [*stamp, *generated[0]], [{**stamp, **r} for r in generated])
         with open(RESULTS / f"{name}.txt", "a") as f:
             f.write(line + "\n")
     return 0

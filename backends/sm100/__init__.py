@@ -1,7 +1,7 @@
-"""The sm100 backend: TileLang kernels (and Triton for small fused ops) for NVIDIA Hopper (sm_90a,
-measured on H200) and Blackwell (sm_100a: the same portable kernels lower there, and tcgen05/TMEM
-variants of grouped_gemm and mla_sparse_decode behind ``DEEPINFER_SM100_TCGEN05=1``; no Blackwell
-hardware has run any of them).
+"""The sm100 backend: TileLang kernels (and Triton for small fused ops) for NVIDIA Hopper (sm_90a)
+and Blackwell (sm_100a: the same portable kernels lower there, and tcgen05/TMEM variants of
+grouped_gemm and mla_sparse_decode behind ``DEEPINFER_SM100_TCGEN05=1``; no Blackwell hardware
+has run any of them).
 
 Importing this package does not import tilelang (about 6 s) or triton; the first call of an op
 does, and compiles that op's kernel for the shape (kept for the process, and on disk by TileLang
@@ -56,7 +56,7 @@ class Sm100Backend(Backend):
         fp4=True,
         batch_invariant=True,
         notes=(
-            "runs on sm_90a (Hopper, measured on H200) and lowers for sm_100a with the same portable "
+            "runs on sm_90a (Hopper) and lowers for sm_100a with the same portable "
             "kernels, which are the default on every arch",
             "tcgen05 variants for grouped_gemm (bf16) and mla_sparse_decode: compiled for sm_100a, not run on "
             "hardware; enable with DEEPINFER_SM100_TCGEN05=1 on Blackwell (set on Hopper, those ops raise)",

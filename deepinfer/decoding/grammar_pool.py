@@ -27,7 +27,7 @@ IDLE_WORKER_S = 30.0
 
 
 class CompileTimeout(Exception):
-    """A compile ran past its deadline; its worker was killed."""
+    """A compile ran past its deadline (its worker is killed and replaced)."""
 
 
 class GrammarCompileError(Exception):
