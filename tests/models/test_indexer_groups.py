@@ -44,3 +44,18 @@ def test_runs_keep_to_the_budget_and_to_sequence_order(budget, runs, monkeypatch
     assert len(groups) == runs
     assert groups[0][0] == 0 and groups[-1][1] == 10 and groups[-1][3] == 15
     assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(groups, groups[1:]))
+
+
+def test_long_prompts_are_scored_in_runs_that_waste_little():
+    """Sixteen 512-token prompts: the runs' dense logits stay within the waste bound of what their
+    rows need, instead of one run scoring every query against every prompt's keys."""
+    layer = next(layer.attn for layer in tiny_model().layers if layer.attn.ratio == 2)
+    ctx = type("Ctx", (), {"query_lens_host": (512,) * 16, "context_lens_host": (512,) * 16, "num_tokens": 8192})
+    groups = layer._indexer_groups(ctx)
+    assert groups[0][0] == 0 and groups[-1][1] == 8192 and groups[-1][3] == 16 * 256
+    assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(groups, groups[1:]))
+    for t0, t1, k0, k1 in groups:
+        sequences = (t1 - t0) // 512
+        needed = sequences * 512 * 256
+        assert (t1 - t0) * (k1 - k0) <= max(attention.INDEXER_GROUP_WASTE * needed, attention.INDEXER_SMALL_GROUP)
+    assert sum((t1 - t0) * (k1 - k0) for t0, t1, k0, k1 in groups) < 8192 * 4096 / 4

@@ -13,6 +13,11 @@ from deepinfer.models.layers import Linear, RMSNorm
 
 INDEXER_GROUP_ELEMENTS = 1 << 26
 """Most ``rows x keys`` logits a prefill step's indexer scores at once (float32: 256 MiB)."""
+INDEXER_GROUP_WASTE = 2
+"""A run of sequences scores at most this many times the logits its rows need (each row needs its
+own sequence's keys only), once it is past :data:`INDEXER_SMALL_GROUP`."""
+INDEXER_SMALL_GROUP = 1 << 20
+"""Runs up to this many logits group sequences whatever the waste (one launch beats several)."""
 
 
 class Compressor(nn.Module):
@@ -142,17 +147,20 @@ class Attention(nn.Module):
     def _indexer_groups(self, ctx: ForwardContext) -> list[tuple[int, int, int, int]]:
         """Runs of consecutive sequences ``(first row, end row, first key, end key)`` whose dense
         ``rows x keys`` logits stay within :data:`INDEXER_GROUP_ELEMENTS` (a sequence alone may
-        exceed it): a step of many sequences never scores every query against every sequence's
-        keys. One run when the host does not know the query lengths."""
+        exceed it) and, past :data:`INDEXER_SMALL_GROUP`, within :data:`INDEXER_GROUP_WASTE` times
+        the logits their rows need: a step of many sequences never scores every query against
+        every sequence's keys. One run when the host does not know the query lengths."""
         if ctx.query_lens_host is None:
             return [(0, ctx.num_tokens, 0, sum(n // self.ratio for n in ctx.context_lens_host))]
-        groups, t0, k0, t1, k1 = [], 0, 0, 0, 0
+        groups, t0, k0, t1, k1, needed = [], 0, 0, 0, 0, 0
         for rows, context in zip(ctx.query_lens_host, ctx.context_lens_host):
             keys = context // self.ratio
-            if t1 > t0 and (t1 + rows - t0) * (k1 + keys - k0) > INDEXER_GROUP_ELEMENTS:
+            dense = (t1 + rows - t0) * (k1 + keys - k0)
+            wasteful = dense > INDEXER_SMALL_GROUP and dense > INDEXER_GROUP_WASTE * (needed + rows * keys)
+            if t1 > t0 and (dense > INDEXER_GROUP_ELEMENTS or wasteful):
                 groups.append((t0, t1, k0, k1))
-                t0, k0 = t1, k1
-            t1, k1 = t1 + rows, k1 + keys
+                t0, k0, needed = t1, k1, 0
+            t1, k1, needed = t1 + rows, k1 + keys, needed + rows * keys
         return groups + [(t0, t1, k0, k1)]
 
     def _attend_prefill(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
