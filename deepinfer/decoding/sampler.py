@@ -92,7 +92,9 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, l
     temperature, top_p = moved[4 * count:6 * count].view(torch.float64).float().view(2, count)
     index = moved[6 * count:6 * count + len(verify)]
     plain = moved[6 * count + len(verify):].view(2, len(plain_rows))
-    fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions)
+    vocab = logits.shape[-1]
+    filters = any(p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1) for p in params)
+    fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions, filters=filters)
     tokens = fresh
     accepted = torch.zeros(count, dtype=torch.bool, device=device)
     exact = torch.zeros(count, dtype=torch.float64, device=device)

@@ -247,3 +247,17 @@ def test_thresholds_and_ties_are_per_row_at_the_v41_vocab():
     for i in range(rows):
         alone, alone_logprobs = sample(**{k: v[i:i + 1] for k, v in args.items()})
         assert alone.item() == tokens[i].item() and torch.equal(alone_logprobs[0], logprobs[i]), f"row {i}"
+
+
+def test_skipping_the_filters_matches_the_oracle_when_no_sampled_row_uses_them():
+    """``filters=False``: greedy rows may carry any top-k/top-p (greedy ignores them), sampled rows
+    have both off; tokens and log-probabilities are the float64 oracle's."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    temperature = torch.tensor([0.0, 0.7, 0.0, 1.3, 1.0, 0.0])
+    top_p = torch.tensor([0.5, 1.0, 0.9, 1.0, 1.0, 1.0])
+    top_k = torch.tensor([3, 0, -1, 50, -1, 7])
+    seeds, positions = torch.arange(6) + 11, torch.arange(6) * 5
+    tokens, logprobs = sample(logits, temperature, top_p, top_k, seeds, positions, filters=False)
+    want_tokens, want_logprobs = sample_float64(logits.double(), temperature, top_p, top_k, seeds, positions)
+    assert tokens.tolist() == want_tokens.tolist()
+    torch.testing.assert_close(logprobs.double(), want_logprobs, atol=1e-5, rtol=1e-5)

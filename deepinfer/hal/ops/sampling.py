@@ -66,7 +66,7 @@ def namespaced_seeds(seeds: torch.Tensor, namespace: int) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, case: int = CASE_SAMPLE,
-           namespace: int = SEED_NAMESPACE_TARGET):
+           namespace: int = SEED_NAMESPACE_TARGET, filters: bool = True):
     """Draw one token per row; returns ``(token_ids int64 [N], logprobs float32 [N, V])``.
 
     ``logits``: float ``[N, V]``; per row ``temperature`` (>= 0), ``top_p`` in ``(0, 1]``,
@@ -80,12 +80,16 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     ``r = floor(u * sum(w))`` with ``u = counter_uniform(seed, 3 * position + case)``; the token
     is the first whose inclusive integer cumsum of ``w`` exceeds ``r``, so tokens of weight 0 are
     never drawn. (``sum(w) > 2**30``, so ``u < 1`` keeps ``r < sum(w)`` after float64 rounding.)
-    ``namespace`` is added to every seed first (:func:`namespaced_seeds`)."""
+    ``namespace`` is added to every seed first (:func:`namespaced_seeds`). ``filters=False``
+    is the caller's word that no sampled row (temperature > 0) has top-k or top-p on: the two
+    filters, which sort every row, are then skipped (same result)."""
     _check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
     seeds = namespaced_seeds(seeds, namespace)
     z = logits.float() / temperature.float().clamp_min(MIN_TEMPERATURE)[:, None]
-    keep = _top_k_mask(z, top_k)
-    keep &= _top_p_mask(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if filters:
+        keep = _top_k_mask(z, top_k)
+        keep &= _top_p_mask(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
     first_max = torch.zeros_like(keep).scatter_(1, z.argmax(dim=-1, keepdim=True), True)
     keep = torch.where((temperature == 0)[:, None], first_max, keep)
     logprobs = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
