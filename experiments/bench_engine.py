@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from bench_ops import ceilings, write_csv
+from op_profile import is_op_range, labelled_ops, op_table, op_times
 from deepinfer import LLM, SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -130,11 +131,13 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
 
 def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
     """The prefill of ``batch`` fresh ``prompt``-token requests under the profiler: GPU-busy
-    share, kernel count and the ``top`` kernels by total GPU time."""
+    share, kernel count, the GPU time of each HAL op (:mod:`op_profile`) and the ``top``
+    kernels by total GPU time."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with labelled_ops(llm.ops), torch.profiler.profile(activities=activities) as prof:
         started = time.perf_counter()
         while not all(r.finished for r in requests):
             llm.step()
@@ -143,14 +146,14 @@ def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
     busy = _gpu_busy(prof, steps=1)
     totals: dict[str, list] = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CUDA and not is_op_range(e):
             entry = totals.setdefault(e.name, [0.0, 0])
             entry[0] += e.time_range.end - e.time_range.start
             entry[1] += 1
     gpu_us = sum(t for t, _ in totals.values())
-    lines = [f"prefill trace, {batch} x {prompt} tokens: wall {1e3 * wall:.1f} ms (traced), kernels "
+    lines = [f"prefill trace, {batch} x {prompt} tokens: wall {1e3 * wall:.1f} ms (traced, ops labelled), kernels "
              f"{busy['gpu_kernels_per_step']:.0f}, GPU idle {busy['gpu_idle_pct']} %, "
-             f"kernel time {gpu_us / 1e3:.1f} ms"]
+             f"kernel time {gpu_us / 1e3:.1f} ms", "by op:", op_table(op_times(prof)), "by kernel:"]
     for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.2f} ms {100 * us / gpu_us:5.1f} % x{count:<5d} {name[:110]}")
     return "\n".join(lines)
@@ -163,7 +166,7 @@ def _gpu_busy(prof, steps: int = 8) -> dict:
     from the end of a step's copy to the host to the start of the next device work), and kernels
     per step."""
     spans = sorted((e.time_range.start, e.time_range.end, "DtoH" in e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not is_op_range(e))
     busy, between, end, after_copy = 0.0, 0.0, -math.inf, None
     for lo, hi, copy_down in spans:
         if after_copy is not None and lo >= after_copy:

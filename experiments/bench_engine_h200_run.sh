@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine-speed run on the device machine, from the repo root: TileLang from .carry/, the GPU
-# tests (the sm100 mhc_mixes kernel against the reference, then CUDA graphs, the sync-free launch
-# and asynchronous scheduling), one profiled decode step per batch size of `profile`
+# tests (the sm100 Triton kernels against the reference and batch-invariant, then CUDA graphs, the
+# sync-free launch and asynchronous scheduling), one profiled decode step per batch size of `profile`
 # (.carry/tools/gpu_step_profile.py, copied from ../shared/tools), then
 # experiments/bench_engine.py with the given arguments (stopped BENCH_UNTIL seconds after the
 # start, default 590; its CSV holds every row measured by then). Logs and results go to $OUT.
@@ -21,11 +21,13 @@ while [[ $# -gt 0 && $1 =~ ^(tests|profile|bench)$ ]]; do stages="$stages $1"; s
 stages=${stages:-tests profile bench}
 sm100="backend.fallback=reference model.dtype=bfloat16"
 if [[ $stages == *tests* ]]; then
-  timeout 100 python3 -m pytest -q -p no:cacheprovider -rA --tb=short tests/hal/test_parity.py \
-    tests/backends/test_sm100_fused.py -k "(sm100 and mhc_mixes) or interpreter" >"$out/mhc_gpu_pytest.log" 2>&1
+  triton_ops="mhc or apply_rope or ep_combine or kv_load"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rA --tb=short tests/hal/test_parity.py \
+    tests/backends/test_sm100_fused.py tests/backends/test_sm100_gpu_invariance.py \
+    -k "(sm100 and ($triton_ops)) or interpreter or (($triton_ops) and bits)" >"$out/triton_gpu_pytest.log" 2>&1
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rA --tb=short tests/engine/test_cuda_graphs.py \
     tests/engine/test_sync_free.py tests/engine/test_async_scheduling.py -k gpu >"$out/engine_gpu_pytest.log" 2>&1
-  grep -hE "^(E |FAILED|PASSED|[0-9]+ (passed|failed))|Error" "$out/mhc_gpu_pytest.log" "$out/engine_gpu_pytest.log" \
+  grep -hE "^(E |FAILED|PASSED|[0-9]+ (passed|failed))|Error" "$out/triton_gpu_pytest.log" "$out/engine_gpu_pytest.log" \
     | head -30
   echo "tests done at $(( $(date +%s) - start )) s"
 fi

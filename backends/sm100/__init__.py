@@ -14,8 +14,9 @@ import torch
 
 from deepinfer.hal.backend import Backend, Capabilities
 
-IMPLEMENTED = ("grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mhc_mixes",
-               "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
+IMPLEMENTED = ("apply_rope", "ep_combine", "grouped_gemm", "indexer_logits", "kv_load", "kv_norm_rope_store",
+               "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill",
+               "rms_norm")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
     "kv_store": "the model stores its SWA, compressed and indexer keys through kv_norm_rope_store (fused kernel "
@@ -30,6 +31,14 @@ INVARIANT = {
     "rms_norm": "one CTA per row, a reduction tree fixed by the row width",
     "indexer_logits": "one CTA per (token, 128-key tile): a wgmma over the head dim, the head sum in a fixed order",
     "kv_norm_rope_store": "one CTA per token: a reduction tree and a quantization fixed by the row width",
+    "mhc_mixes": "dot products and squares in fixed 32-token tiles and 512-wide slices of the width, the slices "
+                 "added in order; gates and Sinkhorn per token",
+    "mhc_head": "the mhc_mixes partials, then per-token gates",
+    "apply_rope": "per element: products and sums with the token's table row",
+    "ep_combine": "per token: the routed slots are summed in slot order",
+    "kv_load": "per token: exact decode",
+    "mhc_pre": "one program per (token, column block), the streams added in order",
+    "mhc_post": "one program per (token, column block), the streams added in order",
 }
 """Ops in the batch-invariant table (``engine.batch_invariant=true``), with the reason each row's
 arithmetic does not depend on the batch. Ops not listed go to the fallback (or are refused)."""
@@ -65,8 +74,8 @@ class Sm100Backend(Backend):
             "before it on Hopper; no FP8 tensor-core GEMM yet",
             "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
             "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128, at most 8192",
-            "mhc_mixes: the mixes GEMM in PyTorch, the gates and every Sinkhorn iteration in one Triton kernel; "
-            "in the batch-invariant mode it goes to the fallback (the GEMM's algorithm follows the row count)",
+            "mHC (mixes, head, pre, post): Triton kernels, float32 math; the mixes' dot products in fixed slices "
+            "of the width, then the gates and every Sinkhorn iteration in one kernel",
             "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "
             "measured bitwise end to end on an H200 with the reference fallback for the other ops",
         ),

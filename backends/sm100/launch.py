@@ -58,3 +58,17 @@ def cuda_bf16(op: str, name: str, t: torch.Tensor) -> None:
              f"{name} must be a bfloat16 CUDA tensor, got "
              f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__} on "
              f"{t.device if isinstance(t, torch.Tensor) else '-'}")
+
+
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Under Triton's interpreter the Triton kernels run on CPU tensors (how the CPU tests run them)."""
+
+
+def on_device(t) -> bool:
+    """``t`` is a tensor the Triton kernels can read: on CUDA, or anywhere under the interpreter."""
+    return isinstance(t, torch.Tensor) and (t.is_cuda or TRITON_INTERPRETED)
+
+
+def next_power_of_two(n: int) -> int:
+    """The least power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()

@@ -1,12 +1,14 @@
-"""sm100 ``mhc_mixes``: the normalised mixes as one float32 GEMM, then the gates and the
-whole Sinkhorn normalisation of each token's stream-mixing matrix in one Triton kernel
-(:mod:`.fused.mhc_mixes`) instead of a few kernels per iteration."""
+"""sm100 mHC ops in Triton (:mod:`.fused.mhc_mixes`, :mod:`.fused.mhc_streams`).
+
+``mhc_mixes`` and ``mhc_head``: the flattened residual's dot products with ``fn`` and its sum of
+squares in fixed slices of the width, then one kernel that adds the slices up, normalises and
+computes the gates (and the whole Sinkhorn normalisation). ``mhc_pre`` and ``mhc_post``: one pass
+over the streams each. Every token's arithmetic is fixed by the widths alone (batch-invariant)."""
 from __future__ import annotations
 
 import torch
 
-from deepinfer.hal.ops.mhc import normalized_mixes
-from deepinfer_backends.sm100.launch import require
+from deepinfer_backends.sm100.launch import next_power_of_two, on_device, require
 
 MAX_STREAMS = 16
 
@@ -14,27 +16,98 @@ MAX_STREAMS = 16
 def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
     """HAL ``mhc_mixes`` for a CUDA ``residual [T, hc, H]`` (bf16 or float32), ``hc`` a power of
     two up to :data:`MAX_STREAMS`; float32 ``(pre [T, hc], post [T, hc], comb [T, hc, hc])``."""
-    op = "mhc_mixes"
-    require(isinstance(residual, torch.Tensor) and residual.is_cuda and residual.dim() == 3, op,
-            "residual must be a [T, hc, H] CUDA tensor")
-    tokens, hc, hidden = residual.shape
-    require(0 < hc <= MAX_STREAMS and hc & (hc - 1) == 0, op,
-            f"the stream count hc={hc} must be a power of two up to {MAX_STREAMS}")
-    rows = hc * (2 + hc)
-    for name, tensor, shape in (("fn", fn, (rows, hc * hidden)), ("scale", scale, (3,)), ("base", base, (rows,))):
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(tensor.shape)}")
+    tokens, hc, hidden = _streams("mhc_mixes", residual)
+    _shapes("mhc_mixes", (("fn", fn, (hc * (2 + hc), hc * hidden)), ("scale", scale, (3,)),
+                          ("base", base, (hc * (2 + hc),))))
     if sinkhorn_iters < 0:
-        raise ValueError(f"{op}: sinkhorn_iters must be >= 0, got {sinkhorn_iters}")
+        raise ValueError(f"mhc_mixes: sinkhorn_iters must be >= 0, got {sinkhorn_iters}")
     from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_TOKENS, mhc_mixes_kernel
 
-    mixes = normalized_mixes(residual, fn, norm_eps)
     pre = torch.empty(tokens, hc, dtype=torch.float32, device=residual.device)
     post = torch.empty_like(pre)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=residual.device)
     if tokens:
-        grid = (-(-tokens // BLOCK_TOKENS),)
-        mhc_mixes_kernel[grid](mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, tokens,
-                               mixes.stride(0), float(hc_eps), HC=hc, ITERS=int(sinkhorn_iters), BLOCK=BLOCK_TOKENS,
-                               num_warps=4)
+        dots, squares, splits, rows = _partials(residual, fn)
+        mhc_mixes_kernel[(-(-tokens // BLOCK_TOKENS),)](
+            dots, squares, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, tokens, splits,
+            hc * hidden, float(norm_eps), float(hc_eps), HC=hc, ROWS=rows, ITERS=int(sinkhorn_iters),
+            BLOCK=BLOCK_TOKENS, num_warps=4)
     return pre, post, comb
+
+
+def mhc_head(residual, fn, scale, base, norm_eps, hc_eps):
+    """HAL ``mhc_head`` for a CUDA ``residual [T, hc, H]``; float32 ``[T, hc]``."""
+    tokens, hc, hidden = _streams("mhc_head", residual)
+    _shapes("mhc_head", (("fn", fn, (hc, hc * hidden)), ("scale", scale, (1,)), ("base", base, (hc,))))
+    from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_TOKENS, mhc_head_kernel
+
+    weights = torch.empty(tokens, hc, dtype=torch.float32, device=residual.device)
+    if tokens:
+        dots, squares, splits, rows = _partials(residual, fn)
+        mhc_head_kernel[(-(-tokens // BLOCK_TOKENS),)](
+            dots, squares, scale.float().contiguous(), base.float().contiguous(), weights, tokens, splits,
+            hc * hidden, float(norm_eps), float(hc_eps), HC=hc, ROWS=rows, BLOCK=BLOCK_TOKENS, num_warps=4)
+    return weights
+
+
+def mhc_pre(residual, pre):
+    """HAL ``mhc_pre``: ``[T, H]`` in ``residual.dtype``."""
+    tokens, hc, hidden = _streams("mhc_pre", residual)
+    _shapes("mhc_pre", (("pre", pre, (tokens, hc)),))
+    from deepinfer_backends.sm100.fused.mhc_streams import BLOCK_HIDDEN, mhc_pre_kernel
+
+    out = torch.empty(tokens, hidden, dtype=residual.dtype, device=residual.device)
+    if tokens:
+        mhc_pre_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
+            residual.contiguous(), pre.float().contiguous(), out, hidden, HC=hc, BLOCK=BLOCK_HIDDEN, num_warps=4)
+    return out
+
+
+def mhc_post(y, residual, post, comb):
+    """HAL ``mhc_post``: the new residual ``[T, hc, H]`` in ``residual.dtype``."""
+    tokens, hc, hidden = _streams("mhc_post", residual)
+    _shapes("mhc_post", (("y", y, (tokens, hidden)), ("post", post, (tokens, hc)), ("comb", comb, (tokens, hc, hc))))
+    from deepinfer_backends.sm100.fused.mhc_streams import BLOCK_HIDDEN, mhc_post_kernel
+
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    if tokens:
+        mhc_post_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
+            y.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, hidden,
+            HC=hc, BLOCK=BLOCK_HIDDEN, num_warps=4)
+    return out
+
+
+def _partials(residual, fn):
+    """The float32 partial dot products ``[splits, T, rows]`` (rows of ``fn`` padded to a power
+    of two, at least 16) and sums of squares ``[splits, T]`` of the flattened residual."""
+    from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_K, BLOCK_TOKENS, SPLIT, mhc_mix_partials
+
+    flat = residual.reshape(residual.shape[0], -1)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    tokens, width = flat.shape
+    rows = max(16, next_power_of_two(fn.shape[0]))
+    splits = -(-width // SPLIT)
+    dots = torch.empty(splits, tokens, rows, dtype=torch.float32, device=residual.device)
+    squares = torch.empty(splits, tokens, dtype=torch.float32, device=residual.device)
+    mhc_mix_partials[(-(-tokens // BLOCK_TOKENS), splits)](
+        flat, fn.float().contiguous(), dots, squares, tokens, width, fn.shape[0], flat.stride(0), ROWS=rows,
+        BLOCK=BLOCK_TOKENS, SPLIT=SPLIT, BLOCK_K=BLOCK_K, num_warps=4)
+    return dots, squares, splits, rows
+
+
+def _streams(op: str, residual) -> tuple[int, int, int]:
+    require(on_device(residual) and residual.dim() == 3, op,
+            "residual must be a [T, hc, H] CUDA tensor")
+    require(residual.dtype in (torch.bfloat16, torch.float32), op,
+            f"residual must be bf16 or float32, got {residual.dtype}")
+    tokens, hc, hidden = residual.shape
+    require(0 < hc <= MAX_STREAMS and hc & (hc - 1) == 0, op,
+            f"the stream count hc={hc} must be a power of two up to {MAX_STREAMS}")
+    return tokens, hc, hidden
+
+
+def _shapes(op: str, named) -> None:
+    for name, tensor, shape in named:
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(tensor.shape)}")

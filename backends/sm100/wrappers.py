@@ -1,15 +1,20 @@
 """The sm100 op table: each HAL op's wrapper (layout checks, kernel inputs, tile choice) around
 its kernel, from the family modules :mod:`.gemm`, :mod:`.attention`, :mod:`.norm` (TileLang)
-and :mod:`.mhc` (Triton); shared compile cache and refusals in :mod:`.launch`."""
+and :mod:`.mhc`, :mod:`.rope`, :mod:`.expert_combine`, :mod:`.kv_load` (Triton); shared compile cache and
+refusals in :mod:`.launch`."""
 from deepinfer.hal.backend import UnsupportedInput
 from deepinfer_backends.sm100.attention import (
     HEAD_BLOCK, align_lists, indexer_logits, mla_sparse_decode, mla_sparse_prefill, split_count,
 )
+from deepinfer_backends.sm100.expert_combine import ep_combine
 from deepinfer_backends.sm100.gemm import INVARIANT_TILES, gemm_tiles, grouped_gemm, linear
+from deepinfer_backends.sm100.kv_load import kv_load
 from deepinfer_backends.sm100.launch import compiled
-from deepinfer_backends.sm100.mhc import mhc_mixes
+from deepinfer_backends.sm100.mhc import mhc_head, mhc_mixes, mhc_post, mhc_pre
 from deepinfer_backends.sm100.norm import KV_STORE_FORMATS, kv_norm_rope_store, rms_norm
+from deepinfer_backends.sm100.rope import apply_rope
 
-__all__ = ["HEAD_BLOCK", "INVARIANT_TILES", "KV_STORE_FORMATS", "UnsupportedInput", "align_lists", "compiled",
-           "gemm_tiles", "grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mhc_mixes",
-           "mla_sparse_decode", "mla_sparse_prefill", "rms_norm", "split_count"]
+__all__ = ["HEAD_BLOCK", "INVARIANT_TILES", "KV_STORE_FORMATS", "UnsupportedInput", "align_lists", "apply_rope",
+           "compiled", "ep_combine", "gemm_tiles", "grouped_gemm", "indexer_logits", "kv_load", "kv_norm_rope_store",
+           "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill",
+           "rms_norm", "split_count"]

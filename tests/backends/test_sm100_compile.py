@@ -27,7 +27,8 @@ def test_importing_the_backend_imports_neither_tilelang_nor_triton():
 def test_every_op_is_implemented_or_declined_with_a_reason():
     backend = get_backend("sm100")
     implemented, declined = set(backend.implementations()), backend.unsupported_reasons()
-    assert implemented == {"grouped_gemm", "indexer_logits", "kv_norm_rope_store", "linear", "mhc_mixes",
+    assert implemented == {"apply_rope", "ep_combine", "grouped_gemm", "indexer_logits", "kv_load",
+                           "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_pre",
                            "mla_sparse_decode", "mla_sparse_prefill", "rms_norm"}
     assert implemented.isdisjoint(declined)
     assert implemented | set(declined) == set(SPECS)

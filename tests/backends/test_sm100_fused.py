@@ -8,35 +8,33 @@ import sys
 
 import pytest
 
+OPS = ("mhc_mixes", "mhc_head", "mhc_pre", "mhc_post", "apply_rope", "ep_combine", "kv_load")
+
 CHECK = """
+import sys
 import torch
 import deepinfer.hal.ops  # noqa: F401
-from deepinfer.hal.ops.mhc import mhc_mixes, normalized_mixes
 from deepinfer.hal.spec import SPECS, compare
-from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_TOKENS, mhc_mixes_kernel
+from deepinfer_backends.sm100 import wrappers
 
-spec = SPECS["mhc_mixes"]
-for case in spec.cases:
-    inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
-    residual = inputs["residual"]
-    tokens, hc, _ = residual.shape
-    mixes = normalized_mixes(residual, inputs["fn"], inputs["norm_eps"])
-    pre, post, comb = torch.empty(tokens, hc), torch.empty(tokens, hc), torch.empty(tokens, hc, hc)
-    mhc_mixes_kernel[(-(-tokens // BLOCK_TOKENS),)](
-        mixes, inputs["scale"].float(), inputs["base"].float(), pre, post, comb, tokens, mixes.stride(0),
-        float(inputs["hc_eps"]), HC=hc, ITERS=int(inputs["sinkhorn_iters"]), BLOCK=BLOCK_TOKENS)
-    failures = compare((pre, post, comb), mhc_mixes(**inputs), spec.tolerance(torch.float32), case.name)
-    assert not failures, failures
-    print(case.name, "ok")
+for op in sys.argv[1:]:
+    spec = SPECS[op]
+    for case in spec.cases:
+        inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
+        got = getattr(wrappers, op)(**inputs)
+        failures = compare(got, spec.reference(**inputs), spec.tolerance(case.dtype or torch.float32), case.name)
+        assert not failures, failures
+        print(op, case.name, "ok")
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_mhc_mixes_kernel_matches_the_reference_in_the_interpreter():
+def test_triton_kernels_match_the_reference_in_the_interpreter():
     from deepinfer.hal.spec import SPECS
     import deepinfer.hal.ops  # noqa: F401
 
-    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", CHECK, *OPS], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == [w for case in SPECS["mhc_mixes"].cases for w in (case.name, "ok")]
+    expected = [f"{op} {case.name} ok" for op in OPS for case in SPECS[op].cases]
+    assert done.stdout.splitlines() == expected

@@ -1,35 +1,85 @@
-"""The mHC mixing weights of a block of tokens in one Triton kernel: the scaled and biased
-pre and post gates, and the stream-mixing matrix through its softmax and every Sinkhorn
-iteration, in registers (the reference's arithmetic, float32, in the same order)."""
+"""The mHC mixes in two Triton kernels, float32 throughout (the dot products on tensor cores as
+three TF32 products, ``tf32x3``, which keeps about float32's precision).
+
+:func:`mhc_mix_partials`: each program takes ``BLOCK_TOKENS`` tokens and one ``SPLIT``-wide
+slice of the flattened residual, and writes that slice's dot products with every row of ``fn``
+and its sum of squares. :func:`mhc_mixes_kernel` (or :func:`mhc_head_kernel`) adds the slices up
+in order, normalises by the RMS, and computes the gates and the stream-mixing matrix through its
+softmax and every Sinkhorn iteration, in registers. Tiles and slices are fixed by the widths
+alone, so each token's arithmetic does not depend on the batch."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-BLOCK_TOKENS = 64
+BLOCK_TOKENS = 32
+SPLIT = 512
+BLOCK_K = 64
 
 
 @triton.jit
-def mhc_mixes_kernel(mixes, scale, base, pre, post, comb, tokens, stride, hc_eps,
-                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
-    """Tokens ``[BLOCK * pid, BLOCK * (pid + 1))``: ``mixes`` float32 ``[tokens, HC * (2 + HC)]``
-    (row stride ``stride``) to ``pre``, ``post`` ``[tokens, HC]`` and ``comb`` ``[tokens, HC, HC]``,
-    with ``ITERS`` Sinkhorn iterations."""
+def mhc_mix_partials(x, fn, dots, squares, tokens, width, rows, x_stride,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tokens ``[BLOCK * pid0, BLOCK * (pid0 + 1))`` of ``x [tokens, width]`` (row stride
+    ``x_stride``, bf16 or float32), columns ``[SPLIT * pid1, SPLIT * (pid1 + 1))``:
+    ``dots[pid1, token, r] = x[token, cols] . fn[r, cols]`` for the ``rows`` rows of ``fn``
+    (float32 ``[rows, width]``, padded to ``ROWS``) and ``squares[pid1, token]``."""
+    split = tl.program_id(1)
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = token < tokens
+    row = tl.arange(0, ROWS)
+    dot = tl.zeros((BLOCK, ROWS), tl.float32)
+    square = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, SPLIT, BLOCK_K):
+        col = split * SPLIT + start + tl.arange(0, BLOCK_K)
+        inside = col < width
+        a = tl.load(x + token[:, None].to(tl.int64) * x_stride + col[None, :], mask=live[:, None] & inside[None, :],
+                    other=0.0).to(tl.float32)
+        b = tl.load(fn + row[None, :] * width + col[:, None], mask=(row[None, :] < rows) & inside[:, None], other=0.0)
+        dot = tl.dot(a, b, dot, input_precision="tf32x3")
+        square += tl.sum(a * a, axis=1)
+    slot = split * tokens + token
+    tl.store(dots + slot[:, None].to(tl.int64) * ROWS + row[None, :], dot, mask=live[:, None])
+    tl.store(squares + slot, square, mask=live)
+
+
+@triton.jit
+def _summed(parts, offsets, mask, splits, split_stride):
+    """``sum_s parts[s * split_stride + offsets]``, the slices added in order."""
+    total = tl.load(parts + offsets, mask=mask, other=0.0)
+    for s in range(1, splits):
+        total += tl.load(parts + s * split_stride + offsets, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def _inverse_rms(squares, token, live, tokens, splits, width, norm_eps):
+    return tl.rsqrt(_summed(squares, token, live, splits, tokens) / width + norm_eps)
+
+
+@triton.jit
+def mhc_mixes_kernel(dots, squares, scale, base, pre, post, comb, tokens, splits, width, norm_eps, hc_eps,
+                     HC: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    """Tokens ``[BLOCK * pid, BLOCK * (pid + 1))``: the partials of :func:`mhc_mix_partials` to
+    ``pre``, ``post`` ``[tokens, HC]`` and ``comb`` ``[tokens, HC, HC]``, with ``ITERS`` Sinkhorn
+    iterations (the reference's arithmetic and order)."""
+    token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = token < tokens
+    stride = tokens * ROWS
+    inv = _inverse_rms(squares, token, live, tokens, splits, width, norm_eps)
     stream = tl.arange(0, HC)
-    row = mixes + token[:, None] * stride + stream[None, :]
+    row = token[:, None] * ROWS + stream[None, :]
     gate = token[:, None] * HC + stream[None, :]
-    m_pre = tl.load(row, mask=live[:, None], other=0.0)
-    m_post = tl.load(row + HC, mask=live[:, None], other=0.0)
+    m_pre = _summed(dots, row, live[:, None], splits, stride) * inv[:, None]
+    m_post = _summed(dots, row + HC, live[:, None], splits, stride) * inv[:, None]
     p = tl.sigmoid(tl.load(scale) * m_pre + tl.load(base + stream)[None, :]) + hc_eps
     q = 2.0 * tl.sigmoid(tl.load(scale + 1) * m_post + tl.load(base + HC + stream)[None, :])
     tl.store(pre + gate, p, mask=live[:, None])
     tl.store(post + gate, q, mask=live[:, None])
 
     cell = stream[:, None] * HC + stream[None, :]
-    logits = tl.load(mixes + token[:, None, None] * stride + 2 * HC + cell[None, :, :], mask=live[:, None, None],
-                     other=0.0)
+    logits = _summed(dots, token[:, None, None] * ROWS + 2 * HC + cell[None, :, :], live[:, None, None], splits,
+                     stride) * inv[:, None, None]
     logits = tl.load(scale + 2) * logits + tl.load(base + 2 * HC + cell)[None, :, :]
     shifted = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
     matrix = shifted / tl.sum(shifted, axis=2)[:, :, None] + hc_eps
@@ -37,3 +87,17 @@ def mhc_mixes_kernel(mixes, scale, base, pre, post, comb, tokens, stride, hc_eps
         matrix = matrix / (tl.sum(matrix, axis=1)[:, None, :] + hc_eps)
         matrix = matrix / (tl.sum(matrix, axis=2)[:, :, None] + hc_eps)
     tl.store(comb + token[:, None, None] * (HC * HC) + cell[None, :, :], matrix, mask=live[:, None, None])
+
+
+@triton.jit
+def mhc_head_kernel(dots, squares, scale, base, weights, tokens, splits, width, norm_eps, hc_eps,
+                    HC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Tokens ``[BLOCK * pid, BLOCK * (pid + 1))``: the head's stream weights
+    ``sigmoid(scale[0] * m + base) + hc_eps`` ``[tokens, HC]`` from the partials."""
+    token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = token < tokens
+    inv = _inverse_rms(squares, token, live, tokens, splits, width, norm_eps)
+    stream = tl.arange(0, HC)
+    m = _summed(dots, token[:, None] * ROWS + stream[None, :], live[:, None], splits, tokens * ROWS) * inv[:, None]
+    w = tl.sigmoid(tl.load(scale) * m + tl.load(base + stream)[None, :]) + hc_eps
+    tl.store(weights + token[:, None] * HC + stream[None, :], w, mask=live[:, None])

@@ -21,7 +21,7 @@ def kv_store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, fmt: str
     ``slots`` is ``int64 [n]``, ``-1`` skips the row. Valid slots must be distinct."""
     spec = token_format(fmt)
     rows = cache_rows(cache, spec)
-    _check_slots(slots, rows.shape[0])
+    check_slots(slots, rows.shape[0])
     if x.dim() != 2 or x.shape != (slots.shape[0], spec.dim) or not x.is_floating_point():
         raise ValueError(f"x must be a float tensor [n={slots.shape[0]}, dim={spec.dim}] for format "
                          f"{fmt!r}, got {x.dtype} {tuple(x.shape)}")
@@ -51,7 +51,7 @@ def kv_load(cache: torch.Tensor, slots: torch.Tensor, fmt: str) -> torch.Tensor:
     Slot ``-1`` gives a row of zeros."""
     spec = token_format(fmt)
     rows = cache_rows(cache, spec)
-    _check_slots(slots, rows.shape[0])
+    check_slots(slots, rows.shape[0])
     keep = slots >= 0
     decoded = decode_tokens(rows[slots.clamp(min=0)], fmt)
     return torch.where(keep.unsqueeze(-1), decoded, torch.zeros((), device=decoded.device))
@@ -68,7 +68,8 @@ def cache_rows(cache: torch.Tensor, spec: TokenFormat) -> torch.Tensor:
     return cache.view(-1, spec.bytes_per_token)
 
 
-def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
+def check_slots(slots: torch.Tensor, num_slots: int) -> None:
+    """``slots`` is int64 ``[n]`` (each in ``[-1, num_slots)`` under value checks)."""
     if slots.dim() != 1 or slots.dtype != torch.int64:
         raise ValueError(f"slots must be int64 [n], got {slots.dtype} {tuple(slots.shape)}")
     if value_checks() and slots.numel() and (slots.min() < -1 or slots.max() >= num_slots):
@@ -125,11 +126,11 @@ def _load_case(fmt: str, n: int, blocks: int, block_size: int, skipped: int):
     return make
 
 
-def _cases(make_case) -> tuple[OpCase, ...]:
+def _cases(make_case, dtype=torch.float32) -> tuple[OpCase, ...]:
     cases = []
     for fmt in TOKEN_FORMATS:
-        cases.append(OpCase(f"tiny_{fmt}", make_case(fmt, 5, 3, 4, 1)))
-        cases.append(OpCase(f"real_{fmt}", make_case(fmt, 256, 4, 128, 7), size="real"))
+        cases.append(OpCase(f"tiny_{fmt}", make_case(fmt, 5, 3, 4, 1), dtype=dtype))
+        cases.append(OpCase(f"real_{fmt}", make_case(fmt, 256, 4, 128, 7), size="real", dtype=dtype))
     return tuple(cases)
 
 
@@ -144,7 +145,7 @@ register(OpSpec(
     name="kv_load",
     summary="decode the cache rows at flat slots into float32 (slot -1 gives zeros)",
     reference=kv_load,
-    cases=_cases(_load_case),
+    cases=_cases(_load_case, dtype=torch.bfloat16),  # float32 out whatever the model's activations
 ))
 
 

@@ -115,10 +115,10 @@ def _mixes_case(tokens: int, hc: int, hidden: int, iters: int, dtype=torch.float
     return make
 
 
-def _head_case(tokens: int, hc: int, hidden: int, hc_eps: float = 1e-6):
+def _head_case(tokens: int, hc: int, hidden: int, hc_eps: float = 1e-6, dtype=torch.float32):
     def make(gen: torch.Generator, device: torch.device):
         fn, base = _weights(gen, hc, hc, hidden, device)
-        return {"residual": _residual(gen, tokens, hc, hidden, torch.float32, device), "fn": fn,
+        return {"residual": _residual(gen, tokens, hc, hidden, dtype, device), "fn": fn,
                 "scale": torch.tensor([0.8], device=device), "base": base, "norm_eps": 1e-6, "hc_eps": hc_eps}
     return make
 
@@ -161,6 +161,7 @@ register(OpSpec(
         OpCase("tiny_hc4", _pre_case(5, 4, 16)),
         OpCase("tiny_hc2", _pre_case(3, 2, 8)),
         OpCase("tiny_bf16", _pre_case(4, 4, 16, torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("wide_bf16", _pre_case(3, 4, 1100, torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_hidden", _pre_case(8, 4, 4096), size="real"),
     ),
 ))
@@ -173,6 +174,7 @@ register(OpSpec(
         OpCase("tiny_hc4", _post_case(5, 4, 16)),
         OpCase("tiny_hc2", _post_case(3, 2, 8)),
         OpCase("tiny_bf16", _post_case(4, 4, 16, torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("wide_bf16", _post_case(3, 4, 1100, torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_hidden", _post_case(8, 4, 4096), size="real"),
     ),
 ))
@@ -184,6 +186,7 @@ register(OpSpec(
     cases=(
         OpCase("tiny_hc4", _head_case(5, 4, 16)),
         OpCase("tiny_hc2_large_eps", _head_case(3, 2, 8, hc_eps=0.01)),
+        OpCase("tiny_bf16_residual", _head_case(5, 4, 16, dtype=torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_hidden", _head_case(8, 4, 4096), size="real"),
     ),
 ))

@@ -76,7 +76,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     rotated slice, ``(x[2i], x[2i+1])`` turns by ``positions[t] * inv_freq[i]`` (by its negative
     when ``conjugate``, which undoes the rotation). Dims before the slice are returned untouched;
     middle axes (heads) share the token's angle. Computed in float32, returned in ``x.dtype``."""
-    _check_rope_args(x, positions, cos_sin)
+    check_rope_args(x, positions, cos_sin)
     rope_dim = cos_sin.shape[1]
     table = cos_sin[positions].float().reshape(x.shape[0], *([1] * (x.dim() - 2)), rope_dim)
     cos, sin = table[..., : rope_dim // 2], table[..., rope_dim // 2:]
@@ -88,7 +88,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     return torch.cat([x[..., : x.shape[-1] - rope_dim], rotated.to(x.dtype)], dim=-1)
 
 
-def _check_rope_args(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def check_rope_args(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """The checks of :func:`apply_rope`'s arguments (the positions' range under value checks)."""
     if cos_sin.dim() != 2 or cos_sin.shape[1] % 2 or not cos_sin.is_floating_point():
         raise ValueError(f"cos_sin must be a float [P, rope_dim] table with even rope_dim, "
                          f"got {cos_sin.dtype} of shape {tuple(cos_sin.shape)}")

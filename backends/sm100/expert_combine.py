@@ -1,0 +1,35 @@
+"""sm100 ``ep_combine`` on one rank: each token's routed slots summed in one Triton kernel
+(:mod:`.fused.ep_combine`); an exchange across ranks is left to the fallback."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.backend import UnsupportedInput
+from deepinfer_backends.sm100.launch import on_device, require
+
+
+def ep_combine(y, handle):
+    """HAL ``ep_combine`` for a CUDA ``y [M, H]`` of a one-rank dispatch; ``[T, H]`` in ``y.dtype``."""
+    op = "ep_combine"
+    require(on_device(y), op, "y must be a CUDA tensor")
+    if y.ndim != 2 or y.shape[0] != handle.expert_order.numel():
+        raise ValueError(f"y must be [M, H] with M={handle.expert_order.numel()} rows (the expanded rows "
+                         f"of the dispatch that made this handle), got {tuple(y.shape)}")
+    if handle.send_counts is not None or handle.pair_index.numel() != handle.num_tokens * handle.top_k:
+        raise UnsupportedInput(f"{op}: only a one-rank dispatch (every slot a row) has an sm100 kernel; the "
+                               f"exchange between ranks has none yet; set backend.fallback=reference to run it")
+    from deepinfer_backends.sm100.fused.ep_combine import BLOCK_HIDDEN, ep_combine_kernel
+
+    tokens, hidden = handle.num_tokens, y.shape[1]
+    out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
+    if not tokens or not hidden:
+        return out.zero_()
+    pairs = handle.pair_index
+    row_of_pair = torch.empty(tokens * handle.top_k, dtype=torch.int64, device=y.device)
+    row_of_pair[pairs] = handle.expert_order  # every pair of a one-rank dispatch has a row
+    routed = handle.routed
+    ep_combine_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
+        y.contiguous(), row_of_pair, handle.pair_weights.float().contiguous(),
+        routed.to(torch.int8) if routed is not None else row_of_pair, out, hidden, TOP_K=handle.top_k,
+        HAS_ROUTED=routed is not None, BLOCK=BLOCK_HIDDEN, num_warps=4)
+    return out

@@ -1,0 +1,27 @@
+"""Expert outputs summed back into their tokens in one Triton kernel (one rank): each token adds
+its routed slots' weighted rows in slot order, float32, from zero."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLOCK_HIDDEN = 1024
+
+
+@triton.jit
+def ep_combine_kernel(y, row_of_pair, weights, routed, out, hidden, TOP_K: tl.constexpr, HAS_ROUTED: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """``out[t, h] = sum_j weights[r] * y[r, h]`` over slots ``j`` of token ``t = pid0``, ``r =
+    row_of_pair[t * TOP_K + j]`` (pairs with ``routed[r]`` false skipped when ``HAS_ROUTED``)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = h < hidden
+    total = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        r = tl.load(row_of_pair + t * TOP_K + j)
+        take = inside
+        if HAS_ROUTED:
+            take = h < tl.where(tl.load(routed + r) != 0, hidden, 0)
+        total += tl.where(take, tl.load(weights + r) * tl.load(y + r * hidden + h, mask=take, other=0.0).to(tl.float32),
+                          0.0)
+    tl.store(out + t * hidden + h, total.to(out.dtype.element_ty), mask=inside)

@@ -1,0 +1,39 @@
+"""The mHC stream reads and writes of a sublayer in one Triton kernel each, float32 math in
+the reference's order, one program per (token, ``BLOCK_HIDDEN`` columns)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLOCK_HIDDEN = 1024
+
+
+@triton.jit
+def mhc_pre_kernel(residual, pre, out, hidden, HC: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[t, h] = sum_m pre[t, m] * residual[t, m, h]`` (``residual`` contiguous ``[T, HC,
+    hidden]``, ``pre`` float32 ``[T, HC]``), stored in ``out``'s dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = h < hidden
+    total = tl.zeros((BLOCK,), tl.float32)
+    for m in tl.static_range(HC):
+        stream = tl.load(residual + (t * HC + m) * hidden + h, mask=inside, other=0.0).to(tl.float32)
+        total += tl.load(pre + t * HC + m) * stream
+    tl.store(out + t * hidden + h, total.to(out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def mhc_post_kernel(y, residual, post, comb, out, hidden, HC: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[t, n, h] = post[t, n] * y[t, h] + sum_m comb[t, m, n] * residual[t, m, h]`` (all
+    contiguous; ``post``, ``comb`` float32), stored in ``out``'s dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = h < hidden
+    n = tl.arange(0, HC)
+    written = tl.load(y + t * hidden + h, mask=inside, other=0.0).to(tl.float32)
+    carried = tl.zeros((HC, BLOCK), tl.float32)
+    for m in tl.static_range(HC):
+        stream = tl.load(residual + (t * HC + m) * hidden + h, mask=inside, other=0.0).to(tl.float32)
+        carried += tl.load(comb + (t * HC + m) * HC + n)[:, None] * stream[None, :]
+    total = tl.load(post + t * HC + n)[:, None] * written[None, :] + carried
+    tl.store(out + (t * HC + n[:, None]) * hidden + h[None, :], total.to(out.dtype.element_ty), mask=inside[None, :])
