@@ -54,6 +54,7 @@ bytes at the same slot again."""
 
 INVARIANT_AS_IS = {
     "apply_rope": "per element: products and sums with the token's table row",
+    "swiglu": "per element",
     "compress_tokens": "per (token, channel): softmax-weighted sum over the ratio members, in member order; "
                        "V4.1's ratios (1, 2) leave no order to choose",
     "kv_store": "per token: block max, power-of-two scale and rounding are exact",

@@ -16,7 +16,7 @@ from deepinfer.hal.backend import Backend, Capabilities
 
 IMPLEMENTED = ("apply_rope", "ep_combine", "grouped_gemm", "indexer_logits", "kv_load", "kv_norm_rope_store",
                "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill",
-               "rms_norm")
+               "rms_norm", "swiglu")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
     "kv_store": "the model stores its SWA, compressed and indexer keys through kv_norm_rope_store (fused kernel "
@@ -37,6 +37,7 @@ INVARIANT = {
     "apply_rope": "per element: products and sums with the token's table row",
     "ep_combine": "per token: the routed slots are summed in slot order",
     "kv_load": "per token: exact decode",
+    "swiglu": "per element",
     "mhc_pre": "one program per (token, column block), the streams added in order",
     "mhc_post": "one program per (token, column block), the streams added in order",
 }

@@ -1,8 +1,9 @@
 """The sm100 op table: each HAL op's wrapper (layout checks, kernel inputs, tile choice) around
 its kernel, from the family modules :mod:`.gemm`, :mod:`.attention`, :mod:`.norm` (TileLang)
-and :mod:`.mhc`, :mod:`.rope`, :mod:`.expert_combine`, :mod:`.kv_load` (Triton); shared compile cache and
-refusals in :mod:`.launch`."""
+and :mod:`.mhc`, :mod:`.rope`, :mod:`.expert_combine`, :mod:`.kv_load`, :mod:`.activation`
+(Triton); shared compile cache and refusals in :mod:`.launch`."""
 from deepinfer.hal.backend import UnsupportedInput
+from deepinfer_backends.sm100.activation import swiglu
 from deepinfer_backends.sm100.attention import (
     HEAD_BLOCK, align_lists, indexer_logits, mla_sparse_decode, mla_sparse_prefill, split_count,
 )
@@ -17,4 +18,4 @@ from deepinfer_backends.sm100.rope import apply_rope
 __all__ = ["HEAD_BLOCK", "INVARIANT_TILES", "KV_STORE_FORMATS", "UnsupportedInput", "align_lists", "apply_rope",
            "compiled", "ep_combine", "gemm_tiles", "grouped_gemm", "indexer_logits", "kv_load", "kv_norm_rope_store",
            "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill",
-           "rms_norm", "split_count"]
+           "rms_norm", "split_count", "swiglu"]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-OPS = ("mhc_mixes", "mhc_head", "mhc_pre", "mhc_post", "apply_rope", "ep_combine", "kv_load")
+OPS = ("mhc_mixes", "mhc_head", "mhc_pre", "mhc_post", "apply_rope", "ep_combine", "kv_load", "swiglu")
 
 CHECK = """
 import sys

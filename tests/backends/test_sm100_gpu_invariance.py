@@ -34,7 +34,7 @@ def _inputs(op: str, case: str) -> dict:
     return _to_device(inputs, CUDA)
 
 
-EXTRA_ROW_ARGS = {"apply_rope": ("x", "positions"), "kv_load": ("slots",)}
+EXTRA_ROW_ARGS = {"apply_rope": ("x", "positions"), "kv_load": ("slots",), "swiglu": ("gate", "up")}
 """Row arguments of ops the reference serves as they are in its batch-invariant table."""
 MLA_KERNELS = {"portable": "1", "warp_specialised": "0"}
 """The sparse MLA kernels on Hopper (value of ``DEEPINFER_SM100_MLA_PORTABLE``)."""
@@ -43,7 +43,8 @@ MLA_KERNELS = {"portable": "1", "warp_specialised": "0"}
 @pytest.mark.parametrize("op,case,mla", [(op, case, mla) for op in ("linear", "rms_norm", "indexer_logits",
                                                                     "kv_norm_rope_store", "mla_sparse_decode",
                                                                     "mla_sparse_prefill", "mhc_mixes", "mhc_head",
-                                                                    "mhc_pre", "mhc_post", "apply_rope", "kv_load")
+                                                                    "mhc_pre", "mhc_post", "apply_rope", "kv_load",
+                                                                    "swiglu")
                                          for case in _bf16_cases(op)
                                          for mla in (MLA_KERNELS if op.startswith("mla") else ["portable"])])
 def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, case, mla, monkeypatch):

@@ -1,5 +1,6 @@
 """Every HAL op's contract; importing this package declares them all."""
 from deepinfer.hal.ops import (  # noqa: F401
+    activation,
     all_to_all,
     compress,
     grouped_gemm,

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.layers import Linear
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (V4.1's SwiGLU with ``swiglu_limit``)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 class Gate(nn.Module):
@@ -71,8 +65,8 @@ class MoE(nn.Module):
         """Routed experts (weighted by ``weights``) plus the shared expert."""
         ops = self.ops
         rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
-        hidden = clamped_swiglu(ops.grouped_gemm(rows, self.experts.w1, group_sizes),
-                                ops.grouped_gemm(rows, self.experts.w3, group_sizes), self.limit)
-        routed = ops.ep_combine(ops.grouped_gemm(hidden.to(x.dtype), self.experts.w2, group_sizes), handle)
+        hidden = ops.swiglu(ops.grouped_gemm(rows, self.experts.w1, group_sizes),
+                            ops.grouped_gemm(rows, self.experts.w3, group_sizes), self.limit, x.dtype)
+        routed = ops.ep_combine(ops.grouped_gemm(hidden, self.experts.w2, group_sizes), handle)
         shared = self.shared_experts
-        return routed.to(x.dtype) + shared.w2(clamped_swiglu(shared.w1(x), shared.w3(x), self.limit))
+        return routed.to(x.dtype) + shared.w2(ops.swiglu(shared.w1(x), shared.w3(x), self.limit))
