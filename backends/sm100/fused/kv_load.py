@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BF16, FP8, FP4, INDEX_FP4 = 0, 1, 2, 3
+BF16, FP8, FP4, INDEX_FP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 BLOCK_ROWS = 4
 
 
