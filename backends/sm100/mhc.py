@@ -29,8 +29,8 @@ def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
     if tokens:
         dots, squares, splits, rows = _partials(residual, fn)
         mhc_mixes_kernel[(-(-tokens // BLOCK_TOKENS),)](
-            dots, squares, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, tokens, splits,
-            hc * hidden, float(norm_eps), float(hc_eps), HC=hc, ROWS=rows, ITERS=int(sinkhorn_iters),
+            dots, squares, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, tokens,
+            hc * hidden, float(norm_eps), float(hc_eps), SPLITS=splits, HC=hc, ROWS=rows, ITERS=int(sinkhorn_iters),
             BLOCK=BLOCK_TOKENS, num_warps=4)
     return pre, post, comb
 
@@ -45,8 +45,8 @@ def mhc_head(residual, fn, scale, base, norm_eps, hc_eps):
     if tokens:
         dots, squares, splits, rows = _partials(residual, fn)
         mhc_head_kernel[(-(-tokens // BLOCK_TOKENS),)](
-            dots, squares, scale.float().contiguous(), base.float().contiguous(), weights, tokens, splits,
-            hc * hidden, float(norm_eps), float(hc_eps), HC=hc, ROWS=rows, BLOCK=BLOCK_TOKENS, num_warps=4)
+            dots, squares, scale.float().contiguous(), base.float().contiguous(), weights, tokens, hc * hidden,
+            float(norm_eps), float(hc_eps), SPLITS=splits, HC=hc, ROWS=rows, BLOCK=BLOCK_TOKENS, num_warps=4)
     return weights
 
 

@@ -44,21 +44,21 @@ def mhc_mix_partials(x, fn, dots, squares, tokens, width, rows, x_stride,
 
 
 @triton.jit
-def _summed(parts, offsets, mask, splits, split_stride):
+def _summed(parts, offsets, mask, SPLITS: tl.constexpr, split_stride):
     """``sum_s parts[s * split_stride + offsets]``, the slices added in order."""
     total = tl.load(parts + offsets, mask=mask, other=0.0)
-    for s in range(1, splits):
+    for s in range(1, SPLITS):
         total += tl.load(parts + s * split_stride + offsets, mask=mask, other=0.0)
     return total
 
 
 @triton.jit
-def _inverse_rms(squares, token, live, tokens, splits, width, norm_eps):
-    return tl.rsqrt(_summed(squares, token, live, splits, tokens) / width + norm_eps)
+def _inverse_rms(squares, token, live, tokens, SPLITS: tl.constexpr, width, norm_eps):
+    return tl.rsqrt(_summed(squares, token, live, SPLITS, tokens) / width + norm_eps)
 
 
 @triton.jit
-def mhc_mixes_kernel(dots, squares, scale, base, pre, post, comb, tokens, splits, width, norm_eps, hc_eps,
+def mhc_mixes_kernel(dots, squares, scale, base, pre, post, comb, tokens, width, norm_eps, hc_eps, SPLITS: tl.constexpr,
                      HC: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
     """Tokens ``[BLOCK * pid, BLOCK * (pid + 1))``: the partials of :func:`mhc_mix_partials` to
     ``pre``, ``post`` ``[tokens, HC]`` and ``comb`` ``[tokens, HC, HC]``, with ``ITERS`` Sinkhorn
@@ -66,19 +66,19 @@ def mhc_mixes_kernel(dots, squares, scale, base, pre, post, comb, tokens, splits
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = token < tokens
     stride = tokens * ROWS
-    inv = _inverse_rms(squares, token, live, tokens, splits, width, norm_eps)
+    inv = _inverse_rms(squares, token, live, tokens, SPLITS, width, norm_eps)
     stream = tl.arange(0, HC)
     row = token[:, None] * ROWS + stream[None, :]
     gate = token[:, None] * HC + stream[None, :]
-    m_pre = _summed(dots, row, live[:, None], splits, stride) * inv[:, None]
-    m_post = _summed(dots, row + HC, live[:, None], splits, stride) * inv[:, None]
+    m_pre = _summed(dots, row, live[:, None], SPLITS, stride) * inv[:, None]
+    m_post = _summed(dots, row + HC, live[:, None], SPLITS, stride) * inv[:, None]
     p = tl.sigmoid(tl.load(scale) * m_pre + tl.load(base + stream)[None, :]) + hc_eps
     q = 2.0 * tl.sigmoid(tl.load(scale + 1) * m_post + tl.load(base + HC + stream)[None, :])
     tl.store(pre + gate, p, mask=live[:, None])
     tl.store(post + gate, q, mask=live[:, None])
 
     cell = stream[:, None] * HC + stream[None, :]
-    logits = _summed(dots, token[:, None, None] * ROWS + 2 * HC + cell[None, :, :], live[:, None, None], splits,
+    logits = _summed(dots, token[:, None, None] * ROWS + 2 * HC + cell[None, :, :], live[:, None, None], SPLITS,
                      stride) * inv[:, None, None]
     logits = tl.load(scale + 2) * logits + tl.load(base + 2 * HC + cell)[None, :, :]
     shifted = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
@@ -90,14 +90,14 @@ def mhc_mixes_kernel(dots, squares, scale, base, pre, post, comb, tokens, splits
 
 
 @triton.jit
-def mhc_head_kernel(dots, squares, scale, base, weights, tokens, splits, width, norm_eps, hc_eps,
+def mhc_head_kernel(dots, squares, scale, base, weights, tokens, width, norm_eps, hc_eps, SPLITS: tl.constexpr,
                     HC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Tokens ``[BLOCK * pid, BLOCK * (pid + 1))``: the head's stream weights
     ``sigmoid(scale[0] * m + base) + hc_eps`` ``[tokens, HC]`` from the partials."""
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = token < tokens
-    inv = _inverse_rms(squares, token, live, tokens, splits, width, norm_eps)
+    inv = _inverse_rms(squares, token, live, tokens, SPLITS, width, norm_eps)
     stream = tl.arange(0, HC)
-    m = _summed(dots, token[:, None] * ROWS + stream[None, :], live[:, None], splits, tokens * ROWS) * inv[:, None]
+    m = _summed(dots, token[:, None] * ROWS + stream[None, :], live[:, None], SPLITS, tokens * ROWS) * inv[:, None]
     w = tl.sigmoid(tl.load(scale) * m + tl.load(base + stream)[None, :]) + hc_eps
     tl.store(weights + token[:, None] * HC + stream[None, :], w, mask=live[:, None])
