@@ -173,7 +173,8 @@ def _check_sink(op: str, sink: torch.Tensor, heads: int) -> None:
 
 
 def indexer_logits(q, k, weights, q_format="mxfp4"):
-    """HAL ``indexer_logits``: q cast through MXFP4 here (exact in bf16), then one tensor-core
+    """HAL ``indexer_logits``: q cast through MXFP4 here (exact in bf16; one Triton kernel,
+    :mod:`.fused.mxfp4_cast`, for a power-of-two head dim), then one tensor-core
     GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect). Keys
     ``[S, d]`` are shared by every query, keys ``[B, S, d]`` are one list per sequence.
 
@@ -190,14 +191,27 @@ def indexer_logits(q, k, weights, q_format="mxfp4"):
     check_indexer_logits(q, k, weights, q_format)
     tokens, heads, dim = q.shape
     keys = k.shape[-2]
-    queries = cast_back(q, "mxfp4", 32).to(torch.bfloat16) if q_format == "mxfp4" else q
     heads_pad, dim_pad = -(-heads // 64) * 64, -(-dim // 32) * 32
-    q_in = torch.zeros(tokens, heads_pad, dim_pad, dtype=torch.bfloat16, device=q.device)
-    q_in[:, :heads, :dim] = queries
-    k_in = torch.zeros(*k.shape[:-1], dim_pad, dtype=torch.bfloat16, device=k.device)
-    k_in[..., :dim] = k
-    w_in = torch.zeros(tokens, heads_pad, dtype=torch.float32, device=q.device)
-    w_in[:, :heads] = weights.float()
+    padded = heads_pad != heads or dim_pad != dim
+    q_in = (torch.zeros if padded else torch.empty)(tokens, heads_pad, dim_pad, dtype=torch.bfloat16, device=q.device)
+    if q_format == "mxfp4" and dim % 32 == 0 and dim & (dim - 1) == 0:
+        from deepinfer_backends.sm100.fused.mxfp4_cast import BLOCK_ROWS, mxfp4_cast_kernel
+
+        if tokens:
+            mxfp4_cast_kernel[(-(-tokens * heads // BLOCK_ROWS),)](q.contiguous(), q_in, tokens * heads, heads,
+                                                                  heads_pad, dim_pad, DIM=dim, BLOCK_ROWS=BLOCK_ROWS)
+    else:
+        q_in[:, :heads, :dim] = cast_back(q, "mxfp4", 32) if q_format == "mxfp4" else q
+    if dim_pad == dim:
+        k_in = k.to(torch.bfloat16).contiguous()
+    else:
+        k_in = torch.zeros(*k.shape[:-1], dim_pad, dtype=torch.bfloat16, device=k.device)
+        k_in[..., :dim] = k
+    if heads_pad == heads:
+        w_in = weights.float().contiguous()
+    else:
+        w_in = torch.zeros(tokens, heads_pad, dtype=torch.float32, device=q.device)
+        w_in[:, :heads] = weights.float()
     logits = torch.empty(tokens, keys, dtype=torch.float32, device=q.device)
     if tokens and keys:
         per_seq = tokens // k.shape[0] if k.dim() == 3 else 0

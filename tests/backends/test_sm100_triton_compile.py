@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _kernels():
-    from deepinfer_backends.sm100.fused import ep_combine, kv_load, mhc_mixes, mhc_streams, rope, swiglu
+    from deepinfer_backends.sm100.fused import ep_combine, kv_load, mhc_mixes, mhc_streams, mxfp4_cast, rope, swiglu
 
     yield "mhc_mix_partials", mhc_mixes.mhc_mix_partials, dict(
         x="*bf16", fn="*fp32", dots="*fp32", squares="*fp32", tokens="i32", width="i32", rows="i32", x_stride="i64"), \
@@ -39,6 +39,9 @@ def _kernels():
         yield f"kv_load_kernel[{fmt}]", kv_load.kv_load_kernel, dict(
             rows="*u8", bf16_rows="*bf16", fp8_rows="*fp8e4nv", slots="*i64", out="*fp32", n="i32"), \
             dict(ROW_BYTES=spec.bytes_per_token, DIM=spec.dim, KIND=kind, BLOCK_ROWS=kv_load.BLOCK_ROWS)
+    yield "mxfp4_cast_kernel", mxfp4_cast.mxfp4_cast_kernel, dict(x="*bf16", out="*bf16", rows="i32", heads="i32",
+                                                                  out_heads="i32", out_dim="i32"), \
+        dict(DIM=128, BLOCK_ROWS=mxfp4_cast.BLOCK_ROWS)
     yield "swiglu_kernel", swiglu.swiglu_kernel, dict(gate="*fp32", up="*fp32", out="*bf16", count="i64", limit="fp32"), \
         dict(CLAMP=True, BLOCK=swiglu.BLOCK)
 

@@ -1,0 +1,52 @@
+"""Rows cast through MXFP4 and back in one Triton kernel: per 32 values a UE8M0 scale (the
+least power of two bringing the block's largest magnitude within e2m1's 6), each value rounded
+to e2m1 (to nearest, ties to the even code) and scaled back, stored as bf16 (exact). Exponents
+come from the float's bits and every scaling is a product by a power of two, so the values are
+the reference's (:func:`deepinfer.hal.formats.cast_back`) bit for bit, except in blocks whose
+largest magnitude is below ``6 * 2**-126``, whose subnormal values may be flushed to zero."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 4
+
+
+@triton.jit
+def _ceil_log2(ratio):
+    """``ceil(log2(ratio))`` of positive float32 ``ratio``, exact, at least -127."""
+    bits = ratio.to(tl.int32, bitcast=True)
+    field = (bits >> 23) & 255
+    mantissa = bits & 0x7FFFFF
+    normal = field - 127 + (mantissa != 0).to(tl.int32)
+    return tl.where(field == 0, tl.where(mantissa > 0x400000, -126, -127), normal)
+
+
+@triton.jit
+def _power_of_two(exponent):
+    """``2 ** exponent`` as float32 for integer ``exponent`` in ``[-127, 127]``."""
+    normal = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(exponent == -127, 5.877471754111438e-39, normal)
+
+
+@triton.jit
+def mxfp4_cast_kernel(x, out, rows, heads, out_heads, out_dim, DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Rows ``[BLOCK_ROWS * pid, ...)`` of ``x [rows, DIM]`` (``heads`` rows per token) cast, into
+    ``out [tokens, out_heads, out_dim]`` bf16 at the row's token and head."""
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = row < rows
+    col = tl.arange(0, DIM)
+    value = tl.load(x + row[:, None].to(tl.int64) * DIM + col[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    blocks = tl.reshape(value, (BLOCK_ROWS, DIM // 32, 32))
+    amax = tl.max(tl.abs(blocks), axis=2)
+    ratio = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 1.0)
+    exponent = tl.minimum(tl.maximum(_ceil_log2(ratio), -127), 127)
+    a = tl.abs(blocks * _power_of_two(-exponent)[:, :, None])
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+            + (a > 5.0))
+    half = (code & 1).to(tl.float32) * 0.5
+    grid = tl.where(code < 2, half, tl.where(code < 4, 1.0, tl.where(code < 6, 2.0, 4.0)) * (1 + half))
+    signed = tl.where((blocks < 0) & (code > 0), -grid, grid) * _power_of_two(exponent)[:, :, None]
+    target = (row // heads).to(tl.int64) * out_heads + row % heads
+    tl.store(out + target[:, None] * out_dim + col[None, :], tl.reshape(signed, (BLOCK_ROWS, DIM)).to(tl.bfloat16),
+             mask=live[:, None])
