@@ -21,7 +21,7 @@ while [[ $# -gt 0 && $1 =~ ^(tests|profile|bench)$ ]]; do stages="$stages $1"; s
 stages=${stages:-tests profile bench}
 sm100="backend.fallback=reference model.dtype=bfloat16"
 if [[ $stages == *tests* ]]; then
-  triton_ops="mhc or apply_rope or ep_combine or kv_load or swiglu"
+  triton_ops="mhc or apply_rope or ep_combine or kv_load or swiglu or indexer_logits"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rA --tb=short tests/hal/test_parity.py \
     tests/backends/test_sm100_fused.py tests/backends/test_sm100_gpu_invariance.py \
     -k "(sm100 and ($triton_ops)) or interpreter or (($triton_ops) and bits)" >"$out/triton_gpu_pytest.log" 2>&1
