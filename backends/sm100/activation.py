@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.hal.ops.activation import check_swiglu_args
 from deepinfer_backends.sm100.launch import on_device, require
 
 
@@ -10,10 +11,7 @@ def swiglu(gate, up, limit, dtype=None):
     """HAL ``swiglu`` for CUDA ``gate``, ``up`` (bf16 or float32, same shape)."""
     op = "swiglu"
     require(on_device(gate) and on_device(up), op, "gate and up must be CUDA tensors")
-    if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    if limit is not None and not limit > 0:
-        raise ValueError(f"limit must be positive (or None: no clamping), got {limit!r}")
+    check_swiglu_args(gate, up, limit)
     dtype = dtype or gate.dtype
     require({gate.dtype, up.dtype, dtype} <= {torch.bfloat16, torch.float32}, op,
             f"gate, up and the output must be bf16 or float32, got {gate.dtype}, {up.dtype} and {dtype}")

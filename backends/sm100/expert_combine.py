@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.backend import UnsupportedInput
+from deepinfer.hal.ops.all_to_all import check_combine_rows
 from deepinfer_backends.sm100.launch import on_device, require
 
 
@@ -12,9 +13,7 @@ def ep_combine(y, handle):
     """HAL ``ep_combine`` for a CUDA ``y [M, H]`` of a one-rank dispatch; ``[T, H]`` in ``y.dtype``."""
     op = "ep_combine"
     require(on_device(y), op, "y must be a CUDA tensor")
-    if y.ndim != 2 or y.shape[0] != handle.expert_order.numel():
-        raise ValueError(f"y must be [M, H] with M={handle.expert_order.numel()} rows (the expanded rows "
-                         f"of the dispatch that made this handle), got {tuple(y.shape)}")
+    check_combine_rows(y, handle)
     if handle.send_counts is not None or handle.pair_index.numel() != handle.num_tokens * handle.top_k:
         raise UnsupportedInput(f"{op}: only a one-rank dispatch (every slot a row) has an sm100 kernel; the "
                                f"exchange between ranks has none yet; set backend.fallback=reference to run it")

@@ -67,8 +67,3 @@ TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def on_device(t) -> bool:
     """``t`` is a tensor the Triton kernels can read: on CUDA, or anywhere under the interpreter."""
     return isinstance(t, torch.Tensor) and (t.is_cuda or TRITON_INTERPRETED)
-
-
-def next_power_of_two(n: int) -> int:
-    """The least power of two ``>= n`` (1 for ``n <= 1``)."""
-    return 1 << max(0, int(n) - 1).bit_length()

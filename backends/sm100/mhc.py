@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_backends.sm100.launch import next_power_of_two, on_device, require
+from deepinfer_backends.sm100.launch import on_device, require
 
 MAX_STREAMS = 16
 
@@ -80,13 +80,14 @@ def mhc_post(y, residual, post, comb):
 def _partials(residual, fn):
     """The float32 partial dot products ``[splits, T, rows]`` (rows of ``fn`` padded to a power
     of two, at least 16) and sums of squares ``[splits, T]`` of the flattened residual."""
+    import triton
     from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_K, BLOCK_TOKENS, SPLIT, mhc_mix_partials
 
     flat = residual.reshape(residual.shape[0], -1)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     tokens, width = flat.shape
-    rows = max(16, next_power_of_two(fn.shape[0]))
+    rows = max(16, triton.next_power_of_2(fn.shape[0]))
     splits = -(-width // SPLIT)
     dots = torch.empty(splits, tokens, rows, dtype=torch.float32, device=residual.device)
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=residual.device)

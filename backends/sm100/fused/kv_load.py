@@ -7,25 +7,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer_backends.sm100.fused.mxfp4_cast import e2m1_value, power_of_two
+
 BF16, FP8, FP4, INDEX_FP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 BLOCK_ROWS = 4
-
-
-@triton.jit
-def _ue8m0(byte):
-    """2 ** (byte - 127) as float32, built from its bits (byte 0: 2 ** -127, a subnormal)."""
-    bits = byte.to(tl.int32) << 23
-    return tl.where(byte == 0, 5.877471754111438e-39, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _e2m1(code):
-    """float32 value of 4-bit e2m1 codes (sign in bit 3)."""
-    magnitude = code & 7
-    exponent = magnitude >> 1
-    half = (magnitude & 1).to(tl.float32) * 0.5
-    value = tl.where(exponent == 0, half, tl.where(exponent == 1, 1.0, tl.where(exponent == 2, 2.0, 4.0)) * (1 + half))
-    return tl.where((code & 8) != 0, -value, value)
 
 
 @triton.jit
@@ -44,12 +29,12 @@ def kv_load_kernel(rows, bf16_rows, fp8_rows, slots, out, n, ROW_BYTES: tl.const
         value = tl.load(bf16_rows + start // 2 + col, mask=keep, other=0.0).to(tl.float32)
     elif KIND == FP8:
         value = tl.load(fp8_rows + start + col, mask=keep, other=0.0).to(tl.float32)
-        value = value * _ue8m0(tl.load(rows + start + DIM + col // 32, mask=keep, other=127))
+        value = value * power_of_two(tl.load(rows + start + DIM + col // 32, mask=keep, other=127).to(tl.int32) - 127)
     else:
         packed = tl.load(rows + start + col // 2, mask=keep, other=0)
-        value = _e2m1((packed >> ((col & 1) * 4)) & 15)
+        value = e2m1_value((packed >> ((col & 1) * 4)) & 15)
         if KIND == FP4:
             value = value * tl.load(fp8_rows + start + DIM // 2 + col // 16, mask=keep, other=1.0).to(tl.float32)
         else:
-            value = value * _ue8m0(tl.load(rows + start + DIM // 2 + col // 32, mask=keep, other=127))
+            value = value * power_of_two(tl.load(rows + start + DIM // 2 + col // 32, mask=keep, other=127).to(tl.int32) - 127)
     tl.store(out + i.to(tl.int64)[:, None] * DIM + col, tl.where(keep, value, 0.0), mask=live[:, None])

@@ -23,10 +23,21 @@ def _ceil_log2(ratio):
 
 
 @triton.jit
-def _power_of_two(exponent):
-    """``2 ** exponent`` as float32 for integer ``exponent`` in ``[-127, 127]``."""
+def power_of_two(exponent):
+    """``2 ** exponent`` as float32 for integer ``exponent`` in ``[-127, 127]``, from its bits
+    (-127: the subnormal ``2 ** -127``); a UE8M0 byte ``b`` is ``power_of_two(b - 127)``."""
     normal = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     return tl.where(exponent == -127, 5.877471754111438e-39, normal)
+
+
+@triton.jit
+def e2m1_value(code):
+    """float32 value of 4-bit e2m1 codes (sign in bit 3)."""
+    magnitude = code & 7
+    exponent = magnitude >> 1
+    half = (magnitude & 1).to(tl.float32) * 0.5
+    value = tl.where(exponent == 0, half, tl.where(exponent == 1, 1.0, tl.where(exponent == 2, 2.0, 4.0)) * (1 + half))
+    return tl.where((code & 8) != 0, -value, value)
 
 
 @triton.jit
@@ -41,12 +52,11 @@ def mxfp4_cast_kernel(x, out, rows, heads, out_heads, out_dim, DIM: tl.constexpr
     amax = tl.max(tl.abs(blocks), axis=2)
     ratio = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 1.0)
     exponent = tl.minimum(tl.maximum(_ceil_log2(ratio), -127), 127)
-    a = tl.abs(blocks * _power_of_two(-exponent)[:, :, None])
+    a = tl.abs(blocks * power_of_two(-exponent)[:, :, None])
     code = ((a > 0.25).to(tl.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
             + (a > 5.0))
-    half = (code & 1).to(tl.float32) * 0.5
-    grid = tl.where(code < 2, half, tl.where(code < 4, 1.0, tl.where(code < 6, 2.0, 4.0)) * (1 + half))
-    signed = tl.where((blocks < 0) & (code > 0), -grid, grid) * _power_of_two(exponent)[:, :, None]
+    sign = ((blocks < 0) & (code > 0)).to(tl.int32) << 3
+    signed = e2m1_value(code | sign) * power_of_two(exponent)[:, :, None]
     target = (row // heads).to(tl.int64) * out_heads + row % heads
     tl.store(out + target[:, None] * out_dim + col[None, :], tl.reshape(signed, (BLOCK_ROWS, DIM)).to(tl.bfloat16),
              mask=live[:, None])

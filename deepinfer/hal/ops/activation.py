@@ -11,14 +11,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None, dtype: tor
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)``, computed in float32 and rounded once
     to ``dtype`` (default ``gate.dtype``); ``limit=None`` clamps nothing. ``gate`` and ``up``:
     the same shape, any float dtype."""
-    if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    if limit is not None and not limit > 0:
-        raise ValueError(f"limit must be positive (or None: no clamping), got {limit!r}")
+    check_swiglu_args(gate, up, limit)
     g, u = gate.float(), up.float()
     if limit is not None:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
     return (F.silu(g) * u).to(dtype or gate.dtype)
+
+
+def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> None:
+    """The checks of :func:`swiglu`'s arguments."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"limit must be positive (or None: no clamping), got {limit!r}")
 
 
 def _case(rows: int, width: int, limit: float | None, dtype=torch.float32, out=None):

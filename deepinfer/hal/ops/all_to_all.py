@@ -99,9 +99,7 @@ def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     ignored). Returns ``out [T, H]`` in ``y.dtype`` with ``out[t] = sum over the token's routed
     slots j, in slot order, of topk_weights[t, j] * (its expert's output row)``, accumulated in
     float32 starting from zero; tokens without routed slots get zeros."""
-    if y.ndim != 2 or y.shape[0] != handle.expert_order.numel():
-        raise ValueError(f"y must be [M, H] with M={handle.expert_order.numel()} rows (the expanded rows "
-                         f"of the dispatch that made this handle), got {tuple(y.shape)}")
+    check_combine_rows(y, handle)
     if handle.send_counts is None:
         returned = y
     else:
@@ -118,6 +116,13 @@ def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     for slot in range(handle.top_k):
         out += per_slot[:, slot]
     return out.to(y.dtype)
+
+
+def check_combine_rows(y: torch.Tensor, handle: DispatchHandle) -> None:
+    """``y`` is ``[M, H]`` with the expanded rows of the dispatch that made ``handle``."""
+    if y.ndim != 2 or y.shape[0] != handle.expert_order.numel():
+        raise ValueError(f"y must be [M, H] with M={handle.expert_order.numel()} rows (the expanded rows "
+                         f"of the dispatch that made this handle), got {tuple(y.shape)}")
 
 
 def _check_routing(x, topk_ids, topk_weights, num_experts) -> None:
