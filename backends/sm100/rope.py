@@ -7,11 +7,15 @@ from deepinfer.hal.ops.rope import check_rope_args
 from deepinfer_backends.sm100.launch import on_device, require
 
 MAX_WIDTH = 8192
+ROW_ELEMENTS = 2048
+"""A program turns at least this many elements (more short rows each) and at least ``BLOCK_ROWS`` rows."""
 
 
 def apply_rope(x, positions, cos_sin, conjugate=False):
     """HAL ``apply_rope`` for CUDA ``x [T, ..., D]`` (bf16 or float32, ``D`` at most
-    :data:`MAX_WIDTH`): ``x`` with its trailing ``cos_sin.shape[1]`` dims turned, in ``x.dtype``."""
+    :data:`MAX_WIDTH`): ``x`` with its trailing ``cos_sin.shape[1]`` dims turned, in ``x.dtype``
+    (contiguous). ``x`` is read in place when its rows are evenly spaced (a slice of the last axis
+    of a contiguous tensor, say); otherwise it is copied first."""
     op = "apply_rope"
     require(on_device(x), op, "x must be a CUDA tensor")
     check_rope_args(x, positions, cos_sin)
@@ -21,14 +25,25 @@ def apply_rope(x, positions, cos_sin, conjugate=False):
     import triton
     from deepinfer_backends.sm100.fused.rope import BLOCK_ROWS, rope_kernel
 
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    if _row_stride(x) is None:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // dim if dim else 0
     if rows:
-        table = cos_sin.float().contiguous()
-        rope_kernel[(-(-rows // BLOCK_ROWS),)](
-            x, positions.contiguous(), table, out, rows, rows // x.shape[0], dim, table.stride(0),
-            -1.0 if conjugate else 1.0, ROPE=rope, BLOCK_ROWS=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(dim),
-            num_warps=4)
+        table, block_d = cos_sin.float().contiguous(), triton.next_power_of_2(dim)
+        block_rows = max(BLOCK_ROWS, ROW_ELEMENTS // block_d)
+        rope_kernel[(-(-rows // block_rows),)](
+            x, positions.contiguous(), table, out, rows, rows // x.shape[0], dim, _row_stride(x), table.stride(0),
+            -1.0 if conjugate else 1.0, ROPE=rope, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4)
     return out
 
+
+def _row_stride(x: torch.Tensor) -> int | None:
+    """Elements between consecutive rows of ``x [..., D]`` when every row is contiguous and the
+    rows are evenly spaced (whatever the leading shape), else None."""
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        return None
+    axes = [(size, stride) for size, stride in zip(x.shape[:-1], x.stride()[:-1]) if size > 1]
+    if any(outer[1] != inner[1] * inner[0] for outer, inner in zip(axes, axes[1:])):
+        return None
+    return axes[-1][1] if axes else x.shape[-1]

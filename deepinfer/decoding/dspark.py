@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -35,8 +37,11 @@ class DSpark:
         self.step_time = self.measure_step_time(max_rows) if varlen else None
 
     def assign_verify_drafts(self, requests) -> None:
-        """Set each decoding request's ``verify_drafts`` (a prefix of its drafts)."""
-        ready = [r for r in requests if r.drafts and r.num_pending == 1]
+        """Set each decoding request's ``verify_drafts`` (a prefix of its drafts; placeholders
+        for drafts a launched step is still proposing, which the device fills in)."""
+        from deepinfer.engine.request import PLACEHOLDER
+
+        ready = [r for r in requests if (r.drafts or r.pending_drafts) and r.num_pending == 1]
         for request in requests:
             request.verify_drafts = []
         if not ready:
@@ -45,27 +50,53 @@ class DSpark:
             rates = [cumulative_rates(r.draft_confidences) for r in ready]
             lengths = choose_verify_lengths(rates, self.step_time)
         else:
-            lengths = [len(r.drafts) for r in ready]
+            lengths = [self.k if r.pending_drafts else len(r.drafts) for r in ready]
         for request, length in zip(ready, lengths):
-            room = min(request.params.max_tokens - len(request.output_token_ids) - 1,
-                       self.max_model_len - 1 - request.num_computed)
-            request.verify_drafts = request.drafts[:max(0, min(length, room))]
+            drafts = [PLACEHOLDER] * self.k if request.pending_drafts else request.drafts
+            request.verify_drafts = drafts[:max(0, min(length, self.room(request)))]
 
-    def propose(self, requests) -> None:
-        """Draft for every request whose last token is its only uncomputed one; the tokens and
-        confidences come to the host in one copy, the distributions stay on the device."""
+    def room(self, request, unconfirmed: int = 0) -> int:
+        """Drafts ``request`` may still verify in one step: its next step must leave room for a
+        final token within ``max_tokens`` and ``max_model_len``. ``unconfirmed``: drafts a
+        launched step verifies, counted as all accepted (the least room there may be)."""
+        return min(request.params.max_tokens - len(request.output_token_ids) - unconfirmed - (unconfirmed > 0) - 1,
+                   self.max_model_len - 1 - request.num_computed - unconfirmed)
+
+    def drafts_after(self, chunk) -> bool:
+        """Whether the draft pass after ``chunk``'s step proposes for its request: a full block of
+        drafts must fit within ``max_model_len`` even if the step accepts every draft it verifies."""
+        return chunk.start + len(chunk.token_ids) + self.k <= self.max_model_len
+
+    def launch(self, chunks) -> "PendingDrafts | None":
+        """Queue the draft pass for ``chunks`` (sampling chunks of the step just queued, each with
+        :meth:`drafts_after`); their distributions stay on the device (``draft_logprobs``), tokens
+        and confidences come to the host in one copy."""
+        if not chunks:
+            return None
+        proposal = self.runner.draft(chunks)
+        for b, chunk in enumerate(chunks):
+            chunk.request.draft_logprobs = proposal.logprobs[b]
+        both = torch.cat([proposal.tokens.double(), proposal.confidences.double()], dim=1)
+        return PendingDrafts([c.request for c in chunks], self.runner.runtime.start_download(both))
+
+    def receive(self, requests, drafted: "PendingDrafts | None") -> None:
+        """After a step is collected: the drafts proposed for its sampling ``requests`` (from
+        ``drafted``, :meth:`launch`'s copy), for those still running; the others have none."""
+        from deepinfer.engine.request import Status
+
+        rows = {}
+        if drafted is not None:
+            host = drafted.fetch()
+            tokens, confidences = host[:, :self.k].long().tolist(), host[:, self.k:].tolist()
+            rows = {id(r): b for b, r in enumerate(drafted.requests)}
         for request in requests:
-            request.drafts, request.draft_logprobs, request.draft_confidences = [], None, []
-        ready = [r for r in requests if r.num_pending == 1 and r.num_computed + self.k <= self.max_model_len]
-        if not ready:
-            return
-        proposal = self.runner.draft(ready)
-        host = self.runner.runtime.download(torch.cat([proposal.tokens.double(), proposal.confidences.double()], dim=1))
-        tokens, confidences = host[:, :self.k].long().tolist(), host[:, self.k:].tolist()
-        for b, request in enumerate(ready):
-            request.drafts = tokens[b]
-            request.draft_logprobs = proposal.logprobs[b]
-            request.draft_confidences = confidences[b]
+            b = rows.get(id(request))
+            if b is not None:
+                request.pending_drafts -= self.k
+            if b is None or request.status is not Status.RUNNING:
+                request.drafts, request.draft_confidences = [], []
+            else:
+                request.drafts, request.draft_confidences = tokens[b], confidences[b]
 
     def measure_step_time(self, max_rows: int) -> StepTimeCurve:
         """Seconds of a decode forward by total query rows (1, 2, 4, ... max_rows), measured on
@@ -90,3 +121,12 @@ class DSpark:
             if total >= max_rows:
                 return StepTimeCurve(totals, seconds)
             total = min(2 * total, max_rows)
+
+
+@dataclass
+class PendingDrafts:
+    """A queued draft pass: the requests it drafts for, in row order, and the wait for its copy
+    of tokens and confidences."""
+
+    requests: list
+    fetch: Callable[[], torch.Tensor]

@@ -43,55 +43,78 @@ class PendingEmissions:
         return _emissions(self.chunks, self._fetch().numpy(), self._top)
 
 
+@dataclass
+class SlotTokens:
+    """What each request's last step left on the device, by state slot: ``last [S]`` the token
+    it emitted last, ``length [S]`` its computed tokens after that step (the position of that
+    token: where its next input sits), ``drafts [S, k]`` the drafts proposed for it last. The
+    sampler writes ``last`` and ``length``, the draft pass ``drafts``; a later step's inputs
+    read them there, so nothing waits for the host."""
+
+    last: torch.Tensor
+    length: torch.Tensor
+    drafts: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_slots: int, num_drafts: int, device: torch.device) -> "SlotTokens":
+        new = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(new(num_slots), new(num_slots), new(num_slots, max(num_drafts, 1)))
+
+
 def emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor,
-         masks: tuple[torch.Tensor, torch.Tensor] | None = None,
-         last_tokens: torch.Tensor | None = None) -> PendingEmissions:
+         masks: tuple[torch.Tensor, torch.Tensor] | None = None, slots: SlotTokens | None = None) -> PendingEmissions:
     """Launch the sampling of a step. ``logits`` holds, for each sampling chunk in order, one
     row per verified draft plus the final row. Draws are keyed by (seed, position of the emitted
     token), so they do not depend on the rest of the batch. ``masks`` (grammar bitmasks and
     their rows) are applied first, so sampling, verification and logprobs all see the
-    constrained distribution. ``last_tokens`` (int64, one entry per state slot): the token each
-    chunk without drafts emits is written at its request's slot, where the next step's
-    placeholder input reads it on the device. The ops skip their value checks (the engine
-    validated every parameter on the host): reading a device value here would wait for the
-    step's forward, which is what asynchronous scheduling overlaps with the host's work."""
+    constrained distribution. With ``slots``, each chunk's final token and the request's new
+    length are written at its state slot, a ``chained`` chunk's positions start from the length
+    there, and drafts still on the device (placeholders) are read there. The ops skip their
+    value checks (the engine validated every parameter on the host): reading a device value
+    here would wait for the step's forward, which is what asynchronous scheduling overlaps with
+    the host's work."""
     with skip_value_checks():
-        return _emit(ops, runtime, chunks, logits, masks, last_tokens)
+        return _emit(ops, runtime, chunks, logits, masks, slots)
 
 
-def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, last_tokens) -> PendingEmissions:
+def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, slots) -> PendingEmissions:
     rows = [(chunk, j) for chunk in chunks for j in range(len(chunk.drafts) + 1)]
     if not rows:
         return PendingEmissions(chunks, None, 0)
     device = logits.device
     if masks is not None:
         logits = ops.apply_token_bitmask(logits, masks[0].to(device), masks[1].to(device))
-    count = len(rows)
+    count, n = len(rows), len(chunks)
     params = [chunk.request.params for chunk, _ in rows]
-    first_row = {id(chunk): chunk.start + len(chunk.token_ids) - len(chunk.drafts) for chunk in chunks}
-    draft_ids = [chunk.drafts[j] if j < len(chunk.drafts) else -1 for chunk, j in rows]
-    verify = [i for i, d in enumerate(draft_ids) if d >= 0]
-    plain_rows, plain_slots, row = [], [], 0
-    for chunk in chunks:
-        if not chunk.drafts:
-            plain_rows.append(row)
-            plain_slots.append(chunk.slot)
-        row += len(chunk.drafts) + 1
-    if last_tokens is None:
-        plain_rows, plain_slots = [], []
+    verify = [i for i, (chunk, j) in enumerate(rows) if j < len(chunk.drafts)]
+    width = max(len(chunk.drafts) for chunk in chunks)
+    first, verify_rows = np.zeros(n, dtype=np.int64), np.full((n, max(width, 1)), count, dtype=np.int64)
+    for c, chunk in enumerate(chunks):
+        first[c] = first[c - 1] + len(chunks[c - 1].drafts) + 1 if c else 0
+        verify_rows[c, :len(chunk.drafts)] = first[c] + np.arange(len(chunk.drafts))
     host = np.concatenate([
-        np.asarray([first_row[id(chunk)] + j for chunk, j in rows], dtype=np.int64),
+        np.asarray([chunk.start for chunk, _ in rows], dtype=np.int64),
+        np.asarray([len(chunk.token_ids) - len(chunk.drafts) + j for chunk, j in rows], dtype=np.int64),
+        np.asarray([chunk.chained for chunk, _ in rows], dtype=np.int64),
+        np.asarray([chunk.slot for chunk, _ in rows], dtype=np.int64),
+        np.asarray([min(j, len(chunk.drafts) - 1) if chunk.drafts else 0 for chunk, j in rows], dtype=np.int64),
         np.asarray([as_int64(chunk.request.seed) for chunk, _ in rows], dtype=np.int64),
         np.asarray([p.top_k for p in params], dtype=np.int64),
-        np.asarray(draft_ids, dtype=np.int64),
+        np.asarray([chunk.drafts[j] if j < len(chunk.drafts) else -1 for chunk, j in rows], dtype=np.int64),
         np.asarray([p.temperature for p in params], dtype=np.float64).view(np.int64),
         np.asarray([p.top_p for p in params], dtype=np.float64).view(np.int64),
-        np.asarray(verify + plain_rows + plain_slots, dtype=np.int64)])
+        first, np.asarray([chunk.slot for chunk in chunks], dtype=np.int64), verify_rows.reshape(-1),
+        np.asarray(verify, dtype=np.int64)])
     moved = runtime.upload(host)
-    positions, seeds, top_k, drafts = moved[:4 * count].view(4, count)
-    temperature, top_p = moved[4 * count:6 * count].view(torch.float64).float().view(2, count)
-    index = moved[6 * count:6 * count + len(verify)]
-    plain = moved[6 * count + len(verify):].view(2, len(plain_rows))
+    start, offset, chained, slot, column, seeds, top_k, drafts = moved[:8 * count].view(8, count)
+    temperature, top_p = moved[8 * count:10 * count].view(torch.float64).float().view(2, count)
+    chunk_first, chunk_slot = moved[10 * count:10 * count + 2 * n].view(2, n)
+    chunk_verify = moved[10 * count + 2 * n:10 * count + 2 * n + verify_rows.size].view(verify_rows.shape)
+    index = moved[10 * count + 2 * n + verify_rows.size:]
+    if slots is not None:
+        start = torch.where(chained > 0, slots.length[slot], start)
+        drafts = torch.where(drafts >= 0, drafts, slots.drafts[slot, column])
+    positions = start + offset
     vocab = logits.shape[-1]
     filters = any(p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1) for p in params)
     fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions, filters=filters)
@@ -104,8 +127,11 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, l
         tokens = tokens.index_put((index,), torch.where(ok, drafts[index], again))
         accepted = accepted.index_put((index,), ok)
         exact = exact.index_put((index,), acceptance_probability(target[index], draft_logprobs))
-    if plain_rows:
-        last_tokens.index_copy_(0, plain[1], tokens[plain[0]])
+    if slots is not None:
+        flags = torch.cat((accepted, accepted.new_zeros(1)))[chunk_verify]
+        final = chunk_first + flags.long().cumprod(dim=1).sum(dim=1)
+        slots.last.index_copy_(0, chunk_slot, tokens[final])
+        slots.length.index_copy_(0, chunk_slot, positions[final])
     columns = [tokens.double(), accepted.double(), exact, target.gather(1, tokens[:, None])[:, 0].double()]
     top = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=0)
     if top:

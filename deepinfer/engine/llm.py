@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer.decoding.dspark import DSpark
+from deepinfer.decoding.dspark import DSpark, PendingDrafts
 from deepinfer.decoding.sampler import PendingEmissions, emit
 from deepinfer.decoding.structured import GrammarService, step_bitmasks
 from deepinfer.engine.device import make_runtime
@@ -132,12 +132,13 @@ class LLM:
         return request
 
     def step(self) -> "StepStats":
-        """One engine step: admit requests whose grammar compiled, schedule, launch the model and
-        the sampling (grammar masks applied, drafts verified), collect the emitted tokens, then
-        draft for the next step. With asynchronous scheduling a pure decode step stays in flight:
-        the next call schedules and launches the step after it first (its input tokens filled in
-        on the device) and only then collects it. With nothing to run it waits for the first
-        grammar to compile. Returns what the step did and what finished."""
+        """One engine step: admit requests whose grammar compiled, schedule, launch the model, the
+        sampling (grammar masks applied, drafts verified) and the draft pass for the next step,
+        then collect the emitted tokens and drafts. With asynchronous scheduling a decode or
+        verify step stays in flight: the next call schedules and launches the step after it
+        first (its input tokens, drafts and start positions filled in on the device) and only
+        then collects it. With nothing to run it waits for the first grammar to compile. Returns
+        what the step did and what finished."""
         stats = StepStats(self._admit_compiled_grammars())
         previous, self._inflight = self._inflight, None
         if not self.scheduler.has_work:
@@ -158,38 +159,59 @@ class LLM:
         return stats
 
     def _launch(self, batch: Batch, stats: "StepStats") -> "LaunchedStep":
-        """Queue the forward and sampling of ``batch``. Fed tokens count as computed at launch; each
-        sampling chunk's next token becomes a placeholder until the step is collected."""
+        """Queue the forward and sampling of ``batch``, and with DSpark the draft pass after it.
+        Fed tokens count as computed at launch (the drafts it verifies once it is collected);
+        each sampling chunk's next token becomes a placeholder until the step is collected."""
         stats.count_launch(batch)
         sampling = [c for c in batch.chunks if c.samples]
+        drafting = [c for c in sampling if self.dspark is not None and self.dspark.drafts_after(c)]
         for chunk in batch.chunks:
             chunk.request.num_computed += len(chunk.token_ids) - len(chunk.drafts)
         for chunk in sampling:
             chunk.request.inflight += 1
+            chunk.request.unconfirmed += len(chunk.drafts)
+        for chunk in drafting:
+            chunk.request.pending_drafts += self.dspark.k
         masks = step_bitmasks(sampling, self.model.vocab_size)
-        pending = self.runtime.run_async(
-            lambda: emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks, self.runner.last_tokens))
-        return LaunchedStep(batch, sampling, pending)
+
+        def device_work():
+            emissions = emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks, self.runner.slots)
+            return emissions, self.dspark.launch(drafting) if drafting else None
+        return LaunchedStep(batch, sampling, self.runtime.run_async(device_work))
 
     def _collect(self, step: "LaunchedStep", stats: "StepStats") -> None:
-        """Wait for ``step``'s results, advance its requests, free what finished, draft."""
-        emissions = step.pending().collect()
+        """Wait for ``step``'s results, advance its requests, free what finished, take the drafts."""
+        pending, drafted = step.pending()
+        emissions = pending.collect()
+        for chunk in step.sampling:
+            chunk.request.unconfirmed -= len(chunk.drafts)
         stats.count_emissions(emissions)
         stats.finished += self.outputs.apply(step.sampling, emissions)
         for request in step.release_after:
             self.scheduler.kv.release(request)
         if self.dspark:
-            self.dspark.propose([c.request for c in step.sampling if c.request.status is Status.RUNNING])
+            self.dspark.receive([c.request for c in step.sampling], drafted)
 
     def _can_overlap(self, step: "LaunchedStep") -> bool:
-        """Whether the step after ``step`` may be scheduled before ``step`` is collected: a pure
-        decode step without drafts or grammars that holds every running request, with a free
-        block for each (so the next schedule never preempts, which would discard a request in
-        flight)."""
-        return (self.async_scheduling and step.batch.decode and self.dspark is None
-                and all(c.request.grammar is None and not c.drafts for c in step.sampling)
-                and len(step.batch.chunks) == len(self.scheduler.running)
-                and len(self.scheduler.kv.free_blocks) >= len(self.scheduler.running))
+        """Whether the step after ``step`` may be scheduled before ``step`` is collected: a
+        decode step without grammars that holds every running request, after which the next
+        schedule can never preempt (which would discard a request in flight). With DSpark (fixed
+        verify lengths, decode-shaped passes) every request must have been drafted for, and its
+        next step must verify all ``k`` drafts and draft again whatever this one accepts, so that
+        both steps are the ones the synchronous engine would run."""
+        running = self.scheduler.running
+        if not (self.async_scheduling and step.batch.decode and len(step.batch.chunks) == len(running)
+                and all(c.request.grammar is None for c in step.sampling)):
+            return False
+        if self.dspark is None:
+            return not any(c.drafts for c in step.sampling) and len(self.scheduler.kv.free_blocks) >= len(running)
+        k, kv = self.dspark.k, self.scheduler.kv
+        worst = [r.num_computed + r.unconfirmed + 1 + k for r in running]
+        return (not self.dspark.varlen and bool(self.runner.passes)
+                and len(running) * (k + 1) <= self.scheduler.token_budget
+                and all(r.pending_drafts == k and self.dspark.room(r, r.unconfirmed) >= k for r in running)
+                and max(worst) + k <= self.max_model_len
+                and sum(max(0, kv.blocks_for(n) - len(r.blocks)) for r, n in zip(running, worst)) <= len(kv.free_blocks))
 
     def _finish(self, request: Request, reason: str) -> None:
         """Stop ``request``; its cache is freed once no launched step writes there."""
@@ -335,12 +357,13 @@ class StepStats:
 
 @dataclass
 class LaunchedStep:
-    """A step whose forward and sampling are queued: its batch, the chunks that sample, their
-    pending emissions, and the finished requests whose cache it still writes."""
+    """A step whose forward, sampling and draft pass are queued: its batch, the chunks that
+    sample, the wait for their pending emissions and drafts, and the finished requests whose
+    cache it still writes."""
 
     batch: Batch
     sampling: list
-    pending: Callable[[], PendingEmissions]
+    pending: Callable[[], "tuple[PendingEmissions, PendingDrafts | None]"]
     release_after: list[Request] = field(default_factory=list)
 
 

@@ -26,7 +26,9 @@ class Request:
     and matcher; ``error`` says why a request finished with reason "error"; ``num_retries``: how
     often a structured output its schema rejected was generated again. ``inflight``: tokens
     launched steps are sampling for it, not yet known on the host (each a :data:`PLACEHOLDER`
-    at the end of ``token_ids``)."""
+    at the end of ``token_ids``). ``unconfirmed``: drafts a launched step verifies, which count
+    as computed once it is collected (up to that many more tokens than ``num_computed``);
+    ``pending_drafts``: drafts a launched step proposes, on the device until it is collected."""
 
     request_id: int
     prompt: str | None
@@ -55,6 +57,8 @@ class Request:
     grammar: object | None = None
     error: str | None = None
     inflight: int = 0
+    unconfirmed: int = 0
+    pending_drafts: int = 0
     num_retries: int = 0
 
     @property

@@ -7,8 +7,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from deepinfer.decoding.sampler import SlotTokens
 from deepinfer.engine.device import Runtime
 from deepinfer.engine.graphs import PaddedPass, as_float, float_bits, graph_batch_sizes, graph_table_widths
+from deepinfer.engine.request import PLACEHOLDER
 from deepinfer.engine.scheduler import Batch
 from deepinfer.hal.ops.sampling import as_int64
 from deepinfer.hal.value_checks import skip_value_checks
@@ -28,9 +30,11 @@ class ModelRunner:
     caches. ``logits_trace``: set it to a dict (debugging, invariance tests) and each step's
     logits rows are appended there under their request id. ``bounded_replay`` (an
     ``engine.bounded_replay`` config): the kept suffix is counted from each request's own
-    prompt, so a request recomputed after preemption replays as it first did. An input token
-    < 0 (a :data:`~deepinfer.engine.request.PLACEHOLDER`) is read on the device from
-    ``last_tokens`` at the request's state slot, where the sampler of the step before wrote it."""
+    prompt, so a request recomputed after preemption replays as it first did. ``slots``
+    (:class:`~deepinfer.decoding.sampler.SlotTokens`) is what each request's last step left on the
+    device: a decode-shaped pass reads an input token < 0 (a
+    :data:`~deepinfer.engine.request.PLACEHOLDER`) there (the first from ``last``, the j-th
+    draft from ``drafts``), and a chained sequence's start from ``length``."""
 
     def __init__(self, model: GenerativeModel, runtime: Runtime, num_blocks: int, num_state_slots: int,
                  max_num_seqs: int, num_draft_tokens: int = 0, confidence_temperature: float = 1.0,
@@ -40,7 +44,7 @@ class ModelRunner:
         self.replay = bounded_replay if bounded_replay is not None and bounded_replay.mode != "off" else None
         self.k, self.confidence_temperature = num_draft_tokens, confidence_temperature
         self.caches = model.allocate_caches(num_blocks, num_state_slots)
-        self.last_tokens = torch.zeros(num_state_slots, dtype=torch.int64, device=runtime.device)
+        self.slots = SlotTokens.zeros(num_state_slots, num_draft_tokens, runtime.device)
         self.table_width = math.ceil((model.max_model_len + model.position_margin) / model.page_tokens)
         self.logits_trace: dict[int, list[torch.Tensor]] | None = None
         self.passes: dict[tuple[str, int], PaddedPass] = {}
@@ -67,15 +71,17 @@ class ModelRunner:
                 row += rows
         return logits
 
-    def draft(self, requests: Sequence) -> DraftProposal:
-        """One DSpark draft pass for ``requests`` (each with exactly its last token uncomputed),
-        sampled with each request's own parameters and seed."""
-        k = self.k
-        padded = self._pass_for("draft", len(requests), max(len(r.blocks) for r in requests))
-        arrays = self._sequence_arrays_of([[r.token_ids[-1]] + [self.model.draft_noise_token] * (k - 1) for r in requests],
-                                          [r.num_computed for r in requests], [r.state_slot for r in requests],
-                                          [r.blocks for r in requests], requests,
-                                          padded.fields["table"] if padded is not None else self.table_width)
+    def draft(self, chunks: Sequence) -> DraftProposal:
+        """One DSpark draft pass, queued right after the step of ``chunks`` (sampling chunks):
+        each request's input is the token that step emitted, at the length it left, both read
+        on the device; sampled with each request's own parameters and seed. The drafts are also
+        left in ``slots.drafts``, where the next step's placeholders read them."""
+        k, requests = self.k, [c.request for c in chunks]
+        padded = self._pass_for("draft", len(chunks), max(len(c.blocks) for c in chunks))
+        arrays = self._sequence_arrays_of([[PLACEHOLDER] + [self.model.draft_noise_token] * (k - 1)] * len(chunks),
+                                          [0] * len(chunks), [c.slot for c in chunks], [c.blocks for c in chunks],
+                                          requests, padded.fields["table"] if padded is not None else self.table_width,
+                                          chained=[True] * len(chunks))
         params = [r.params for r in requests]
         arrays.update(temperature=float_bits([p.temperature for p in params]),
                       top_p=float_bits([p.top_p for p in params]), top_k=[p.top_k for p in params],
@@ -100,6 +106,8 @@ class ModelRunner:
 
     def _build_passes(self, sizes: list[int], width: int) -> None:
         sequence = {"start": 1, "slot": 1, "table": width}
+        if self.k:
+            sequence["chained"] = 1
         if self.replay is not None:
             sequence["replay"] = 1
         kinds = {"decode": (self._target_pass(1), {"ids": 1})}
@@ -126,10 +134,13 @@ class ModelRunner:
 
     def _decode_context(self, inputs, query_len: int, draft_block: int = 0) -> ForwardContext:
         replay = inputs["replay"][:, 0] if "replay" in inputs else None
-        ids = inputs["ids"]
-        ids = torch.where(ids < 0, self.last_tokens[inputs["slot"]], ids)
-        return ForwardContext.for_decode(ids.reshape(-1), inputs["start"][:, 0], inputs["slot"][:, 0],
-                                         inputs["table"], query_len, replay_start=replay, draft_block=draft_block,
+        slot, start, ids = inputs["slot"][:, 0], inputs["start"][:, 0], inputs["ids"]
+        if "chained" in inputs:
+            start = torch.where(inputs["chained"][:, 0] > 0, self.slots.length[slot], start)
+        known = torch.cat((self.slots.last[slot, None], self.slots.drafts[slot]), dim=1)[:, :ids.shape[1]]
+        ids = torch.where(ids < 0, known, ids)
+        return ForwardContext.for_decode(ids.reshape(-1), start, slot, inputs["table"], query_len,
+                                         replay_start=replay, draft_block=draft_block,
                                          write_draft_cache=bool(self.k) and not draft_block)
 
     def _target_pass(self, query_len: int):
@@ -142,18 +153,22 @@ class ModelRunner:
         sampling = DraftSampling(as_float(inputs["temperature"][:, 0]), as_float(inputs["top_p"][:, 0]),
                                  inputs["top_k"][:, 0], inputs["seed"][:, 0], self.confidence_temperature)
         proposal = self.model.draft(ctx, self.caches, sampling)
+        self.slots.drafts.index_copy_(0, inputs["slot"][:, 0], proposal.tokens)
         return {"tokens": proposal.tokens, "logprobs": proposal.logprobs, "confidences": proposal.confidences}
 
     def _sequence_arrays(self, chunks, width: int) -> dict[str, np.ndarray]:
         return self._sequence_arrays_of([c.token_ids for c in chunks], [c.start for c in chunks],
                                         [c.slot for c in chunks], [c.blocks for c in chunks],
-                                        [c.request for c in chunks], width)
+                                        [c.request for c in chunks], width, [c.chained for c in chunks])
 
-    def _sequence_arrays_of(self, tokens, starts, slots, blocks, requests, width: int) -> dict[str, np.ndarray]:
+    def _sequence_arrays_of(self, tokens, starts, slots, blocks, requests, width: int,
+                            chained: Sequence[bool] = ()) -> dict[str, np.ndarray]:
         table = np.zeros((len(requests), width), dtype=np.int64)
         for row, owned in enumerate(blocks):
             table[row, :len(owned)] = owned
         arrays = {"ids": np.asarray(tokens, dtype=np.int64), "start": starts, "slot": slots, "table": table}
+        if self.k:
+            arrays["chained"] = np.asarray(chained if len(chained) else [False] * len(requests), dtype=np.int64)
         if self.replay is not None:
             arrays["replay"] = self._replay_starts(requests)
         return arrays
@@ -163,6 +178,9 @@ class ModelRunner:
 
     def _context(self, batch: Batch) -> ForwardContext:
         chunks = batch.chunks
+        if any(c.chained or PLACEHOLDER in c.drafts for c in chunks):
+            raise RuntimeError("a step whose inputs wait on the device (chained starts, drafts still there) "
+                               "must run as a decode-shaped pass; this batch is not one")
         rows, offset = [], 0
         for c in chunks:
             offset += len(c.token_ids)
@@ -177,5 +195,5 @@ class ModelRunner:
             upload=self.runtime.upload)
         ctx.write_draft_cache = bool(self.k)
         if any(t < 0 for c in chunks for t in c.token_ids):
-            ctx.input_ids = torch.where(ctx.input_ids < 0, self.last_tokens[ctx.slot_of_token], ctx.input_ids)
+            ctx.input_ids = torch.where(ctx.input_ids < 0, self.slots.last[ctx.slot_of_token], ctx.input_ids)
         return ctx

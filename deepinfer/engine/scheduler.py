@@ -12,9 +12,12 @@ from deepinfer.engine.request import Request, Status
 class Chunk:
     """``token_ids`` of ``request`` starting at position ``start``; ``samples`` when the chunk
     ends at the request's last known token, so the step produces its next token. ``drafts`` are
-    the DSpark draft tokens appended for verification (the last ``len(drafts)`` token ids).
+    the DSpark draft tokens appended for verification (the last ``len(drafts)`` token ids; a
+    :data:`~deepinfer.engine.request.PLACEHOLDER` for each one still on the device).
     ``slot`` and ``blocks`` are the request's state slot and cache blocks when it was scheduled
-    (what the step's device work reads, whatever the host does meanwhile)."""
+    (what the step's device work reads, whatever the host does meanwhile). ``chained``: the
+    request's previous step, still in flight, verifies drafts, so ``start`` is a lower bound and
+    the device reads the true one (the tokens that step computes)."""
 
     request: Request
     token_ids: list[int]
@@ -23,6 +26,7 @@ class Chunk:
     drafts: list[int] = field(default_factory=list)
     slot: int = 0
     blocks: tuple[int, ...] = ()
+    chained: bool = False
 
 
 @dataclass
@@ -78,7 +82,7 @@ class Scheduler:
             drafts = request.verify_drafts[:budget - size] if request.num_pending == 1 else []
             if self.whole_verify and len(drafts) < len(request.verify_drafts) and request.num_pending == 1:
                 continue  # verifies all its drafts in a later step rather than fewer now
-            if not self._reserve_or_preempt(request, request.num_computed + size + len(drafts)):
+            if not self._reserve_or_preempt(request, request.num_computed + request.unconfirmed + size + len(drafts)):
                 continue
             chunks.append(self._chunk(request, size, drafts))
             budget -= size + len(drafts)
@@ -102,7 +106,7 @@ class Scheduler:
         start = request.num_computed
         tokens = request.token_ids[start:start + size] + list(drafts)
         return Chunk(request, tokens, start, start + size == request.num_tokens, list(drafts), request.state_slot,
-                     tuple(request.blocks))
+                     tuple(request.blocks), chained=request.unconfirmed > 0)
 
     def _reserve_or_preempt(self, request: Request, num_tokens: int) -> bool:
         while not self.kv.reserve(request, num_tokens):
@@ -123,7 +127,7 @@ class Scheduler:
         self.kv.release(request)
         self.running.remove(request)
         request.status, request.num_computed = Status.WAITING, 0
-        request.drafts, request.verify_drafts = [], []
+        request.drafts, request.verify_drafts, request.unconfirmed, request.pending_drafts = [], [], 0, 0
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str, release: bool = True) -> None:

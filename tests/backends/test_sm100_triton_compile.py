@@ -27,7 +27,8 @@ def _kernels():
                                                               out="*bf16", hidden="i32"), \
         dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
     yield "rope_kernel", rope.rope_kernel, dict(x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32",
-                                                heads="i32", dim="i32", table_stride="i32", sign="fp32"), \
+                                                heads="i32", dim="i32", x_row_stride="i32", table_stride="i32",
+                                                sign="fp32"), \
         dict(ROPE=64, BLOCK_ROWS=rope.BLOCK_ROWS, BLOCK_D=512)
     yield "ep_combine_kernel", ep_combine.ep_combine_kernel, dict(y="*fp32", row_of_pair="*i64", weights="*fp32",
                                                                   routed="*i8", out="*fp32", hidden="i32"), \

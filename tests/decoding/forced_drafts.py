@@ -6,14 +6,14 @@ from deepinfer.decoding.dspark import DSpark
 
 
 def force_rejections(monkeypatch, prompts, continuations, k: int, vocab: int = 500) -> dict:
-    """Patch :meth:`DSpark.propose` so every request's drafts are its known greedy continuation
+    """Patch :meth:`DSpark.receive` so every request's drafts are its known greedy continuation
     (``continuations[i]`` for ``prompts[i]``) with one wrong token; returns the step counter."""
     truth = {tuple(p): list(p) + list(t) for p, t in zip(prompts, continuations)}
-    original = DSpark.propose
+    original = DSpark.receive
     step = {"n": 0}
 
-    def corrupted(self, requests):
-        original(self, requests)
+    def corrupted(self, requests, drafted):
+        original(self, requests, drafted)
         for request in requests:
             if not request.drafts:
                 continue
@@ -28,5 +28,5 @@ def force_rejections(monkeypatch, prompts, continuations, k: int, vocab: int = 5
             request.draft_logprobs = logprobs
             step["n"] += 1
 
-    monkeypatch.setattr(DSpark, "propose", corrupted)
+    monkeypatch.setattr(DSpark, "receive", corrupted)
     return step

@@ -100,18 +100,18 @@ def test_first_verified_token_follows_the_target_distribution_with_wrong_drafts(
     plain = LLM("tiny_random", "reference", overrides[:2]).generate([prompt] * n, params)
     target = {s: sorted(out.logprobs[1].items(), key=lambda kv: -kv[1])[:3] for s, out in enumerate(plain)}
     wrong = torch.tensor([0.15, 0.25, 0.6])
-    original = DSpark.propose
+    original = DSpark.receive
 
-    def wrong_drafts(self, requests):
-        original(self, requests)
-        for request in requests:
+    def wrong_drafts(self, requests, drafted):
+        original(self, requests, drafted)
+        for request in (r for r in requests if r.drafts):
             support = [token for token, _ in target[request.seed]]
             pick = int(torch.multinomial(wrong, 1, generator=torch.Generator().manual_seed(request.seed)))
             logprobs = torch.full_like(request.draft_logprobs, float("-inf"))
             logprobs[0, support] = wrong.log()
             request.drafts, request.draft_logprobs = [support[pick]], logprobs
 
-    monkeypatch.setattr(DSpark, "propose", wrong_drafts)
+    monkeypatch.setattr(DSpark, "receive", wrong_drafts)
     drafted = LLM("tiny_random", "reference", overrides + ["decoding=dspark"]).generate([prompt] * n, params)
     counts, expected = torch.zeros(3), torch.zeros(3)
     for s, out in enumerate(drafted):

@@ -94,14 +94,88 @@ def test_a_stopped_request_keeps_its_cache_until_its_last_step_is_collected(monk
     assert any(o.finish_reason == "stop" for o in outputs)
 
 
-def test_dspark_and_grammar_steps_are_collected_before_the_next(monkeypatch):
-    """Steps whose next inputs need the host (drafts to propose, masks to fill) never overlap,
-    and give the synchronous tokens."""
-    overrides = ["decoding=dspark", "decoding.varlen=false"]
+def test_varlen_dspark_and_grammar_steps_are_collected_before_the_next(monkeypatch):
+    """Steps whose next inputs need the host (verify lengths chosen from the drafts'
+    confidences, masks to fill) never overlap, and give the synchronous tokens."""
+    from deepinfer.decoding.dspark import DSpark
+    from deepinfer.decoding.verify_schedule import StepTimeCurve
+
+    curve = StepTimeCurve([1, 64], [0.010, 0.013])  # a fixed curve: lengths do not follow this machine's timing
+    monkeypatch.setattr(DSpark, "measure_step_time", lambda self, rows: curve)
+    overrides = ["decoding=dspark", "decoding.varlen=true", "engine.cuda_graphs=true"]
     _, want, _ = _generate(["engine.async_scheduling=false"] + overrides)
     _, got, overlapped = _generate(["engine.async_scheduling=true"] + overrides, monkeypatch)
     _same(got, want)
     assert overlapped == 0
+
+
+DSPARK = ["decoding=dspark", "decoding.varlen=false", "engine.cuda_graphs=true", "engine.max_num_seqs=4"]
+
+
+def _dspark_params(count):
+    """Greedy and seeded sampling, stops on tokens, lengths that end near and far from a step's
+    worst case (so both overlapped and collected steps end requests)."""
+    kinds = [dict(temperature=0, max_tokens=40, ignore_eos=True),
+             dict(temperature=0.8, top_p=0.95, max_tokens=33, seed=4, ignore_eos=True, logprobs=1),
+             dict(temperature=0, max_tokens=7, ignore_eos=True),
+             dict(temperature=1.0, max_tokens=45, seed=9, stop_token_ids=list(range(30, 60)))]
+    return [SamplingParams(**kinds[i % len(kinds)]) for i in range(count)]
+
+
+def _dspark_generate(mode, prompts, monkeypatch=None, runtime=None):
+    import deepinfer.engine.llm as llm_module
+
+    with pytest.MonkeyPatch.context() as patch:
+        if runtime is not None:
+            patch.setattr(llm_module, "make_runtime", runtime)
+        llm = LLM("tiny", "reference", QUIET + DSPARK + [f"engine.async_scheduling={mode}"])
+    overlapped = []
+    if monkeypatch is not None:
+        can_overlap = type(llm)._can_overlap
+        monkeypatch.setattr(llm, "_can_overlap", lambda step: overlapped.append(can_overlap(llm, step)) or
+                            overlapped[-1])
+    return llm, llm.generate(prompts, _dspark_params(len(prompts))), sum(overlapped)
+
+
+@pytest.fixture(scope="module")
+def heldout_prompts():
+    """Prompts from the shipped model's held-out text: its drafts are accepted often, so steps
+    in flight end at every accepted length."""
+    import json
+
+    from deepinfer.models.registry import model_preset, resolve_checkpoint
+
+    sample = json.loads((resolve_checkpoint(model_preset("tiny")["checkpoint"]) / "heldout_sample.json").read_text())
+    return sample["prompts"][:6]
+
+
+def test_dspark_verify_steps_overlap_and_emit_the_synchronous_outputs(monkeypatch, heldout_prompts):
+    """With fixed verify lengths, verify step N+1 is launched before step N is collected: its
+    golden token, drafts and start position are read on the device from what step N and its
+    draft pass left there. Tokens, stops, drafts verified and accepted all match the
+    synchronous engine's."""
+    _, want, _ = _dspark_generate("false", heldout_prompts)
+    llm, got, overlapped = _dspark_generate("true", heldout_prompts, monkeypatch)
+    _same(got, want)
+    assert [o.verify_log for o in got] == [o.verify_log for o in want]
+    assert overlapped > 10, "no verify step stayed in flight: the chained path went untested"
+    accepted = {a for o in got for _, a in o.verify_log}
+    assert {0, 5} <= accepted and len(accepted) >= 4, f"accepted lengths {accepted}: too few kinds exercised"
+    assert any(o.finish_reason == "stop" for o in got) and any(o.finish_reason == "length" for o in got)
+    assert llm._inflight is None
+    assert len(llm.scheduler.kv.free_blocks) == llm.scheduler.kv.num_blocks - 1, "blocks leaked"
+    assert all(r.unconfirmed == 0 and r.pending_drafts == 0 for r in llm.scheduler.running), "counts leaked"
+
+
+def test_dspark_on_a_slow_threaded_device_overlaps_and_matches(monkeypatch, heldout_prompts):
+    from deepinfer.engine.device import ThreadedCpuRuntime
+
+    _, want, _ = _dspark_generate("false", heldout_prompts[:4])
+    _, got, overlapped = _dspark_generate("true", heldout_prompts[:4], monkeypatch,
+                                          runtime=lambda device: ThreadedCpuRuntime(device, delay_s=0.01))
+    _same(got, want)
+    assert [o.verify_log for o in got] == [o.verify_log for o in want]
+    assert overlapped > 5
 
 
 def test_on_a_slow_threaded_device_the_host_works_while_steps_compute(monkeypatch):
@@ -127,18 +201,19 @@ def test_on_a_slow_threaded_device_the_host_works_while_steps_compute(monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="the sm100 backend needs tilelang")
-def test_async_scheduling_emits_the_synchronous_outputs_on_the_gpu(monkeypatch):
+@pytest.mark.parametrize("decoding", [[], ["decoding=dspark", "decoding.varlen=false"]], ids=["plain", "dspark"])
+def test_async_scheduling_emits_the_synchronous_outputs_on_the_gpu(monkeypatch, decoding):
     """In batch-invariant mode: a step in flight can hold a row the synchronous engine no longer
     runs, so the two engines run different batch shapes, whose bf16 logits differ otherwise."""
     outputs, overlapped = [], []
     for mode in ("false", "true"):
-        llm = LLM("tiny", "sm100", QUIET + ["engine.max_num_seqs=4", "backend.fallback=reference",
+        llm = LLM("tiny", "sm100", QUIET + decoding + ["engine.max_num_seqs=4", "backend.fallback=reference",
                                             "model.dtype=bfloat16", "engine.gpu_memory_utilization=0.15",
                                             "engine.batch_invariant=true", f"engine.async_scheduling={mode}"])
         can_overlap = type(llm)._can_overlap
         monkeypatch.setattr(llm, "_can_overlap", lambda step, llm=llm: overlapped.append(can_overlap(llm, step)) or
                             overlapped[-1])
-        outputs.append([(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, _params())])
+        outputs.append([(o.token_ids, o.finish_reason, o.verify_log) for o in llm.generate(PROMPTS, _params())])
         del llm
         gc.collect()
         torch.cuda.empty_cache()

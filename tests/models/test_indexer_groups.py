@@ -59,3 +59,43 @@ def test_long_prompts_are_scored_in_runs_that_waste_little():
         needed = sequences * 512 * 256
         assert (t1 - t0) * (k1 - k0) <= max(attention.INDEXER_GROUP_WASTE * needed, attention.INDEXER_SMALL_GROUP)
     assert sum((t1 - t0) * (k1 - k0) for t0, t1, k0, k1 in groups) < 8192 * 4096 / 4
+
+
+def _short_prompt_steps(fit) -> tuple[list[torch.Tensor], list[bool]]:
+    """Two prefill chunks and two decode steps of three sequences whose compressed keys stay within
+    ``index_topk`` (at most 46 keys, at ratio 1, of 48) in prefill, with ``fit`` deciding the shortcut;
+    every step's logits rows and each indexer call's shortcut."""
+    model, rng = tiny_model(seed=5, index_topk=48), random.Random(1)
+    runner = SequenceRunner(model, num_seqs=3, max_len=64)
+    tokens = {s: [rng.randrange(3, 500) for _ in range(rng.randint(30, 46))] for s in range(3)}
+    taken = []
+
+    def deciding(self, ctx):
+        taken.append(fit(self, ctx))
+        return taken[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention.Attention, "_windows_fit_topk", deciding)
+        logits = [runner.step({s: t[:17] for s, t in tokens.items()}, all_logits=True),
+                  runner.step({s: t[17:] for s, t in tokens.items()}, all_logits=True)]
+        for _ in range(2):
+            logits.append(runner.step({s: [rng.randrange(3, 500)] for s in tokens}, decode=True))
+    return logits, taken
+
+
+def test_prefill_skips_the_indexer_when_every_window_fits_topk_with_the_same_logits():
+    """Top-k of a window no longer than k is the whole window: the shortcut's selection gives the
+    logits of the scored one, bit for bit, and is taken by every compressed layer's prefill."""
+    fitting = attention.Attention._windows_fit_topk
+    shortcut, taken = _short_prompt_steps(fitting)
+    scored, _ = _short_prompt_steps(lambda self, ctx: False)
+    assert taken and all(taken), "every prefill chunk's windows fit index_topk"
+    for a, b in zip(shortcut, scored):
+        assert torch.equal(a, b)
+
+
+def test_prefill_runs_the_indexer_once_a_sequence_holds_more_than_topk_keys():
+    layer = next(layer.attn for layer in tiny_model(index_topk=8).layers if layer.attn.ratio == 2)
+    fits = type("Ctx", (), {"context_lens_host": (16, 5)})
+    longer = type("Ctx", (), {"context_lens_host": (5, 18)})
+    assert layer._windows_fit_topk(fits) and not layer._windows_fit_topk(longer)

@@ -9,16 +9,17 @@ BLOCK_ROWS = 4
 
 
 @triton.jit
-def rope_kernel(x, positions, cos_sin, out, rows, heads, dim, table_stride, sign,
+def rope_kernel(x, positions, cos_sin, out, rows, heads, dim, x_row_stride, table_stride, sign,
                 ROPE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``[BLOCK_ROWS * pid, BLOCK_ROWS * (pid + 1))`` of ``x [rows, dim]`` (``heads`` rows
-    per token): ``out = x`` with columns ``dim - ROPE ..`` turned in interleaved pairs by the
-    token's angles (``cos_sin [P, ROPE]``: cos then sin; ``sign`` -1 turns backwards)."""
+    per token, ``x_row_stride`` elements apart): ``out`` (contiguous) ``= x`` with columns
+    ``dim - ROPE ..`` turned in interleaved pairs by the token's angles (``cos_sin [P, ROPE]``:
+    cos then sin; ``sign`` -1 turns backwards)."""
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     live = row < rows
     col = tl.arange(0, BLOCK_D)
     inside = live[:, None] & (col < dim)[None, :]
-    start = row[:, None].to(tl.int64) * dim
+    start = row[:, None].to(tl.int64) * x_row_stride
     value = tl.load(x + start + col[None, :], mask=inside, other=0.0).to(tl.float32)
     local = col - (dim - ROPE)
     turning = inside & (local >= 0)[None, :]
@@ -30,4 +31,5 @@ def rope_kernel(x, positions, cos_sin, out, rows, heads, dim, table_stride, sign
     cos = tl.load(cos_sin + angle, mask=turning, other=1.0)
     sin = sign * tl.load(cos_sin + angle + ROPE // 2, mask=turning, other=0.0)
     turned = tl.where(odd[None, :], other * sin + value * cos, value * cos - other * sin)
-    tl.store(out + start + col[None, :], tl.where(turning, turned, value).to(out.dtype.element_ty), mask=inside)
+    result = tl.where(turning, turned, value).to(out.dtype.element_ty)
+    tl.store(out + row[:, None].to(tl.int64) * dim + col[None, :], result, mask=inside)

@@ -105,10 +105,15 @@ def check_rope_args(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
 
 
 def _case(tokens: int, middle: tuple[int, ...], dim: int, conjugate: bool = False,
-          dtype=torch.float32, theta: float = 10000.0, yarn: YarnScaling | None = None, table: int = 256):
+          dtype=torch.float32, theta: float = 10000.0, yarn: YarnScaling | None = None, table: int = 256,
+          tail_of: int | None = None, spare_heads: int = 0):
+    """``tail_of``: ``x`` is the trailing ``dim`` columns of a wider tensor (evenly spaced rows);
+    ``spare_heads``: of a tensor with that many more heads, too (rows not evenly spaced)."""
     def make(gen: torch.Generator, device: torch.device):
+        wide = torch.randn(tokens, *middle[:-1], *[m + spare_heads for m in middle[-1:]], tail_of or dim,
+                           generator=gen).to(device, dtype)
         return {
-            "x": torch.randn(tokens, *middle, dim, generator=gen).to(device, dtype),
+            "x": wide[..., :middle[-1], wide.shape[-1] - dim:] if middle else wide[..., wide.shape[-1] - dim:],
             "positions": torch.randint(0, table, (tokens,), generator=gen).to(device),
             "cos_sin": rope_cos_sin(rope_inv_freq(theta, yarn=yarn), table).to(device),
             "conjugate": conjugate,
@@ -127,6 +132,10 @@ register(OpSpec(
         OpCase("tiny_heads", _case(4, (3,), 128)),
         OpCase("tiny_conjugate", _case(4, (3,), 128, conjugate=True)),
         OpCase("tiny_bf16", _case(6, (2,), 64, dtype=torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("tiny_tail_slice", _case(4, (3,), 64, conjugate=True, tail_of=160)),
+        OpCase("tiny_uneven_rows", _case(4, (3,), 96, tail_of=160, spare_heads=2)),
+        OpCase("v41_query_tail_bf16", _case(16, (64,), 64, dtype=torch.bfloat16, tail_of=512), size="real",
+               dtype=torch.bfloat16),
         OpCase("v41_query", _case(16, (64,), 512), size="real"),
         OpCase("v41_yarn_key", _case(16, (), 512, theta=160000.0, yarn=_V41_YARN, table=1 << 16),
                size="real"),

@@ -20,6 +20,15 @@ INDEXER_SMALL_GROUP = 1 << 20
 """Runs up to this many logits group sequences whatever the waste (one launch beats several)."""
 
 
+def rope_tail(ops: OpTable, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+              conjugate: bool = False) -> torch.Tensor:
+    """``x`` (a tensor the caller owns) with its trailing ``cos_sin.shape[1]`` dims turned in
+    place: only that slice goes through ``apply_rope``, the rest of each row is never copied."""
+    tail = x[..., x.shape[-1] - cos_sin.shape[1]:]
+    tail.copy_(ops.apply_rope(tail, positions, cos_sin, conjugate=conjugate))
+    return x
+
+
 class Compressor(nn.Module):
     """Projects the compressed KV stream: ``wkv`` (latent) and, for C2, ``wgate`` (score)."""
 
@@ -72,7 +81,7 @@ class Attention(nn.Module):
         bounded = kv_source is not None and ctx.replay_start is not None
         visible = ctx.replay_start[ctx.seq_of_token] if bounded else None
         q_a = self.q_norm(self.wq_a(hidden))
-        q = ops.apply_rope(self.wq_b(q_a).view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
+        q = rope_tail(ops, self.wq_b(q_a).view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
         kv_latent = self.wkv(hidden)
         selected = None
         if self.ratio:
@@ -81,7 +90,7 @@ class Attention(nn.Module):
             selected = self._select_compressed(q_a, hidden, ctx, cache, cos_sin)
         attend = self._attend_decode if ctx.decode else self._attend_prefill
         out = attend(q, kv_latent, selected, ctx, cache, visible, cos_sin)
-        out = ops.apply_rope(out, pos, cos_sin, conjugate=True)
+        out = rope_tail(ops, out, pos, cos_sin, conjugate=True)
         return self._project_out(out)
 
     def _store_compressed(self, source, ctx, cache, cos_sin) -> None:
@@ -128,14 +137,20 @@ class Attention(nn.Module):
 
     def _select_compressed(self, q_a, hidden, ctx, cache, cos_sin) -> torch.Tensor:
         """Offsets of the compressed keys each query attends to among its sequence's (-1 padding).
-        A decode step scores each sequence's own keys only (per-sequence index keys)."""
+        A decode step scores each sequence's own keys only (per-sequence index keys). When no
+        sequence of a prefill step holds more than ``index_topk`` compressed keys, the top-k of
+        every query is its whole window, and the indexer is not run."""
         ops, idx = self.ops, self.indexer
-        q = ops.apply_rope(idx.wq_b(q_a).view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
+        topk = self.cfg.index_topk
+        if not ctx.decode and self._windows_fit_topk(ctx):
+            offsets = torch.arange(topk, device=ctx.positions.device)
+            visible = (ctx.positions + 1) // self.ratio
+            return torch.where(offsets < visible[:, None], offsets, -1).to(torch.int32)
+        q = rope_tail(ops, idx.wq_b(q_a).view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
         weights = idx.weights_proj(hidden).float() * (idx.heads * INDEX_HEAD_DIM) ** -0.5
         key_slots, first = self._compressed_keys(ctx, cache)
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
         visible = (ctx.positions + 1) // self.ratio
-        topk = self.cfg.index_topk
         if ctx.decode:
             keys = keys.view(ctx.num_seqs, -1, INDEX_HEAD_DIM)
             return ops.indexer_topk(ops.indexer_logits(q, keys, weights), torch.zeros_like(visible), visible, topk)
@@ -143,6 +158,10 @@ class Attention(nn.Module):
         return torch.cat([ops.indexer_topk(ops.indexer_logits(q[t0:t1], keys[k0:k1], weights[t0:t1]),
                                            starts[t0:t1] - k0, visible[t0:t1], topk)
                           for t0, t1, k0, k1 in self._indexer_groups(ctx)])
+
+    def _windows_fit_topk(self, ctx: ForwardContext) -> bool:
+        """Whether every sequence of ``ctx`` holds at most ``index_topk`` compressed keys (host lengths)."""
+        return max(ctx.context_lens_host, default=0) // self.ratio <= self.cfg.index_topk
 
     def _indexer_groups(self, ctx: ForwardContext) -> list[tuple[int, int, int, int]]:
         """Runs of consecutive sequences ``(first row, end row, first key, end key)`` whose dense
