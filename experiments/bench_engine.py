@@ -375,7 +375,8 @@ def main(argv=None) -> int:
     if args.dspark_model:
         for dspark in (False, True):
             engine_rows(args.dspark_backend or first, args.dspark_model, [args.prompts[0]], args.dspark_batches,
-                        args.steps, dspark, args.overrides, bandwidth, record, memory_share=0.1, floors=False)
+                        args.steps, dspark, args.overrides, bandwidth, record, profile=tuple(args.profile_batches),
+                        memory_share=0.1, floors=False)
     if args.hf:
         hf_rows(args.prompts, args.batches, args.steps, args.hf_max_kv_gib, record)
     print(f"wrote {path} and {path.with_suffix('.png')}")

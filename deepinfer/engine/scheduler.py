@@ -127,7 +127,7 @@ class Scheduler:
         self.kv.release(request)
         self.running.remove(request)
         request.status, request.num_computed = Status.WAITING, 0
-        request.drafts, request.verify_drafts, request.unconfirmed, request.pending_drafts = [], [], 0, 0
+        request.drafts, request.verify_drafts = [], []
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str, release: bool = True) -> None:

@@ -204,7 +204,10 @@ def test_on_a_slow_threaded_device_the_host_works_while_steps_compute(monkeypatc
 @pytest.mark.parametrize("decoding", [[], ["decoding=dspark", "decoding.varlen=false"]], ids=["plain", "dspark"])
 def test_async_scheduling_emits_the_synchronous_outputs_on_the_gpu(monkeypatch, decoding):
     """In batch-invariant mode: a step in flight can hold a row the synchronous engine no longer
-    runs, so the two engines run different batch shapes, whose bf16 logits differ otherwise."""
+    runs, so the two engines run different batch shapes, whose bf16 logits differ otherwise.
+    With DSpark (CUDA graphs: verify steps chained on the device) the requests run long enough
+    for verify steps to overlap."""
+    params = _dspark_params(len(PROMPTS)) if decoding else _params()
     outputs, overlapped = [], []
     for mode in ("false", "true"):
         llm = LLM("tiny", "sm100", QUIET + decoding + ["engine.max_num_seqs=4", "backend.fallback=reference",
@@ -213,7 +216,7 @@ def test_async_scheduling_emits_the_synchronous_outputs_on_the_gpu(monkeypatch, 
         can_overlap = type(llm)._can_overlap
         monkeypatch.setattr(llm, "_can_overlap", lambda step, llm=llm: overlapped.append(can_overlap(llm, step)) or
                             overlapped[-1])
-        outputs.append([(o.token_ids, o.finish_reason, o.verify_log) for o in llm.generate(PROMPTS, _params())])
+        outputs.append([(o.token_ids, o.finish_reason, o.verify_log) for o in llm.generate(PROMPTS, params)])
         del llm
         gc.collect()
         torch.cuda.empty_cache()
