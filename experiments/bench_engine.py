@@ -64,7 +64,8 @@ def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int]
                 floors: bool = True) -> None:
     """One engine's points, each passed to ``record`` as it is measured (then the floor rows, with
     ``floors``). Engines run one after another in this process, each taking ``memory_share`` of
-    the card (``engine.gpu_memory_utilization``). ``trace_prefill``: a batch size whose prefill at
+    the card (``engine.gpu_memory_utilization``). Each point runs once untimed first, so no kernel
+    compiles while it is timed. ``trace_prefill``: a batch size whose prefill at
     the first prompt length is traced once more, after the timed points, its heaviest kernels
     printed."""
     longest = max(prompts) + steps * 8 + 64
@@ -76,10 +77,10 @@ def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int]
                                f"engine.prefill_chunk_tokens={max(prompts)}",
                                f"engine.gpu_memory_utilization={memory_share}",
                                f"engine.async_scheduling={str(asynchronous).lower()}", *decoding, *overrides])
-    _point(llm, 64, 2, 4)  # kernels compile, caches warm
     rows = []
     for prompt in prompts:
         for batch in batches:
+            _point(llm, prompt, batch, 4)  # untimed: the kernels of this point's shapes compile here
             row = _point(llm, prompt, batch, steps, profile=batch in profile and prompt == prompts[0])
             row.update(kind="engine", backend=backend, model=model, dspark=dspark, prompt=prompt, batch=batch,
                        asynchronous=asynchronous)
