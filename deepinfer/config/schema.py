@@ -194,8 +194,12 @@ class EngineConfig:
     """Make each request's logits bitwise independent of the rest of the batch."""
     async_scheduling: Optional[bool] = None
     """Schedule and launch decode step N+1 before collecting step N, so the host prepares a
-    step while the device runs the one before (its input tokens are filled in on the device);
-    steps with drafts or grammars are collected before the next is scheduled. None: on for
+    step while the device runs the one before (its input tokens are filled in on the device).
+    DSpark verify steps overlap too at a fixed verify length, where steps run as padded passes
+    (on a GPU; on the CPU with ``cuda_graphs=true``): drafts and start positions are read on
+    the device.
+    Steps with grammars, confidence-scheduled verify lengths, or near a request's
+    ``max_tokens`` / ``max_model_len`` are collected before the next is scheduled. None: on for
     CUDA devices."""
     bounded_replay: BoundedReplayConfig = field(default_factory=BoundedReplayConfig)
     """SWA bounded replay of long prompts in the YOCO consumer layers."""
