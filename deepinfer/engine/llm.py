@@ -207,11 +207,11 @@ class LLM:
             return not any(c.drafts for c in step.sampling) and len(self.scheduler.kv.free_blocks) >= len(running)
         k, kv = self.dspark.k, self.scheduler.kv
         worst = [r.num_computed + r.unconfirmed + 1 + k for r in running]
+        new_blocks = sum(max(0, kv.blocks_for(n) - len(r.blocks)) for r, n in zip(running, worst))
         return (not self.dspark.varlen and bool(self.runner.passes)
                 and len(running) * (k + 1) <= self.scheduler.token_budget
                 and all(r.pending_drafts == k and self.dspark.room(r, r.unconfirmed) >= k for r in running)
-                and max(worst) + k <= self.max_model_len
-                and sum(max(0, kv.blocks_for(n) - len(r.blocks)) for r, n in zip(running, worst)) <= len(kv.free_blocks))
+                and max(worst) + k <= self.max_model_len and new_blocks <= len(kv.free_blocks))
 
     def _finish(self, request: Request, reason: str) -> None:
         """Stop ``request``; its cache is freed once no launched step writes there."""
