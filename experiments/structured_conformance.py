@@ -32,7 +32,7 @@ from pathlib import Path
 from bench_ops import write_csv
 from deepinfer.config.compose import compose
 from deepinfer.decoding.conformance import OUTCOMES, canonical_text, pipeline_outcome
-from deepinfer.decoding.structured import GrammarService
+from deepinfer.decoding.grammar_service import GrammarService
 from deepinfer.tokenizer import ByteTokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,7 +69,7 @@ def run(suite: Path, drafts: list[str], overrides: list[str]) -> list[dict]:
     structured = compose(overrides).engine.structured
     tokenizer = ByteTokenizer()
     service = GrammarService(tokenizer, VOCAB, structured.compile_timeout_s, structured.compile_workers,
-                             structured.any_whitespace)
+                             structured.any_whitespace, structured.backend)
     rows = []
     try:
         for draft in drafts:

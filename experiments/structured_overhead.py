@@ -33,7 +33,8 @@ import torch
 import deepinfer.engine.llm as llm_module
 from deepinfer import LLM, SamplingParams
 from deepinfer.config.compose import compose
-from deepinfer.decoding.structured import GrammarService, step_bitmasks
+from deepinfer.decoding.grammar_service import GrammarService
+from deepinfer.decoding.structured import step_bitmasks
 from deepinfer.hal.ops.token_bitmask import apply_token_bitmask
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -100,8 +101,7 @@ def v4_row(service: GrammarService, tokenizer, batch: int, repeats: int) -> dict
     chunks = []
     for _ in range(batch):
         grammar = service.request(spec)
-        grammar.future.result()
-        service.poll(grammar)
+        service.wait(grammar)
         matcher = grammar.matcher
         for token in prefix:
             assert matcher.accept_token(token)

@@ -152,7 +152,12 @@ class StructuredConfig:
     """A grammar still compiling this long after a worker started it fails its request alone (time
     queued behind other compiles does not count); its worker is killed and replaced."""
     compile_workers: int = 2
-    """Worker processes compiling grammars (xgrammar, one thread each)."""
+    """Worker processes compiling grammars (one thread each)."""
+    backend: str = "auto"
+    """Which library compiles and enforces grammars: ``xgrammar``, ``llguidance``, or ``auto``
+    (per JSON schema, the one that leaves fewer of its keywords to validation, llguidance on a
+    tie, the other when that one refuses the schema; regex and EBNF, in xgrammar's GBNF
+    dialect, go to xgrammar). Under llguidance, EBNF is translated from GBNF to Lark."""
     any_whitespace: bool = False
     """JSON schemas allow any whitespace between tokens; false fixes the separators to ``", "``
     and ``": "`` (no runaway whitespace)."""
@@ -164,6 +169,8 @@ class StructuredConfig:
         _require(self.compile_timeout_s > 0, "engine.structured.compile_timeout_s", self.compile_timeout_s, "must be > 0")
         _require(self.retries >= 0, "engine.structured.retries", self.retries, "must be >= 0")
         _require(self.compile_workers >= 1, "engine.structured.compile_workers", self.compile_workers, "must be >= 1")
+        _require(self.backend in ("auto", "xgrammar", "llguidance"), "engine.structured.backend", self.backend,
+                 "must be one of auto, xgrammar, llguidance")
 
 
 @dataclass

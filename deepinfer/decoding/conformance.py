@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deepinfer.decoding.structured import GrammarService, check_structured
+from deepinfer.decoding.grammar_service import GrammarService
+from deepinfer.decoding.structured import check_structured
 
 OUTCOMES = ("stop", "compile", "grammar", "validation")
 """``stop``: the output would end "stop"; ``compile``: the schema is refused (compile or
@@ -29,11 +30,7 @@ def pipeline_outcome(service: GrammarService, tokenizer, schema: Any, text: str,
     ``reason`` None for "stop"."""
     spec = check_structured({"type": "json", "schema": schema if isinstance(schema, (dict, str)) else json.dumps(schema)})
     grammar = service.request(spec)
-    try:
-        grammar.future.exception(timeout=timeout_s)
-    except Exception:  # a cancelled compile
-        pass
-    service.poll(grammar)
+    service.wait(grammar, timeout_s)
     if grammar.error is not None:
         return "compile", grammar.error
     matcher = grammar.matcher

@@ -21,7 +21,7 @@ from typing import Callable
 
 WORKER = Path(__file__).with_name("grammar_worker.py")
 STARTUP_TIMEOUT_S = 120.0
-"""How long a new worker may take to import xgrammar and build its compiler."""
+"""How long a new worker may take to import the grammar libraries and build its compilers."""
 IDLE_WORKER_S = 30.0
 """A worker idle this long exits; the next compile starts a new one."""
 
@@ -31,18 +31,18 @@ class CompileTimeout(Exception):
 
 
 class GrammarCompileError(Exception):
-    """xgrammar refused the grammar (the message is xgrammar's)."""
+    """The grammar library refused the grammar (the message is the library's)."""
 
 
 class CompilePool:
-    """``workers`` processes compiling ``{"type", "schema"}`` specs for one tokenizer
-    (``tokenizer_info()``: xgrammar's serialised TokenizerInfo, asked for when the first worker
-    starts); :meth:`submit` returns a future of the serialised CompiledGrammar. Workers start on
-    first use."""
+    """``workers`` processes compiling specs for one vocabulary (``header()``: the worker's header,
+    :mod:`deepinfer.decoding.grammar_worker`, asked for when the first worker starts);
+    :meth:`submit` returns a future of the worker's reply (``{"backend", "grammar", "warnings"}``).
+    Workers start on first use."""
 
-    def __init__(self, tokenizer_info: Callable[[], str], any_whitespace: bool, workers: int, timeout_s: float):
+    def __init__(self, header: Callable[[], dict], workers: int, timeout_s: float):
         self.timeout_s = timeout_s
-        self._tokenizer_info, self._any_whitespace = tokenizer_info, any_whitespace
+        self._make_header = header
         self._header: bytes | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._processes: set[subprocess.Popen] = set()
@@ -120,17 +120,16 @@ class CompilePool:
     def _startup_header(self) -> bytes:
         with self._header_lock:
             if self._header is None:
-                self._header = json.dumps({"tokenizer_info": self._tokenizer_info(),
-                                           "any_whitespace": self._any_whitespace}).encode()
+                self._header = json.dumps(self._make_header()).encode()
             return self._header
 
-    def _compile(self, process: subprocess.Popen, spec: dict) -> str:
+    def _compile(self, process: subprocess.Popen, spec: dict) -> dict:
         process.stdin.write(json.dumps(spec).encode() + b"\n")
         process.stdin.flush()
         reply = self._reply(process, self.timeout_s)
         if "error" in reply:
             raise GrammarCompileError(reply["error"])
-        return reply["grammar"]
+        return reply
 
     def _reply(self, process: subprocess.Popen, timeout_s: float):
         started = time.monotonic()

@@ -13,13 +13,19 @@ from deepinfer.decoding.schema_rewrite import merge_all_of
 
 UNENFORCED = ("not", "contains", "minContains", "maxContains", "if", "then", "else", "dependentRequired",
               "dependentSchemas", "dependencies", "propertyNames", "patternProperties", "unevaluatedProperties",
-              "unevaluatedItems")
+              "unevaluatedItems", "$dynamicRef")
 """Keywords xgrammar 0.2.9's JSON-schema grammar leaves out wherever they appear (``oneOf`` is
 enforced as ``anyOf``, without its exclusivity; ``uniqueItems: true`` is left out too)."""
 COMBINED = ("type", "properties", "required")
-"""Keywords it leaves out beside ``anyOf`` / ``oneOf`` / ``allOf`` (an ``allOf`` whose entries
-merge into the schema is rewritten away first, :mod:`deepinfer.decoding.schema_rewrite`, as are
-type-specific keywords in a subschema without ``"type"``)."""
+"""Keywords xgrammar leaves out beside ``anyOf`` / ``oneOf`` / ``allOf`` (an ``allOf`` whose
+entries merge into the schema is rewritten away first, :mod:`deepinfer.decoding.schema_rewrite`,
+as are type-specific keywords in a subschema without ``"type"``)."""
+LLGUIDANCE_UNENFORCED = tuple(k for k in UNENFORCED if k != "patternProperties")
+"""Keywords llguidance 1.9 leaves out (it names them in its warnings); it enforces
+``patternProperties``, ``allOf``, keywords beside applicators, and ``$ref`` through ``$id`` and
+anchors, and reads ``oneOf`` as ``anyOf`` and ``uniqueItems`` not at all, as xgrammar does."""
+BACKENDS = ("xgrammar", "llguidance")
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
 _CHILD = ("additionalProperties", "not", "if", "then", "else", "contains", "propertyNames", "items",
           "unevaluatedProperties", "unevaluatedItems")
 _CHILDREN = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -48,6 +54,28 @@ def json_validator(schema: str | None):
     return cls(document)
 
 
+def with_inferred_draft(schema: str | None) -> str | None:
+    """``schema`` as given, unless it names no ``$schema``, breaks the 2020-12 metaschema (the
+    draft assumed then) and keeps draft 7's (array-form ``items``, ``additionalItems``,
+    ``dependencies``): then the same schema naming draft 7, so its rewrite and validation read it
+    as written for that draft."""
+    if schema is None:
+        return None
+    import jsonschema
+
+    try:
+        document = json.loads(schema)
+    except json.JSONDecodeError:
+        return schema
+    if not isinstance(document, dict) or "$schema" in document:
+        return schema
+    if jsonschema.Draft202012Validator(jsonschema.Draft202012Validator.META_SCHEMA).is_valid(document):
+        return schema
+    if not jsonschema.Draft7Validator(jsonschema.Draft7Validator.META_SCHEMA).is_valid(document):
+        return schema
+    return json.dumps({"$schema": DRAFT7, **document})
+
+
 def json_violation(text: str, validator) -> str | None:
     """Why ``text`` is not a JSON value its schema accepts (``validator``, None for any JSON), or
     None: the first error ``jsonschema`` ranks best, with its keyword, the instance path and the
@@ -70,41 +98,44 @@ def json_violation(text: str, validator) -> str | None:
             f"(schema {_pointer(error.absolute_schema_path)}): {_short(error.message)}")
 
 
-def validation_only_keywords(schema: str | None) -> list[str]:
-    """The keywords of the JSON schema text ``schema`` that the grammar does not enforce, so only
-    the finished output's validation does, each as ``"keyword at #/path"`` (see :data:`UNENFORCED`
-    and :data:`COMBINED`; also ``$ref`` other than a local JSON pointer)."""
+def validation_only_keywords(schema: str | None, backend: str = "xgrammar") -> list[str]:
+    """The keywords of the JSON schema text ``schema`` that ``backend``'s grammar does not
+    enforce, so only the finished output's validation does, each as ``"keyword at #/path"``
+    (see :data:`UNENFORCED`, :data:`COMBINED` and :data:`LLGUIDANCE_UNENFORCED`; under xgrammar
+    also ``$ref`` other than a local JSON pointer)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown grammar backend {backend!r}; expected one of {list(BACKENDS)}")
     if schema is None:
         return []
     found: list[str] = []
-    _walk(json.loads(schema), (), found)
+    _walk(json.loads(schema), (), found, backend == "xgrammar")
     return found
 
 
-def _walk(node, path: tuple, found: list[str]) -> None:
+def _walk(node, path: tuple, found: list[str], xgrammar: bool) -> None:
     if not isinstance(node, dict):
         return
     here = lambda key: f"{key} at {_pointer((*path, key))}"  # noqa: E731
-    found += [here(k) for k in UNENFORCED if k in node]
+    found += [here(k) for k in (UNENFORCED if xgrammar else LLGUIDANCE_UNENFORCED) if k in node]
     if node.get("oneOf") is not None:
         found.append(f"oneOf exclusivity at {_pointer((*path, 'oneOf'))}")
     if node.get("uniqueItems") is True:
         found.append(here("uniqueItems"))
     ref = node.get("$ref")
-    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+    if xgrammar and isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         found.append(here("$ref"))
-    if any(k in node for k in ("anyOf", "oneOf")) or "allOf" in merge_all_of(node):
+    if xgrammar and (any(k in node for k in ("anyOf", "oneOf")) or "allOf" in merge_all_of(node)):
         found += [here(k) for k in COMBINED if k in node]
     for key in _CHILD:
         if isinstance(node.get(key), dict):
-            _walk(node[key], (*path, key), found)
+            _walk(node[key], (*path, key), found, xgrammar)
     for key in _CHILDREN:
         for name, child in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
-            _walk(child, (*path, key, name), found)
+            _walk(child, (*path, key, name), found, xgrammar)
     for key in _LISTS:
         if isinstance(node.get(key), list):
             for index, child in enumerate(node[key]):
-                _walk(child, (*path, key, index), found)
+                _walk(child, (*path, key, index), found, xgrammar)
 
 
 def _json_path(parts) -> str:

@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 
 from deepinfer.decoding.dspark import DSpark, PendingDrafts
 from deepinfer.decoding.sampler import PendingEmissions, emit
-from deepinfer.decoding.structured import GrammarService, step_bitmasks
+from deepinfer.decoding.grammar_service import GrammarService
+from deepinfer.decoding.structured import step_bitmasks
 from deepinfer.engine.device import make_runtime
 from deepinfer.engine.kv_manager import KVManager
 from deepinfer.engine.kv_sizing import plan_kv_blocks
@@ -269,7 +270,8 @@ class LLM:
         if self.grammars is None:
             structured = self.config.engine.structured
             self.grammars = GrammarService(self.tokenizer, self.model.vocab_size, structured.compile_timeout_s,
-                                           structured.compile_workers, structured.any_whitespace)
+                                           structured.compile_workers, structured.any_whitespace,
+                                           structured.backend)
         return self.grammars
 
     def _params_for(self, count, sampling_params):

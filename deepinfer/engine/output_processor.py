@@ -67,7 +67,9 @@ class OutputProcessor:
             return None
         matcher = request.grammar.matcher
         if not matcher.accept_token(token):
-            request.error = (f"structured output: the grammar refused emitted token {token} (its mask was not "
+            failure = getattr(matcher, "error", None)
+            request.error = (f"structured output: the grammar library stopped matching: {failure}" if failure else
+                             f"structured output: the grammar refused emitted token {token} (its mask was not "
                              f"applied to that row); the request stopped there")
             return "error"
         return "stop" if matcher.is_terminated() else None
@@ -106,6 +108,8 @@ def request_output(request: Request) -> RequestOutput:
                                   if request.calibration_errors else 0.0),
         },
     )
+    if request.grammar is not None:
+        output.metrics["structured_backend"] = request.grammar.backend
     if request.grammar is not None and request.grammar.spec["type"] == "json":
         output.metrics["structured_validation_only"] = list(request.grammar.validation_only)
         output.metrics["structured_retries"] = request.num_retries

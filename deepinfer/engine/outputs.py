@@ -13,8 +13,9 @@ class RequestOutput:
     its grammar or JSON schema, with ``error`` saying why), optional per-token ``logprobs``
     ({token id: logprob}), DSpark counts (drafts verified, drafts accepted, and per verify step
     ``(verified, accepted)`` in ``verify_log``) and ``metrics``: preemptions, DSpark verify
-    statistics and, under a JSON schema, ``structured_validation_only``: the schema's keywords
-    the grammar does not enforce, checked only by validating the finished output
+    statistics, under a grammar ``structured_backend`` (the library that enforced it, None if it
+    never compiled), and under a JSON schema ``structured_validation_only``: the schema's
+    keywords the grammar does not enforce, checked only by validating the finished output
     (``"keyword at #/path"``)."""
 
     request_id: int

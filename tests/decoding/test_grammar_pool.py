@@ -7,7 +7,8 @@ import pytest
 xgrammar = pytest.importorskip("xgrammar")
 
 from deepinfer.decoding.grammar_pool import CompilePool, CompileTimeout, GrammarCompileError  # noqa: E402
-from deepinfer.decoding.structured import GrammarService, raw_token_bytes  # noqa: E402
+from deepinfer.decoding.grammar_service import GrammarService  # noqa: E402
+from deepinfer.decoding.structured import raw_token_bytes  # noqa: E402
 from deepinfer.tokenizer import ByteTokenizer  # noqa: E402
 from tests.decoding.test_structured import _slow_schema  # noqa: E402
 
@@ -18,13 +19,14 @@ VOCAB = 300
 def pool_and_info():
     info = xgrammar.TokenizerInfo(raw_token_bytes(ByteTokenizer(), VOCAB), xgrammar.VocabType.RAW,
                                   vocab_size=VOCAB, stop_token_ids=sorted(ByteTokenizer().eos_token_ids))
-    pool = CompilePool(info.serialize_json, any_whitespace=False, workers=1, timeout_s=0.5)
+    header = lambda: {"xgrammar_info": info.serialize_json(), "any_whitespace": False}  # noqa: E731
+    pool = CompilePool(header, workers=1, timeout_s=0.5)
     yield pool, info
     pool.shutdown()
 
 
-def _matches(serialised: str, info, text: str) -> bool:
-    matcher = xgrammar.GrammarMatcher(xgrammar.CompiledGrammar.deserialize_json(serialised, info))
+def _matches(reply: dict, info, text: str) -> bool:
+    matcher = xgrammar.GrammarMatcher(xgrammar.CompiledGrammar.deserialize_json(reply["grammar"], info))
     return all(matcher.accept_token(byte + 3) for byte in text.encode())
 
 
@@ -55,8 +57,33 @@ def test_a_grammar_is_compiled_once_per_engine():
         spec = {"type": "regex", "schema": "[ab]+"}
         first, second = service.request(spec), service.request(dict(spec))
         assert first.future is second.future
-        first.future.result(timeout=60)
-        assert service.poll(first) and service.poll(second) and first.error is None
+        service.wait(first, 60)
+        service.wait(second, 60)
+        assert first.error is None
         assert first.matcher is not second.matcher and len(service._compiled) == 1
+    finally:
+        service.shutdown()
+
+
+def test_a_schema_is_read_off_the_callers_thread(monkeypatch):
+    """Building a schema's validator and rewrite takes seconds for megabyte schemas: the engine's
+    thread only queues it."""
+    import threading
+
+    from deepinfer.decoding import grammar_service
+
+    readers = []
+    real = grammar_service.json_validator
+    def recording(text):
+        readers.append(threading.current_thread())
+        return real(text)
+
+    monkeypatch.setattr(grammar_service, "json_validator", recording)
+    service = GrammarService(ByteTokenizer(), VOCAB, timeout_s=60, workers=1)
+    try:
+        grammar = service.request({"type": "json", "schema": json.dumps({"type": "integer"})})
+        service.wait(grammar, 60)
+        assert grammar.error is None and grammar.validator is not None
+        assert readers and all(thread is not threading.current_thread() for thread in readers)
     finally:
         service.shutdown()

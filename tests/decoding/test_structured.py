@@ -95,9 +95,9 @@ def test_greedy_structured_outputs_are_the_same_with_dspark(varlen):
 
 
 @pytest.mark.parametrize("kind,schema,message", [
-    ("json", '{"type": "strin"}', r'invalid json grammar: Unsupported type "strin"'),
+    ("json", '{"type": "strin"}', r'invalid json grammar: (Unsupported|Invalid) type:? "?strin'),
     ("json", "{not json", r"invalid json grammar: .*(parse|JSON)"),
-    ("json", {"type": "integer", "minimum": 5, "maximum": 2}, r"invalid json grammar: .*minimum greater than maximum"),
+    ("json", {"type": "integer", "minimum": 5, "maximum": 2}, r"invalid json grammar: .*minimum.* greater than maximum"),
     ("regex", "a(b", r"invalid regex grammar: .*parenthesis is not closed"),
     ("ebnf", "root ::= foo", r'invalid ebnf grammar: .*Rule "foo" is not defined'),
 ])
@@ -160,7 +160,7 @@ print("exiting", flush=True)
     assert process.stdout.readline().strip() == "exiting"
     exiting = time.monotonic()
     process.wait(timeout=60)
-    assert time.monotonic() - exiting < 5.0, "exit waited for the compile"
+    assert time.monotonic() - exiting < 2.0, "exit waited for the compile"
     assert process.returncode == 0
 
 
@@ -178,7 +178,14 @@ def test_malformed_structured_params_are_refused_when_built(value, message):
         SamplingParams(structured=value)
 
 
-def test_properties_are_generated_in_the_schema_order_from_a_dict_and_from_its_string(llm):
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend_llm(request):
+    pytest.importorskip(request.param)
+    return request.param, LLM("tiny_random", "reference", ENGINE + [f"engine.structured.backend={request.param}"])
+
+
+def test_properties_are_generated_in_the_schema_order_from_a_dict_and_from_its_string(backend_llm):
+    backend, llm = backend_llm
     schema = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 6},
                                                "answer": {"type": "string", "maxLength": 3}},
               "required": ["reasoning", "answer"]}
@@ -187,7 +194,13 @@ def test_properties_are_generated_in_the_schema_order_from_a_dict_and_from_its_s
     for out in outputs:
         assert out.finish_reason == "stop", (out.text, out.error)
         assert [key for key, _ in json.loads(out.text, object_pairs_hook=list)] == ["reasoning", "answer"]
+        assert out.metrics["structured_backend"] == backend
     assert [o.text for o in outputs[:4]] == [o.text for o in outputs[4:]]
+
+
+def test_each_backend_samples_valid_json_for_every_schema(backend_llm):
+    _, llm = backend_llm
+    _assert_all_valid(_sample_all(llm, "json", JSON_SCHEMAS), JSON_SCHEMAS, valid_json)
 
 
 def test_stop_happens_only_with_output_the_schema_accepts(llm):
@@ -253,3 +266,13 @@ def test_a_rejected_output_is_generated_again_with_another_seed_when_retries_all
                                                                      [_params("json", schema, s) for s in range(12)])
     assert [o.token_ids for o, r in zip(once, outputs) if r.metrics["structured_retries"] == 0] == \
         [o.token_ids for o in outputs if o.metrics["structured_retries"] == 0], "a first attempt is the same without retries"
+
+
+def test_each_backend_samples_valid_regex_and_ebnf_outputs(backend_llm):
+    """Under llguidance, EBNF is translated from GBNF to Lark, and ``\\d``, ``\\w``, ``\\s`` keep
+    their ASCII meaning (llguidance's own regexes read them as Unicode classes)."""
+    _, llm = backend_llm
+    _assert_all_valid(_sample_all(llm, "regex", REGEXES), REGEXES,
+                      lambda text, pattern: re.fullmatch(pattern, text, re.ASCII) is not None)
+    grammars, checks = [g for g, _ in EBNF], dict(EBNF)
+    _assert_all_valid(_sample_all(llm, "ebnf", grammars), grammars, lambda text, g: checks[g](text))

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-from deepinfer.decoding.structured import GrammarService, raw_token_bytes, step_bitmasks  # noqa: E402
+from deepinfer.decoding.grammar_service import GrammarService  # noqa: E402
+from deepinfer.decoding.structured import raw_token_bytes, step_bitmasks  # noqa: E402
 from deepinfer.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
@@ -29,8 +30,8 @@ def _allowed(bitmask: torch.Tensor, row: int, vocab: int) -> set[int]:
 
 def _ready(service: GrammarService, spec: dict):
     grammar = service.request(spec)
-    grammar.future.result(timeout=60)
-    assert service.poll(grammar) and grammar.error is None, grammar.error
+    service.wait(grammar, 60)
+    assert grammar.error is None, grammar.error
     return grammar
 
 
