@@ -3,6 +3,7 @@ rollback behaviour as xgrammar's matcher on the same strict schema; strict mode 
 backend ``auto`` picks and what each request reports."""
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -147,13 +148,15 @@ def test_auto_picks_the_backend_that_leaves_less_to_validation(services):
 
 
 def test_a_grammar_past_llguidances_limits_is_refused_at_compile_not_midway():
-    """3,200 optional properties overflow llguidance's parser rows on the first property: the
-    compile walk finds it, so the request fails at compile with llguidance's reason."""
+    """3,200 optional properties overflow llguidance's parser rows on the first property (or, on a
+    loaded machine, its first masks take longer than the walk allows): the compile walk finds it,
+    so the request fails at compile with llguidance's reason."""
     only = GrammarService(ByteTokenizer(), VOCAB, timeout_s=120, workers=1, backend="llguidance")
     try:
         grammar = only.request(check_structured({"type": "json", "schema": json.dumps(_slow_schema(0, 3200))}))
         only.wait(grammar, 120)
-        assert grammar.error is not None and "llguidance" in grammar.error and "max is" in grammar.error
+        assert grammar.error is not None and "llguidance" in grammar.error
+        assert re.search(r"max is \d+|s to compute one token mask", grammar.error), grammar.error
     finally:
         only.shutdown()
 
