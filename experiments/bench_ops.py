@@ -104,7 +104,8 @@ def _op_table(overrides, backend: str):
     from deepinfer.hal import OpTable
 
     cfg = compose(list(overrides) + [f"backend={backend}"])
-    return OpTable(cfg.backend.name, cfg.backend.fallback, dict(cfg.backend.overrides))
+    return OpTable(cfg.backend.name, cfg.backend.fallback, dict(cfg.backend.overrides),
+                   options=dict(cfg.backend.options))
 
 
 def measure(point: Point, ops, backend: str, peaks: dict[str, float]) -> dict:

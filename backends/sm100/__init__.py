@@ -1,6 +1,6 @@
 """The sm100 backend: TileLang kernels (and Triton for small fused ops) for NVIDIA Hopper (sm_90a)
 and Blackwell (sm_100a: the same portable kernels lower there, and tcgen05/TMEM variants of
-grouped_gemm and mla_sparse_decode behind ``DEEPINFER_SM100_TCGEN05=1``; no Blackwell hardware
+grouped_gemm and mla_sparse_decode behind ``backend.options.tcgen05=true``; no Blackwell hardware
 has run any of them).
 
 Importing this package does not import tilelang (about 6 s) or triton; the first call of an op
@@ -13,6 +13,7 @@ import functools
 import torch
 
 from deepinfer.hal.backend import Backend, Capabilities
+from deepinfer_backends.sm100.options import KernelOptions
 
 IMPLEMENTED = ("apply_rope", "ep_combine", "grouped_gemm", "indexer_logits", "kv_load", "kv_norm_rope_store",
                "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill",
@@ -43,6 +44,8 @@ INVARIANT = {
 }
 """Ops in the batch-invariant table (``engine.batch_invariant=true``), with the reason each row's
 arithmetic does not depend on the batch. Ops not listed go to the fallback (or are refused)."""
+KERNEL_CHOICE = ("grouped_gemm", "mla_sparse_decode", "mla_sparse_prefill")
+"""Ops whose kernel ``backend.options`` (:class:`~deepinfer_backends.sm100.options.KernelOptions`) picks."""
 _INVARIANT_ARGS = {"grouped_gemm": {"batch_invariant": True}, "linear": {"batch_invariant": True},
                    "mla_sparse_decode": {"split_kv": False},
                    "mla_sparse_prefill": {"split_kv": False, "batch_invariant": True}}
@@ -59,6 +62,7 @@ class Sm100Backend(Backend):
     split off and fixes the GEMM tiles."""
 
     name = "sm100"
+    options_type = KernelOptions
     capabilities = Capabilities(
         device_types=frozenset({"cuda"}),
         dtypes=frozenset({torch.bfloat16}),
@@ -69,7 +73,7 @@ class Sm100Backend(Backend):
             "runs on sm_90a (Hopper) and lowers for sm_100a with the same portable "
             "kernels, which are the default on every arch",
             "tcgen05 variants for grouped_gemm (bf16) and mla_sparse_decode: compiled for sm_100a, not run on "
-            "hardware; enable with DEEPINFER_SM100_TCGEN05=1 on Blackwell (set on Hopper, those ops raise)",
+            "hardware; enable with backend.options.tcgen05=true on Blackwell (set on Hopper, those ops raise)",
             "fp8: the fp8 KV cache and FP8 grouped-GEMM weights (e4m3, UE8M0 per 32) are read as stored and "
             "decoded to bf16 in the kernel (bf16 wgmma, float32 accumulation), FP8 activations once per row "
             "before it on Hopper; no FP8 tensor-core GEMM yet",
@@ -85,9 +89,10 @@ class Sm100Backend(Backend):
     def implementations(self, batch_invariant: bool = False):
         from deepinfer_backends.sm100 import wrappers
 
-        if not batch_invariant:
-            return {op: getattr(wrappers, op) for op in IMPLEMENTED}
-        return {op: _bound(getattr(wrappers, op), _INVARIANT_ARGS.get(op, {})) for op in INVARIANT if op in IMPLEMENTED}
+        ops = [op for op in IMPLEMENTED if not batch_invariant or op in INVARIANT]
+        return {op: _bound(getattr(wrappers, op), {**({"options": self.options} if op in KERNEL_CHOICE else {}),
+                                                   **(_INVARIANT_ARGS.get(op, {}) if batch_invariant else {})})
+                for op in ops}
 
     def unsupported_reasons(self) -> dict[str, str]:
         import deepinfer.hal.ops  # noqa: F401  (declares every OpSpec)

@@ -9,6 +9,7 @@ from deepinfer.hal.formats import token_format
 from deepinfer.hal.ops.kv_cache import cache_rows
 from deepinfer_backends.sm100 import toolchain
 from deepinfer_backends.sm100.launch import compiled, cuda_bf16, require
+from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
 
 HEAD_BLOCK = 64
 KEY_BLOCK = {"sparse_mla": 64, "sparse_mla_ws": 32}
@@ -21,20 +22,27 @@ do not). 10-11 % faster than 32-key blocks on the prefill points of the H200
 (``experiments/results/mla_kernels_h200.txt``)."""
 
 
-def mla_kernel(op: str, arch: str | None = None, batch_invariant: bool = False) -> tuple[str, str, dict]:
+def mla_kernel(op: str, arch: str | None = None, batch_invariant: bool = False,
+               options: KernelOptions = DEFAULT) -> tuple[str, str, dict]:
     """``(kernels module, factory, options)`` of the sparse MLA kernel serving ``op`` on ``arch``
-    (default: this GPU's). On Hopper, the warp-specialised kernel (``kernels/mla_sparse_ws.py``)
-    unless ``DEEPINFER_SM100_MLA_PORTABLE=1``: 32-key blocks for decode, and for prefill in the
-    batch-invariant mode (so a token gets the same bits through both), :data:`WS_PREFILL` for
-    prefill otherwise. With ``DEEPINFER_SM100_TCGEN05=1``, decode runs its tcgen05 variant
-    (Blackwell only); otherwise the portable kernel."""
-    if toolchain.tcgen05_requested():
-        return toolchain.kernel_module(op, "mla_sparse_decode"), "sparse_mla", {}
-    if not toolchain.switch(toolchain.MLA_PORTABLE_SWITCH) and (arch or toolchain.device_arch()) == toolchain.HOPPER:
-        if op == "mla_sparse_prefill" and not batch_invariant:
-            return "mla_sparse_ws", "sparse_mla_ws", dict(WS_PREFILL)
-        return "mla_sparse_ws", "sparse_mla_ws", {"block_k": KEY_BLOCK["sparse_mla_ws"]}
-    return "mla_sparse_decode", "sparse_mla", {}
+    (default: this GPU's), as ``options.mla_kernel`` picks it. The warp-specialised kernel
+    (``kernels/mla_sparse_ws.py``, Hopper; ``auto`` there): 32-key blocks for decode, and for
+    prefill in the batch-invariant mode (so a token gets the same bits through both),
+    :data:`WS_PREFILL` for prefill otherwise. With ``options.tcgen05``, decode runs its tcgen05
+    variant (Blackwell only); otherwise the portable kernel."""
+    if options.tcgen05:
+        return toolchain.kernel_module(op, "mla_sparse_decode", tcgen05=True), "sparse_mla", {}
+    if options.mla_kernel == "portable":
+        return "mla_sparse_decode", "sparse_mla", {}
+    arch = arch or toolchain.device_arch()
+    if arch != toolchain.HOPPER:
+        if options.mla_kernel == "warp_specialized":
+            raise RuntimeError(f"backend.options.mla_kernel=warp_specialized needs Hopper ({toolchain.HOPPER}); this "
+                               f"device is {arch}. Use mla_kernel=auto or portable")
+        return "mla_sparse_decode", "sparse_mla", {}
+    if op == "mla_sparse_prefill" and not batch_invariant:
+        return "mla_sparse_ws", "sparse_mla_ws", dict(WS_PREFILL)
+    return "mla_sparse_ws", "sparse_mla_ws", {"block_k": KEY_BLOCK["sparse_mla_ws"]}
 
 
 def key_block(kernel: tuple[str, str, dict]) -> int:
@@ -62,7 +70,7 @@ def _pad_heads(q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float, main_format: str,
-               split_kv: bool, kernel: tuple[str, str, dict] | None = None):
+               split_kv: bool, kernel: tuple[str, str, dict]):
     """Run ``sparse_mla`` on flat rows ``q [rows, h, D]``; returns ``(out [rows, h, D], lse)``."""
     rows, heads, dim = q.shape
     q_pad, sink_pad = _pad_heads(q, sink)
@@ -74,7 +82,7 @@ def _attention(op: str, q, main, main_idx, extra, extra_idx, sink, scale: float,
     splits = split_count(rows * padded // HEAD_BLOCK, -(-main_keys // 64), -(-extra_keys // 64), q.device) \
         if split_kv else 1
     config = (padded, dim, main_keys, extra_keys, float(scale), main_format)
-    module, factory, options = kernel or mla_kernel(op, toolchain.device_arch(q.device.index or 0))
+    module, factory, options = kernel
     out = torch.empty(rows, padded, dim, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(rows, padded, dtype=torch.float32, device=q.device)
     if rows:
@@ -104,10 +112,11 @@ def split_count(ctas: int, main_blocks: int, extra_blocks: int, device: torch.de
 
 
 def mla_sparse_decode(q, cache, indices, sink, scale, cache_format="fp8", extra_cache=None, extra_indices=None,
-                      extra_format="fp4", split_kv: bool = True):
+                      extra_format="fp4", split_kv: bool = True, options: KernelOptions = DEFAULT):
     """HAL ``mla_sparse_decode`` on the tensor cores: bf16 ``q [B, s_q, h, 512]``, main cache ``fp8``
     (528 B) or ``bf16`` rows, optional ``fp4`` (288 B) extra cache beside an fp8 main cache. ``split_kv=False`` keeps one
-    CTA per row (the batch-invariant order). Index values past the cache are treated as padding."""
+    CTA per row (the batch-invariant order). Index values past the cache are treated as padding.
+    ``options`` (``backend.options``) picks the kernel (:func:`mla_kernel`)."""
     op = "mla_sparse_decode"
     require(cache_format in ("fp8", "bf16"), op, f"main cache format {cache_format!r} is not implemented "
              f"(fp8 and bf16 are)")
@@ -129,13 +138,14 @@ def mla_sparse_decode(q, cache, indices, sink, scale, cache_format="fp8", extra_
         extra = cache_rows(extra_cache, token_format("fp4"))
         extra_indices = extra_indices.reshape(batch * s_q, -1)
     _check_sink(op, sink, heads)
+    kernel = mla_kernel(op, toolchain.device_arch(q.device.index or 0), options=options)
     out, lse = _attention(op, q.reshape(batch * s_q, heads, dim), main, indices.reshape(batch * s_q, -1), extra,
-                          extra_indices, sink, scale, cache_format, split_kv)
+                          extra_indices, sink, scale, cache_format, split_kv, kernel)
     return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
 
 
 def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None, split_kv: bool = True,
-                       batch_invariant: bool = False):
+                       batch_invariant: bool = False, options: KernelOptions = DEFAULT):
     """HAL ``mla_sparse_prefill`` on the tensor cores: bf16 ``q [T, h, D]``, ``kv [S, D]``
     (D a multiple of 64, up to 512). With ``main_keys``, the main list is padded with ``-1`` to
     whole key blocks of the serving kernel. With ``batch_invariant`` (which the batch-invariant
@@ -151,7 +161,7 @@ def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys: int | None = None
     _check_sink(op, sink, q.shape[1])
     if main_keys is not None and not (isinstance(main_keys, int) and 0 <= main_keys <= indices.shape[1]):
         raise ValueError(f"{op}: main_keys must be an int in [0, K={indices.shape[1]}], got {main_keys!r}")
-    kernel = mla_kernel(op, toolchain.device_arch(q.device.index or 0), batch_invariant)
+    kernel = mla_kernel(op, toolchain.device_arch(q.device.index or 0), batch_invariant, options)
     return _attention(op, q, kv.contiguous(), align_lists(indices, main_keys, key_block(kernel)), None, None, sink,
                       scale, "bf16", split_kv, kernel)
 

@@ -12,21 +12,23 @@ import torch
 from deepinfer.hal.formats import Quantized
 from deepinfer_backends.sm100 import toolchain
 from deepinfer_backends.sm100.launch import compiled, cuda_bf16, require
+from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
 
 INVARIANT_TILES = {"block_m": 64, "block_n": 128, "threads": 128}
 """GEMM tiles of the batch-invariant mode: one shape whatever the row count (each output element
 is then the same wgmma sequence over K, in order)."""
 
 
-def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = False,
+                 options: KernelOptions = DEFAULT) -> torch.Tensor:
     """``y[seg e] = x[seg e] @ weight[e].T`` (HAL ``grouped_gemm``): bf16 operands (bf16 result), or
     a Quantized weight (``"fp8"`` / ``"mxfp4"``) beside a bf16 or ``"fp8"`` x (float32 result, see
     :func:`_grouped_gemm_quant`). ``group_sizes`` must sum to ``M`` (not checked on the device:
     that would cost a host sync). ``batch_invariant`` fixes the tiles (:data:`INVARIANT_TILES`);
-    there is never a split over K."""
+    there is never a split over K. ``options.tcgen05`` picks the Blackwell variant of the bf16 kernel."""
     op = "grouped_gemm"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
-        return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant)
+        return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05)
     cuda_bf16(op, "x", x)
     cuda_bf16(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -40,7 +42,7 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
 
     x, weight = x.contiguous(), weight.contiguous()
     module, factory, tiles = bf16_kernel(x.shape[0], *weight.shape, toolchain.device_arch(x.device.index or 0),
-                                         batch_invariant)
+                                         batch_invariant, tcgen05=options.tcgen05)
     y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
     if x.shape[0]:
         schedule = tile_schedule(group_sizes.to(x.device), x.shape[0], tiles["block_m"])
@@ -54,19 +56,19 @@ WS_STAGES = 4
 ``experiments/results/grouped_gemm_kernels_h200.csv``)."""
 
 
-def bf16_kernel(rows: int, experts: int, n: int, k: int, arch: str,
-                batch_invariant: bool = False) -> tuple[str, str, dict[str, int]]:
+def bf16_kernel(rows: int, experts: int, n: int, k: int, arch: str, batch_invariant: bool = False,
+                tcgen05: bool = False) -> tuple[str, str, dict[str, int]]:
     """``(kernels module, factory, tiles)`` of the bf16 grouped GEMM on ``arch``. On Hopper: the
     warp-specialised kernel (``grouped_gemm_ws``: 1-12 % faster than the portable one on the MoE
     shapes, mostly by skipping the idle warpgroup of a segment's short last tile); in the batch-invariant
-    mode, on other archs, or with ``DEEPINFER_SM100_TCGEN05=1`` the portable kernel (or its tcgen05
-    variant, :func:`toolchain.kernel_module`) with :func:`gemm_tiles`."""
+    mode, on other archs, or with ``tcgen05`` the portable kernel (or its tcgen05 variant,
+    :func:`toolchain.kernel_module`) with :func:`gemm_tiles`."""
     tiles = gemm_tiles(rows, experts, n, k, batch_invariant=batch_invariant)
-    if arch == toolchain.HOPPER and not batch_invariant and not toolchain.tcgen05_requested():
+    if arch == toolchain.HOPPER and not batch_invariant and not tcgen05:
         return "grouped_gemm_ws", "grouped_gemm_bf16_ws", {"block_m": tiles["block_m"],
                                                             "block_n": 256 if n >= 256 else 128,
                                                             "num_stages": WS_STAGES}
-    return toolchain.kernel_module("grouped_gemm", "grouped_gemm"), "grouped_gemm_bf16", tiles
+    return toolchain.kernel_module("grouped_gemm", "grouped_gemm", tcgen05), "grouped_gemm_bf16", tiles
 
 
 QUANT_BLOCK_K = 128
@@ -76,7 +78,7 @@ bytes for the whole K in shared memory)."""
 
 
 def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: bool,
-                        op: str = "grouped_gemm") -> torch.Tensor:
+                        op: str = "grouped_gemm", tcgen05: bool = False) -> torch.Tensor:
     """``grouped_gemm`` with block-scaled operands: bf16 or ``"fp8"`` x, ``"fp8"`` or ``"mxfp4"``
     weight, UE8M0 scales per 32 along K. Decoded exactly to bf16 in the kernel; float32 result,
     like the reference."""
@@ -106,7 +108,7 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
     require(all(t.dtype == torch.uint8 for t in (x_scale, weight.scale) if t is not None), op,
              "scales must be uint8 (UE8M0 bytes)")
     module, factory, tiles = quant_kernel(rows, *w_shape, toolchain.device_arch(x_data.device.index or 0),
-                                          batch_invariant, weight.fmt)
+                                          batch_invariant, weight.fmt, tcgen05)
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
 
     y = torch.empty(rows, w_shape[1], dtype=torch.float32, device=x_data.device)
@@ -195,15 +197,15 @@ def skinny_tiles(rows: int, experts: int, n: int, w_format: str) -> dict[str, in
 
 
 def quant_kernel(rows: int, experts: int, n: int, k: int, arch: str, batch_invariant: bool = False,
-                 w_format: str = "fp8") -> tuple[str, str, dict[str, int]]:
+                 w_format: str = "fp8", tcgen05: bool = False) -> tuple[str, str, dict[str, int]]:
     """``(kernels module, factory, tiles)`` of the block-scaled grouped GEMM on ``arch``. On Hopper,
     with ``k`` a multiple of 512: up to :data:`SKINNY_ROWS_PER_EXPERT` rows per expert on average the
     kernel for few rows (``grouped_gemm_quant_skinny``, tiles from :func:`skinny_tiles` by ``w_format``),
     else the warp-specialised kernel (``grouped_gemm_quant_ws``: a decoder warpgroup feeds the wgmmas
-    a bf16 ring), 64- or 128-row tiles as for bf16. In the batch-invariant mode, on other archs or
-    for other ``k``: the portable kernel (decode, then wgmma, in the same warps) with
+    a bf16 ring), 64- or 128-row tiles as for bf16. In the batch-invariant mode, with ``tcgen05``
+    (which has no block-scaled variant), on other archs or for other ``k``: the portable kernel (decode, then wgmma, in the same warps) with
     :func:`portable_quant_tiles`."""
-    if arch == toolchain.HOPPER and not batch_invariant and k % 512 == 0 and not toolchain.tcgen05_requested():
+    if arch == toolchain.HOPPER and not batch_invariant and k % 512 == 0 and not tcgen05:
         if rows <= SKINNY_ROWS_PER_EXPERT * experts:
             return "grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny", skinny_tiles(rows, experts, n, w_format)
         block_m = gemm_tiles(rows, experts, n, k)["block_m"]

@@ -10,13 +10,10 @@ import tempfile
 
 HOPPER = "sm_90a"
 BLACKWELL = "sm_100a"
-TCGEN05_SWITCH = "DEEPINFER_SM100_TCGEN05"
-MLA_PORTABLE_SWITCH = "DEEPINFER_SM100_MLA_PORTABLE"
-"""``1``: sparse MLA (decode and prefill) runs the portable kernel ``mla_sparse_decode`` on Hopper
-too, instead of the warp-specialised ``mla_sparse_ws``."""
-TCGEN05_VARIANTS = {"grouped_gemm": "grouped_gemm_tcgen05", "mla_sparse_decode": "mla_sparse_decode_tcgen05"}
+TCGEN05_VARIANTS = {"grouped_gemm": "experimental.grouped_gemm_tcgen05",
+                    "mla_sparse_decode": "experimental.mla_sparse_decode_tcgen05"}
 """Ops with a Blackwell tcgen05/TMEM kernel (op -> kernels module). Compiled for sm_100a but never
-run on hardware, so they serve only when ``DEEPINFER_SM100_TCGEN05=1`` (see :func:`kernel_module`)."""
+run on hardware, so they serve only with ``backend.options.tcgen05=true`` (:func:`kernel_module`)."""
 
 
 def device_arch(device_index: int = 0) -> str:
@@ -33,32 +30,19 @@ def device_arch(device_index: int = 0) -> str:
     return f"sm_{major}{minor}a"
 
 
-def kernel_module(op: str, portable: str) -> str:
-    """The kernels module that runs ``op``: ``portable`` (the default on every arch), or the op's
-    tcgen05/TMEM variant (:data:`TCGEN05_VARIANTS`) when ``DEEPINFER_SM100_TCGEN05=1``. With the
-    switch on, an op that has a variant needs a Blackwell (sm_100a) device: on any other this
-    raises instead of quietly running the portable kernel."""
-    if op not in TCGEN05_VARIANTS or not tcgen05_requested():
+def kernel_module(op: str, portable: str, tcgen05: bool = False) -> str:
+    """The kernels module that runs ``op``: ``portable`` (the default on every arch), or with
+    ``tcgen05`` (``backend.options.tcgen05``) the op's tcgen05/TMEM variant
+    (:data:`TCGEN05_VARIANTS`). With ``tcgen05``, an op that has a variant needs a Blackwell
+    (sm_100a) device: on any other this raises instead of quietly running the portable kernel."""
+    if op not in TCGEN05_VARIANTS or not tcgen05:
         return portable
     arch = device_arch()
     if arch != BLACKWELL:
-        raise RuntimeError(f"{TCGEN05_SWITCH}=1 selects the tcgen05/TMEM kernel for {op}, which needs Blackwell "
-                           f"({BLACKWELL}); this device is {arch}. Unset {TCGEN05_SWITCH} (or set it to 0) to run "
-                           f"the portable kernels")
+        raise RuntimeError(f"backend.options.tcgen05=true selects the tcgen05/TMEM kernel for {op}, which needs "
+                           f"Blackwell ({BLACKWELL}); this device is {arch}. Set backend.options.tcgen05=false to "
+                           f"run the portable kernels")
     return TCGEN05_VARIANTS[op]
-
-
-def tcgen05_requested() -> bool:
-    """Whether ``DEEPINFER_SM100_TCGEN05`` asks for the tcgen05 kernels (``1``; ``0`` or unset: no)."""
-    return switch(TCGEN05_SWITCH)
-
-
-def switch(name: str) -> bool:
-    """An on/off environment switch: ``1`` is on, ``0`` or unset off; anything else raises."""
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{name}={value!r}: expected 1 (on) or 0 / unset (off)")
-    return value == "1"
 
 
 def target(arch: str):

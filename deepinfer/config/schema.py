@@ -65,6 +65,10 @@ class BackendConfig:
     """Backend for ops the chosen one lacks; None makes a missing op an error."""
     overrides: Dict[str, str] = field(default_factory=dict)
     """Per-op backend choice (op name -> backend name), for bisecting parity problems."""
+    options: Dict[str, Any] = field(default_factory=dict)
+    """The chosen backend's kernel choices, checked by its typed options (sm100:
+    ``mla_kernel`` = auto | warp_specialized | portable, ``tcgen05`` = false | true); e.g.
+    ``+backend.options.mla_kernel=portable``."""
 
 
 @dataclass

@@ -54,7 +54,7 @@ class LLM:
         self.config = app
         engine, decoding = app.engine, app.decoding
         self.ops = OpTable(app.backend.name, app.backend.fallback, dict(app.backend.overrides),
-                           batch_invariant=engine.batch_invariant)
+                           batch_invariant=engine.batch_invariant, options=dict(app.backend.options))
         self.runtime = make_runtime(torch.device(app.backend.device))
         before = self.runtime.allocated()
         self.model, self.random_weights = build_model(app.model, self.ops, self.runtime.device, engine.seed)

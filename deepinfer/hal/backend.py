@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
@@ -38,12 +38,28 @@ class Backend:
     """A set of op implementations for one kind of hardware.
 
     Subclasses set ``name`` (one lowercase token) and ``capabilities`` and return their ops from
-    :meth:`implementations`. They are found through the ``deepinfer.backends`` entry-point group.
+    :meth:`implementations`; a backend with kernel choices sets ``options_type`` (a dataclass)
+    and reads ``self.options``. They are found through the ``deepinfer.backends`` entry-point group.
     A backend declaring ``batch_invariant`` must accept ``implementations(batch_invariant=True)``
     (checked when the subclass is defined)."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    options_type: ClassVar[type | None] = None
+    """The dataclass of this backend's options (``backend.options``), or None when it has none."""
+
+    def __init__(self, options: Mapping[str, Any] | None = None):
+        """``options``: ``backend.options`` for this backend, checked by :attr:`options_type`."""
+        if options and self.options_type is None:
+            raise ValueError(f"backend {self.name!r} takes no options; got backend.options={dict(options)}")
+        if self.options_type is None:
+            self.options = None
+            return
+        known = {f.name for f in fields(self.options_type)}
+        unknown = sorted(set(options or {}) - known)
+        if unknown:
+            raise ValueError(f"backend {self.name!r} has no options {unknown}; its options: {sorted(known)}")
+        self.options = self.options_type(**dict(options or {}))
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

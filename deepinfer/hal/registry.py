@@ -5,7 +5,7 @@ import functools
 import logging
 from functools import lru_cache
 from importlib.metadata import entry_points
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from deepinfer.hal.backend import Backend, UnsupportedInput
 from deepinfer.hal.spec import SPECS
@@ -27,7 +27,7 @@ class BatchInvarianceError(ValueError):
 
 
 _REGISTERED: dict[str, type[Backend]] = {}
-_INSTANCES: dict[str, Backend] = {}
+_INSTANCES: dict[tuple, Backend] = {}
 
 
 @lru_cache(maxsize=None)
@@ -49,26 +49,33 @@ def available_backends() -> dict[str, type[Backend]]:
 def register_backend(cls: type[Backend]) -> type[Backend]:
     """Make a backend class selectable without an entry point (notebooks, tests); a decorator."""
     _REGISTERED[cls.name] = cls
-    _INSTANCES.pop(cls.name, None)
+    _forget(cls.name)
     return cls
 
 
 def unregister_backend(name: str) -> None:
     """Forget a backend added with :func:`register_backend`."""
     _REGISTERED.pop(name, None)
-    _INSTANCES.pop(name, None)
+    _forget(name)
 
 
-def get_backend(name: str) -> Backend:
-    """The (shared) instance of backend ``name``."""
-    if name not in _INSTANCES:
+def _forget(name: str) -> None:
+    for key in [k for k in _INSTANCES if k[0] == name]:
+        del _INSTANCES[key]
+
+
+def get_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend:
+    """The (shared) instance of backend ``name`` with ``options`` (``backend.options``; one
+    instance per distinct set)."""
+    key = (name, tuple(sorted((options or {}).items())))
+    if key not in _INSTANCES:
         backends = available_backends()
         if name not in backends:
             raise UnknownBackendError(
                 f"unknown backend {name!r}; installed backends: {sorted(backends)}. "
                 f"Install the extra that provides it (e.g. pip install 'deepinfer[{name}]')")
-        _INSTANCES[name] = backends[name]()
-    return _INSTANCES[name]
+        _INSTANCES[key] = backends[name](options) if options else backends[name]()
+    return _INSTANCES[key]
 
 
 class OpTable:
@@ -80,14 +87,15 @@ class OpTable:
     :class:`~deepinfer.hal.backend.UnsupportedInput`) also runs on ``fallback`` when one is
     configured (logged once per op). ``batch_invariant=True`` takes every op from its backend's batch-invariant
     table (``implementations(batch_invariant=True)``); each backend serving an op must declare
-    the capability, else :class:`BatchInvarianceError`."""
+    the capability, else :class:`BatchInvarianceError`. ``options`` (``backend.options``) go to
+    ``backend``, wherever it serves an op."""
 
     def __init__(self, backend: str, fallback: str | None = None, overrides: Mapping[str, str] | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, options: Mapping[str, Any] | None = None):
         import deepinfer.hal.ops  # noqa: F401  (declares every OpSpec)
 
-        self.backend = get_backend(backend)
-        self.fallback = get_backend(fallback) if fallback else None
+        self.backend = get_backend(backend, options)
+        self.fallback = (self.backend if fallback == backend else get_backend(fallback)) if fallback else None
         self.overrides = dict(overrides or {})
         self.batch_invariant = batch_invariant
         unknown = sorted(set(self.overrides) - set(SPECS))
@@ -114,7 +122,8 @@ class OpTable:
         return self._tables[backend.name]
 
     def _resolve(self, op: str) -> Callable:
-        chosen = get_backend(self.overrides[op]) if op in self.overrides else self.backend
+        named = self.overrides.get(op, self.backend.name)
+        chosen = self.backend if named == self.backend.name else get_backend(named)
         impl = self._table(chosen, op).get(op)
         if impl is not None:
             self.sources[op] = chosen.name

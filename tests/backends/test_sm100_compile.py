@@ -44,12 +44,13 @@ def test_batch_invariant_table_turns_split_kv_off_and_fixes_the_gemm_tiles():
     backend = get_backend("sm100")
     table = backend.implementations(batch_invariant=True)
     assert set(table) == set(INVARIANT) <= set(backend.implementations())
-    assert table["mla_sparse_decode"].keywords == {"split_kv": False}
-    assert table["mla_sparse_prefill"].keywords == {"split_kv": False, "batch_invariant": True}
+    chosen = {"options": backend.options}
+    assert table["mla_sparse_decode"].keywords == {**chosen, "split_kv": False}
+    assert table["mla_sparse_prefill"].keywords == {**chosen, "split_kv": False, "batch_invariant": True}
     for op in ("mla_sparse_decode", "mla_sparse_prefill"):
         assert table[op].func is getattr(wrappers, op)
-    for op in ("grouped_gemm", "linear"):
-        assert table[op].keywords == {"batch_invariant": True}
+    assert table["grouped_gemm"].keywords == {**chosen, "batch_invariant": True}
+    assert table["linear"].keywords == {"batch_invariant": True}
     assert table["rms_norm"] is wrappers.rms_norm
     shapes = [(rows, experts) for rows in (1, 7, 64, 300, 20000) for experts in (1, 8, 256)]
     assert {tuple(wrappers.gemm_tiles(r, e, 4096, 4096, batch_invariant=True).items()) for r, e in shapes} == \
@@ -123,12 +124,11 @@ def test_split_count_weighs_each_ctas_fixed_cost(monkeypatch):
     assert split_count(1, 2, 8, "cuda") == 8  # 1 x 3: one block of each list per split
 
 
-def test_sparse_mla_kernel_is_chosen_by_arch_and_switch_and_lists_align_to_its_key_block(monkeypatch):
+def test_sparse_mla_kernel_is_chosen_by_arch_and_options_and_lists_align_to_its_key_block():
     from deepinfer_backends.sm100 import toolchain
     from deepinfer_backends.sm100.attention import align_lists, key_block, mla_kernel
+    from deepinfer_backends.sm100.options import KernelOptions
 
-    monkeypatch.delenv("DEEPINFER_SM100_MLA_PORTABLE", raising=False)
-    monkeypatch.delenv("DEEPINFER_SM100_TCGEN05", raising=False)
     ws32 = ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32})
     assert mla_kernel("mla_sparse_decode", toolchain.HOPPER) == ws32
     assert mla_kernel("mla_sparse_prefill", toolchain.HOPPER, batch_invariant=True) == ws32  # decode's blocks
@@ -137,8 +137,12 @@ def test_sparse_mla_kernel_is_chosen_by_arch_and_switch_and_lists_align_to_its_k
     for op in ("mla_sparse_decode", "mla_sparse_prefill"):
         assert mla_kernel(op, toolchain.BLACKWELL) == ("mla_sparse_decode", "sparse_mla", {})
         assert key_block(mla_kernel(op, toolchain.BLACKWELL)) == 64
-    monkeypatch.setenv("DEEPINFER_SM100_MLA_PORTABLE", "1")
-    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER) == ("mla_sparse_decode", "sparse_mla", {})
+    portable = KernelOptions(mla_kernel="portable")
+    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER, options=portable) == ("mla_sparse_decode", "sparse_mla", {})
+    warp_specialized = KernelOptions(mla_kernel="warp_specialized")
+    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER, options=warp_specialized) == ws32
+    with pytest.raises(RuntimeError, match="mla_kernel=warp_specialized needs Hopper"):
+        mla_kernel("mla_sparse_decode", toolchain.BLACKWELL, options=warp_specialized)
     indices = torch.arange(6, dtype=torch.int32).reshape(1, 6)
     assert align_lists(indices, 2, block=64).tolist() == [[0, 1] + [-1] * 62 + [2, 3, 4, 5]]
     assert align_lists(indices, 2, block=32).tolist() == [[0, 1] + [-1] * 30 + [2, 3, 4, 5]]
@@ -339,7 +343,6 @@ def test_warp_specialised_grouped_gemm_keeps_one_k_block_in_flight():
 def test_bf16_grouped_gemm_kernel_is_chosen_by_arch_and_mode(monkeypatch):
     from deepinfer_backends.sm100 import gemm, toolchain
 
-    monkeypatch.delenv("DEEPINFER_SM100_TCGEN05", raising=False)
     ws = gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.HOPPER)
     assert ws == ("grouped_gemm_ws", "grouped_gemm_bf16_ws", {"block_m": 128, "block_n": 256, "num_stages": 4})
     assert gemm.bf16_kernel(192, 48, 4096, 4096, toolchain.HOPPER)[2]["block_m"] == 64
@@ -348,10 +351,9 @@ def test_bf16_grouped_gemm_kernel_is_chosen_by_arch_and_mode(monkeypatch):
         ("grouped_gemm", "grouped_gemm_bf16", gemm.INVARIANT_TILES)
     assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.BLACKWELL) == \
         ("grouped_gemm", "grouped_gemm_bf16", gemm.gemm_tiles(12288, 48, 4096, 4096))
-    monkeypatch.setenv("DEEPINFER_SM100_TCGEN05", "1")
     monkeypatch.setattr(toolchain, "device_arch", lambda device_index=0: toolchain.BLACKWELL)
-    assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.BLACKWELL)[:2] == ("grouped_gemm_tcgen05",
-                                                                                 "grouped_gemm_bf16")
+    assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.BLACKWELL, tcgen05=True)[:2] == \
+        ("experimental.grouped_gemm_tcgen05", "grouped_gemm_bf16")
 
 
 @needs_tilelang

@@ -19,10 +19,10 @@ ROWS = 300
 """Rows of the shuffled batch: more than one 256-row tile of the reference fallback and many GEMM tiles."""
 
 
-def _table():
+def _table(mla: str = "auto"):
     from deepinfer_backends.sm100 import INVARIANT
 
-    return INVARIANT, get_backend("sm100").implementations(batch_invariant=True)
+    return INVARIANT, get_backend("sm100", {"mla_kernel": mla}).implementations(batch_invariant=True)
 
 
 def _bf16_cases(op: str) -> list[str]:
@@ -39,8 +39,8 @@ def _inputs(op: str, case: str) -> dict:
 
 EXTRA_ROW_ARGS = {"apply_rope": ("x", "positions"), "kv_load": ("slots",), "swiglu": ("gate", "up")}
 """Row arguments of ops the reference serves as they are in its batch-invariant table."""
-MLA_KERNELS = {"portable": "1", "warp_specialised": "0"}
-"""The sparse MLA kernels on Hopper (value of ``DEEPINFER_SM100_MLA_PORTABLE``)."""
+MLA_KERNELS = ("portable", "warp_specialized")
+"""The sparse MLA kernels on Hopper (``backend.options.mla_kernel``)."""
 
 
 @pytest.mark.parametrize("op,case,mla", [(op, case, mla) for op in ("linear", "rms_norm", "indexer_logits",
@@ -50,9 +50,8 @@ MLA_KERNELS = {"portable": "1", "warp_specialised": "0"}
                                                                     "swiglu")
                                          for case in _bf16_cases(op)
                                          for mla in (MLA_KERNELS if op.startswith("mla") else ["portable"])])
-def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, case, mla, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_SM100_MLA_PORTABLE", MLA_KERNELS[mla])
-    impl = _table()[1][op]
+def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, case, mla):
+    impl = _table(mla)[1][op]
     inputs = _inputs(op, case)
     rows = [name for name in {**ROW_ARGS, **EXTRA_ROW_ARGS}[op] if inputs.get(name) is not None]
     count = _row_count(inputs[rows[0]])
@@ -82,11 +81,10 @@ def test_grouped_gemm_row_does_not_depend_on_its_segment(case):
 
 
 @pytest.mark.parametrize("mla", MLA_KERNELS)
-def test_a_token_gets_the_same_bits_through_prefill_and_decode(mla, monkeypatch):
+def test_a_token_gets_the_same_bits_through_prefill_and_decode(mla):
     """Decode reads the fp8 main and fp4 extra caches; prefill reads the same decoded keys from a
     bf16 buffer, with ``main_keys`` marking where decode's main list ends."""
-    monkeypatch.setenv("DEEPINFER_SM100_MLA_PORTABLE", MLA_KERNELS[mla])
-    table = _table()[1]
+    table = _table(mla)[1]
     args = _inputs("mla_sparse_decode", "tiny_bf16_fp8_fp4")
     q, batch, s_q = args["q"], args["q"].shape[0], args["q"].shape[1]
     main = decode_tokens(args["cache"].reshape(-1, args["cache"].shape[-1]), args["cache_format"])

@@ -31,14 +31,13 @@ PREFILL = {  # name -> (tokens, heads, dim, buffer rows, keys)
 }
 
 
-def _check(op: str, make, mla: str, monkeypatch) -> None:
-    monkeypatch.setenv("DEEPINFER_SM100_MLA_PORTABLE", MLA_KERNELS[mla])
+def _check(op: str, make, mla: str) -> None:
     inputs = make(torch.Generator().manual_seed(0), torch.device("cpu"))
     for name in ("q", "kv"):
         if name in inputs:
             inputs[name] = inputs[name].to(torch.bfloat16)
     want = SPECS[op].reference(**{k: v.float() if k in ("q", "kv") else v for k, v in _clone(inputs).items()})
-    impl = get_backend("sm100").implementations()[op]
+    impl = get_backend("sm100", {"mla_kernel": mla}).implementations()[op]
     got = impl(**_to_device(_clone(inputs), torch.device("cuda")))
     failures = compare(got, want, SPECS[op].tolerance(torch.bfloat16), f"{op}/{mla}")
     assert not failures, "\n".join(failures)
@@ -46,15 +45,14 @@ def _check(op: str, make, mla: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize("mla", MLA_KERNELS)
 @pytest.mark.parametrize("case", DECODE)
-def test_decode_matches_the_reference_whatever_the_list_lengths(case, mla, monkeypatch):
+def test_decode_matches_the_reference_whatever_the_list_lengths(case, mla):
     b, s_q, heads, keys, extra_keys, fmt = DECODE[case]
     _check("mla_sparse_decode", _decode_case(b=b, s_q=s_q, h=heads, k=keys, cache_format=fmt, extra_k=extra_keys,
-                                             padded=3), mla, monkeypatch)
+                                             padded=3), mla)
 
 
 @pytest.mark.parametrize("mla", MLA_KERNELS)
 @pytest.mark.parametrize("case", PREFILL)
-def test_prefill_matches_the_reference_whatever_the_list_lengths(case, mla, monkeypatch):
+def test_prefill_matches_the_reference_whatever_the_list_lengths(case, mla):
     tokens, heads, dim, rows, keys = PREFILL[case]
-    _check("mla_sparse_prefill", _prefill_case(t=tokens, h=heads, d=dim, s=rows, k=keys, padded=5), mla,
-           monkeypatch)
+    _check("mla_sparse_prefill", _prefill_case(t=tokens, h=heads, d=dim, s=rows, k=keys, padded=5), mla)

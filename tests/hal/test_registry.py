@@ -113,3 +113,55 @@ def test_every_op_has_tiny_and_real_cases():
     for name, spec in SPECS.items():
         sizes = {c.size for c in spec.cases}
         assert "tiny" in sizes and "real" in sizes, f"op {name} needs tiny and real cases, has {sizes}"
+
+
+def test_backend_options_are_typed_and_reach_the_chosen_backend_only():
+    """``backend.options`` build the chosen backend's typed options (one instance per distinct
+    set); a backend without options, an unknown option and a bad value are refused by name."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Knobs:
+        scale: int = 1
+
+        def __post_init__(self):
+            if self.scale not in (1, 2):
+                raise ValueError(f"backend.options.scale={self.scale!r}: expected 1 or 2")
+
+    class Knobbed(Backend):
+        name = "knobbed"
+        options_type = Knobs
+        capabilities = Capabilities(device_types=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+
+        def implementations(self):
+            scale = self.options.scale
+            return {"rms_norm": lambda x, weight, eps, residual=None: scale * SPECS["rms_norm"].reference(
+                x, weight, eps, residual)}
+
+    register_backend(Knobbed)
+    try:
+        x, w = torch.randn(3, 8), torch.ones(8)
+        want = SPECS["rms_norm"].reference(x, w, 1e-6)
+        doubled = OpTable("knobbed", fallback="reference", options={"scale": 2})
+        assert doubled.backend.options == Knobs(2) and torch.equal(doubled.rms_norm(x, w, 1e-6), 2 * want)
+        assert torch.equal(OpTable("knobbed", fallback="reference").rms_norm(x, w, 1e-6), want)
+        assert OpTable("reference", overrides={"rms_norm": "knobbed"}).rms_norm(x, w, 1e-6).equal(want), \
+            "an override takes the backend's default options"
+        with pytest.raises(ValueError, match=r"backend 'knobbed' has no options \['size'\]; its options: \['scale'\]"):
+            OpTable("knobbed", fallback="reference", options={"size": 2})
+        with pytest.raises(ValueError, match=r"backend.options.scale=3: expected 1 or 2"):
+            OpTable("knobbed", fallback="reference", options={"scale": 3})
+        with pytest.raises(ValueError, match=r"backend 'reference' takes no options"):
+            OpTable("reference", options={"scale": 2})
+    finally:
+        unregister_backend("knobbed")
+
+
+def test_sm100_options_compose_from_the_config():
+    from deepinfer.config.compose import compose
+
+    app = compose(["backend=sm100", "backend.options.mla_kernel=portable"])
+    table = OpTable(app.backend.name, "reference", options=dict(app.backend.options))
+    assert table.backend.options.mla_kernel == "portable" and table.backend.options.tcgen05 is False
+    with pytest.raises(ValueError, match=r"mla_kernel='fast'"):
+        OpTable("sm100", "reference", options={"mla_kernel": "fast"})

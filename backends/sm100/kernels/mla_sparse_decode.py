@@ -262,12 +262,17 @@ def reference(q, keys, valid, sink, scale):
     return sparse_attention(q, keys, valid, sink, scale)
 
 
-def main(rows: int = 64, heads: int = 64, main_keys: int = 128, extra_keys: int = 512) -> None:
-    """Check one V4.1 decode shape (fp8 main + fp4 extra) against the HAL reference and time it."""
+def main(rows: int = 64, heads: int = 64, main_keys: int = 128, extra_keys: int = 512, options=None) -> None:
+    """Check one V4.1 decode shape (fp8 main + fp4 extra) against the HAL reference and time it,
+    with the kernel ``options`` (a ``KernelOptions``; default: the backend's) pick."""
     from tilelang.profiler import do_bench
 
     from deepinfer.hal.ops.mla import mla_sparse_decode
-    from deepinfer_backends.sm100.wrappers import mla_sparse_decode as run
+    from deepinfer_backends.sm100.options import DEFAULT
+    from deepinfer_backends.sm100.wrappers import mla_sparse_decode as wrapper
+
+    def run(**kwargs):
+        return wrapper(**kwargs, options=options or DEFAULT)
 
     gen = torch.Generator().manual_seed(0)
     args = dict(q=torch.randn(rows, 1, heads, 512, generator=gen).to(torch.bfloat16),

@@ -31,7 +31,7 @@ probability tile, ``done`` for the final row scale. Every row walks its blocks i
 whatever the batch, so with ``splits = 1`` the result is batch invariant (decode and prefill
 alike, both with 32-key blocks).
 
-The default for both sparse MLA ops on Hopper (``DEEPINFER_SM100_MLA_PORTABLE=1`` picks the
+The default for both sparse MLA ops on Hopper (``backend.options.mla_kernel=portable`` picks the
 portable kernel instead). Side by side on the H200 it takes 0.45-0.53 of the portable kernel's
 time on fp8 + fp4 decode at B >= 64 (0.76-0.79 at B = 1 and 16) and 0.94-0.97 on bf16 prefill;
 the three-stage key ring and the lazy max cut its own decode time by 7-10 %, loading the raw

@@ -11,7 +11,7 @@ then signals ``done``; every warp then reads its TMEM lanes into registers and s
 of the tile's segment. TMA zero-fills rows past ``m`` and columns past ``n`` or ``k``.
 
 Compiled for sm_100a but never run: no Blackwell GPU was available. Hence the wrappers select it
-only with ``DEEPINFER_SM100_TCGEN05=1`` on an sm_100a device (``toolchain.kernel_module``), and
+only with ``backend.options.tcgen05=true`` on an sm_100a device (``toolchain.kernel_module``), and
 ``tests/backends/test_sm100_tcgen05.py`` only checks that it lowers to tcgen05/TMEM code that
 nvcc and ptxas accept."""
 

@@ -21,10 +21,9 @@ memory (``p_s``), not TMEM. No warp specialisation yet: gather, decode, MMA and 
 follow each other, as in the Hopper kernel.
 
 Compiled for sm_100a but never run: no Blackwell GPU was available. Hence the wrappers select it
-only with ``DEEPINFER_SM100_TCGEN05=1`` on an sm_100a device (``toolchain.kernel_module``), and
+only with ``backend.options.tcgen05=true`` on an sm_100a device (``toolchain.kernel_module``), and
 ``tests/backends/test_sm100_tcgen05.py`` only checks that it lowers to tcgen05/TMEM code that
 nvcc and ptxas accept."""
-import os
 
 import tilelang
 import tilelang.language as T
@@ -142,10 +141,11 @@ def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: flo
 
 
 def main() -> None:
-    """:func:`mla_sparse_decode.main` (check against the HAL reference, time) with the switch on,
-    so the wrapper runs this kernel; needs a Blackwell (sm_100a) GPU."""
-    os.environ["DEEPINFER_SM100_TCGEN05"] = "1"
-    mla_sparse_decode.main()
+    """:func:`mla_sparse_decode.main` (check against the HAL reference, time) with
+    ``tcgen05=True``, so the wrapper runs this kernel; needs a Blackwell (sm_100a) GPU."""
+    from deepinfer_backends.sm100.options import KernelOptions
+
+    mla_sparse_decode.main(options=KernelOptions(tcgen05=True))
 
 
 if __name__ == "__main__":
