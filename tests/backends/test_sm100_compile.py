@@ -383,3 +383,19 @@ def test_kv_norm_rope_store_rounds_like_the_reference(name):
     ptx = toolchain.compile_ptx(_lower(name, toolchain.HOPPER), toolchain.HOPPER)
     assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert not any(approx in ptx for approx in ("rsqrt.approx", "lg2.approx", "ex2.approx", "div.approx"))
+
+
+def test_every_kernel_module_has_a_main_that_checks_it():
+    """``python -m deepinfer_backends.sm100.kernels.<module>`` (or ``fused.<module>``) checks
+    that kernel on a GPU; read from the source, since importing a kernel module needs tilelang
+    or triton."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "backends" / "sm100"
+    modules = [p for folder in ("kernels", "kernels/experimental", "fused") for p in sorted((root / folder).glob("*.py"))
+               if p.name != "__init__.py"]
+    assert len(modules) >= 20
+    missing = [str(p.relative_to(root)) for p in modules
+               if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(p.read_text()).body)]
+    assert not missing, f"kernel modules without main(): {missing}"

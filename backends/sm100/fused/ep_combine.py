@@ -25,3 +25,15 @@ def ep_combine_kernel(y, row_of_pair, weights, routed, out, hidden, TOP_K: tl.co
         total += tl.where(take, tl.load(weights + r) * tl.load(y + r * hidden + h, mask=take, other=0.0).to(tl.float32),
                           0.0)
     tl.store(out + t * hidden + h, total.to(out.dtype.element_ty), mask=inside)
+
+
+def main() -> None:
+    """Check the expert combine kernel against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("ep_combine")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,3 +38,15 @@ def kv_load_kernel(rows, bf16_rows, fp8_rows, slots, out, n, ROW_BYTES: tl.const
         else:
             value = value * power_of_two(tl.load(rows + start + DIM // 2 + col // 32, mask=keep, other=127).to(tl.int32) - 127)
     tl.store(out + i.to(tl.int64)[:, None] * DIM + col, tl.where(keep, value, 0.0), mask=live[:, None])
+
+
+def main() -> None:
+    """Check the cache-row decode kernel against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("kv_load")
+
+
+if __name__ == "__main__":
+    main()

@@ -101,3 +101,15 @@ def mhc_head_kernel(dots, squares, scale, base, weights, tokens, width, norm_eps
     m = _summed(dots, token[:, None] * ROWS + stream[None, :], live[:, None], SPLITS, tokens * ROWS) * inv[:, None]
     w = tl.sigmoid(tl.load(scale) * m + tl.load(base + stream)[None, :]) + hc_eps
     tl.store(weights + token[:, None] * HC + stream[None, :], w, mask=live[:, None])
+
+
+def main() -> None:
+    """Check the mHC mixes and head kernels against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("mhc_mixes", "mhc_head")
+
+
+if __name__ == "__main__":
+    main()

@@ -37,3 +37,15 @@ def mhc_post_kernel(y, residual, post, comb, out, hidden, HC: tl.constexpr, BLOC
         carried += tl.load(comb + (t * HC + m) * HC + n)[:, None] * stream[None, :]
     total = tl.load(post + t * HC + n)[:, None] * written[None, :] + carried
     tl.store(out + (t * HC + n[:, None]) * hidden + h[None, :], total.to(out.dtype.element_ty), mask=inside[None, :])
+
+
+def main() -> None:
+    """Check the mHC stream kernels against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("mhc_pre", "mhc_post")
+
+
+if __name__ == "__main__":
+    main()

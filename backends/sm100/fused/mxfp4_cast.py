@@ -60,3 +60,15 @@ def mxfp4_cast_kernel(x, out, rows, heads, out_heads, out_dim, DIM: tl.constexpr
     target = (row // heads).to(tl.int64) * out_heads + row % heads
     tl.store(out + target[:, None] * out_dim + col[None, :], tl.reshape(signed, (BLOCK_ROWS, DIM)).to(tl.bfloat16),
              mask=live[:, None])
+
+
+def main() -> None:
+    """Check the MXFP4 query cast, through the indexer logits that use it against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("indexer_logits")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,3 +33,15 @@ def rope_kernel(x, positions, cos_sin, out, rows, heads, dim, x_row_stride, tabl
     turned = tl.where(odd[None, :], other * sin + value * cos, value * cos - other * sin)
     result = tl.where(turning, turned, value).to(out.dtype.element_ty)
     tl.store(out + row[:, None].to(tl.int64) * dim + col[None, :], result, mask=inside)
+
+
+def main() -> None:
+    """Check the RoPE kernel against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("apply_rope")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,3 +19,15 @@ def swiglu_kernel(gate, up, out, count, limit, CLAMP: tl.constexpr, BLOCK: tl.co
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     tl.store(out + i, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=inside)
+
+
+def main() -> None:
+    """Check the SwiGLU kernel against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("swiglu")
+
+
+if __name__ == "__main__":
+    main()

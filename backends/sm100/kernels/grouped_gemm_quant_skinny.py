@@ -211,3 +211,15 @@ def grouped_gemm_quant_skinny(experts: int, n: int, k: int, w_format: str, block
                                         acc[(tile * groups + j) * 4 + i]
 
     return kernel
+
+
+def main() -> None:
+    """Check the block-scaled grouped GEMM for few rows per expert (its cases with few rows reach it) against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("grouped_gemm", "linear")
+
+
+if __name__ == "__main__":
+    main()

@@ -289,3 +289,15 @@ def decode_fp8_rows(k: int, threads: int = 128):
                               T.access_ptr(out[row, c * 16 + 8], "w"))
 
     return kernel
+
+
+def main() -> None:
+    """Check the warp-specialised block-scaled grouped GEMM (its cases with many rows reach it) against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("grouped_gemm", "linear")
+
+
+if __name__ == "__main__":
+    main()

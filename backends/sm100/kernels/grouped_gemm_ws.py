@@ -105,3 +105,15 @@ def grouped_gemm_bf16_ws(experts: int, n: int, k: int, block_m: int = 128, block
                                num_stages, dtype)
 
     return kernel
+
+
+def main() -> None:
+    """Check the warp-specialised bf16 grouped GEMM against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("grouped_gemm")
+
+
+if __name__ == "__main__":
+    main()

@@ -137,3 +137,15 @@ def decode_rows(fmt: str):
                           T.cast(rows[row, scales + q // calls_per_scale], "int32"), T.access_ptr(out[row, q * 8], "w"))
 
     return kernel
+
+
+def main() -> None:
+    """Check the key decode, through the sparse MLA kernels that use it against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("mla_sparse_decode")
+
+
+if __name__ == "__main__":
+    main()

@@ -368,3 +368,15 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
                         T.cp_async_barrier_noinc(k_ready[stage])
 
     return kernel
+
+
+def main() -> None:
+    """Check the warp-specialised sparse MLA kernel against the OpSpec reference and tolerance on this GPU
+    (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("mla_sparse_decode", "mla_sparse_prefill", mla_kernel="warp_specialized")
+
+
+if __name__ == "__main__":
+    main()

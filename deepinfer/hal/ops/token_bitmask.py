@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 
 import torch
@@ -13,8 +12,6 @@ from deepinfer.hal.value_checks import value_checks
 
 NEG_INF_BITS = -8388608
 """0xFF800000 as int32: the bit pattern of float32 -inf."""
-NO_COMPILE_ENV = "DEEPINFER_NO_COMPILE"
-"""Set it to skip ``torch.compile`` (the eager path is used)."""
 logger = logging.getLogger(__name__)
 _COMPILE_FAILED = False
 SPARSE_SHARE = 8
@@ -87,7 +84,7 @@ def _masked_fill(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 @functools.lru_cache(maxsize=1)
 def _compiled_kernel():
     """``torch.compile`` of :func:`_masked_fill` (dynamic shapes), or None when it cannot exist."""
-    if not hasattr(torch, "compile") or os.environ.get(NO_COMPILE_ENV):
+    if not hasattr(torch, "compile"):
         return None
     return torch.compile(_masked_fill, dynamic=True)
 
