@@ -18,8 +18,8 @@ lists in blocks of this many keys, whatever the batch."""
 WS_PREFILL = {"block_k": 64, "key_stages": 2}
 """The warp-specialised kernel's key ring for prefill outside the batch-invariant mode: 64-key
 blocks, two of them (bf16 keys leave no raw ring beside them, so they fit; decode's quantized rows
-do not). 10-11 % faster than 32-key blocks on the prefill points of the H200
-(``experiments/results/mla_kernels_h200.txt``)."""
+do not). Faster than 32-key blocks on the prefill shapes: the score wgmmas read the queries from
+shared memory once per 64 keys instead of once per 32 (``experiments/results/sm100_design_measurements_h200.md``)."""
 
 
 def mla_kernel(op: str, arch: str | None = None, batch_invariant: bool = False,

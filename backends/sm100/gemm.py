@@ -59,7 +59,7 @@ WS_STAGES = 4
 def bf16_kernel(rows: int, experts: int, n: int, k: int, arch: str, batch_invariant: bool = False,
                 tcgen05: bool = False) -> tuple[str, str, dict[str, int]]:
     """``(kernels module, factory, tiles)`` of the bf16 grouped GEMM on ``arch``. On Hopper: the
-    warp-specialised kernel (``grouped_gemm_ws``: 1-12 % faster than the portable one on the MoE
+    warp-specialised kernel (``grouped_gemm_ws``: faster than the portable one on the MoE
     shapes, mostly by skipping the idle warpgroup of a segment's short last tile); in the batch-invariant
     mode, on other archs, or with ``tcgen05`` the portable kernel (or its tcgen05 variant,
     :func:`toolchain.kernel_module`) with :func:`gemm_tiles`."""
@@ -174,12 +174,10 @@ SKINNY_WIDE_TILES = {"fp8": {"block_t": 16, "warps": 4, "depth": 1, "tiles_m": 2
 """Rows per expert (on average) up to which the block-scaled grouped GEMM takes the kernel for few
 rows (``grouped_gemm_quant_skinny``: weights decoded in registers into ``mma.sync``, the rows on
 the MMA's N side), and its tiles: 8-row tiles up to 4 rows per expert, 16-row tiles (by weight
-format) above; two MMA tiles a warp. On the H200 (``experiments/results/grouped_gemm_kernels_h200.txt``,
-EP8 w13, each ratio side by side in one run) it takes 0.53-0.64 of ``grouped_gemm_quant_ws``'s time
-at 4 rows per expert, 0.59-0.70 at 8, 0.79-0.93 at 16, and 1.18-1.26 at 32 (its best tiles there),
-hence the threshold; 8-row tiles beat 16-row ones at 4 rows and lose at 8. Two MMA tiles a warp
-(one read of the activations for 32 weight rows) took 1-14 % off at EP8 with 4 and 8 rows per
-expert, and added 1 % with FP8 weights at EP1 (384 experts, 4 rows each)."""
+format) above; two MMA tiles a warp (one read of the activations for 32 weight rows). The threshold
+is where ``grouped_gemm_quant_ws`` overtakes it side by side, and each tile height is the faster one
+for its range of rows (``experiments/results/grouped_gemm_kernels_h200.txt``; the ratios are in
+``experiments/results/sm100_design_measurements_h200.md``)."""
 SKINNY_MIN_CTAS = 2 * 132
 """With fewer CTAs than this (two per SM of an H200) at two MMA tiles a warp, the kernel for few rows
 keeps one (twice the CTAs): a one-expert ``linear`` with a few thousand output columns would

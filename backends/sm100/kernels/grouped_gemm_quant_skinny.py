@@ -27,11 +27,10 @@ FP8 activations are decoded to bf16 once per row first
 activations are read by every warp of the grid's column, so decoding them here would repeat it
 ``n / 16`` times. ``mma.sync`` runs on sm_80 and later, Blackwell included.
 
-On the H200 (``experiments/results/grouped_gemm_kernels_h200.txt``), at 4 rows per expert: 0.82-1.02
-of the copy bandwidth with FP8 weights and 0.52-0.67 with MXFP4 ones, 1.5-2.1x faster than
-:mod:`grouped_gemm_quant_ws` (19:39, one MMA tile a warp). ncu put the limit in the L1's data pipe
-(93-95 % of its wavefronts busy, DRAM 44 %), two thirds of whose bytes were activations that each warp
-read for only 16 weight rows; two MMA tiles a warp halve those and took 1-14 % off (21:27)."""
+With few rows per expert it is faster than :mod:`grouped_gemm_quant_ws`. Its limit is the L1's data
+pipe, much of whose traffic is the activations each warp reads for its own weight rows; ``tiles_m = 2``
+shares one read of them between 32 weight rows (``experiments/results/grouped_gemm_kernels_h200.txt``,
+``experiments/results/sm100_design_measurements_h200.md``)."""
 import tilelang
 import tilelang.language as T
 

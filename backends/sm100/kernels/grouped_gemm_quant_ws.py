@@ -13,16 +13,15 @@ float32 result), with the decode taken off the tensor cores' critical path:
   multiply per pair of values; a k-block holding a scale byte past :data:`NARROW_SCALE` takes the
   two-multiply form, a branch taken once per k-block so that each path is straight-line code), and
   hand each stage to the consumers on an mbarrier that also counts the activations' TMA; each
-  thread loads its raw units of the next k-block into registers while it works on this one
-  (2.6-4.5 % faster at 64-row tiles and with FP8 weights at 128-row ones, measured beside the
-  one-block form);
+  thread loads its raw units of the next k-block into registers while it works on this one, so
+  that the loads' latency overlaps other work (``prefetch``);
 - two consumer warpgroups run the wgmmas as
   :func:`~deepinfer_backends.sm100.kernels.grouped_gemm_ws.grouped_gemm_bf16_ws` does (one k-block
   in flight, a segment's short last tile computed by one warpgroup).
 
-Side by side on the H200 it is 2.7-4.1x faster than the portable kernel with FP8 activations and
-takes 0.93-1.30 of the bf16 kernel's time on bf16 operands of the same shape: still bound by the
-decode (``experiments/results/grouped_gemm_kernels_h200.txt``). Hopper only (wgmma, TMA,
+Faster than the portable kernel, which decodes in the warps that issue the wgmma, but still bound by
+the decode (``experiments/results/grouped_gemm_kernels_h200.txt``,
+``experiments/results/sm100_design_measurements_h200.md``). Hopper only (wgmma, TMA,
 ``setmaxnreg``); ``k`` a multiple of 512 (the scale rows are then 16-byte aligned for TMA)."""
 import tilelang
 import tilelang.language as T
@@ -211,9 +210,8 @@ def grouped_gemm_quant_ws(experts: int, n: int, k: int, w_format: str, block_m: 
             load_raw(w_raw, w_scale_s, raw_full, next_in, next_sc, next_wide, kb + 1, d)
         T.fence_proxy_async()  # the generic-proxy stores must be visible to wgmma
         T.barrier_arrive(ready[stage])
-        # Every thread has read raw slot kb (one step earlier), so the TMA may overwrite it. (Right after
-        # the loads, before this barrier, was a race: on the H200 the TMA could land before every thread
-        # had read, and results came out wrong.)
+        # Every thread has read raw slot kb (one step earlier), so the TMA may overwrite it. Issued before
+        # this barrier, the TMA could land before every thread had read the slot.
         T.sync_threads(DECODER_BAR, dec_threads)
         if d < 128:
             if kb + raw_stages < k_blocks:

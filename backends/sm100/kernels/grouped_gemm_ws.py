@@ -13,8 +13,8 @@ What the automatic pipeline cannot express:
   the tile takes about half the tensor-core time. Routing rarely fills whole tiles: with about 256
   rows per expert, half the segments end in such a tile;
 - the output tile goes through the weight ring and leaves as 16-byte stores (:func:`store_tile`;
-  3-8 % faster on the MoE shapes than 4-byte stores from the accumulator layout,
-  ``experiments/results/grouped_gemm_kernels_h200.txt``)."""
+  faster on the MoE shapes than 4-byte stores from the accumulator layout, each of which a warp
+  spreads over 8 rows; ``experiments/results/grouped_gemm_kernels_h200.txt``)."""
 import tilelang
 import tilelang.language as T
 

@@ -149,7 +149,7 @@ def sparse_mla(heads: int, dim: int, main_keys: int, extra_keys: int, scale: flo
     shared = shared_macros(block_h, block_k, dim, main_format, scale, splits)
     list_sizes = (splits * main_per_split * block_k, max(splits * extra_per_split, 1) * block_k)
     # The key lists go to static shared memory when they fit: TileLang's sync pass sees all dynamic
-    # shared memory as one buffer, so a gather loop reading a list there got a barrier per iteration.
+    # shared memory as one buffer, so a gather loop reading a list there would get a barrier per iteration.
     list_scope = "shared" if 4 * sum(list_sizes) <= STATIC_LIST_BYTES else "shared.dyn"
 
     @T.macro

@@ -19,8 +19,8 @@ out the way FlashMLA's decode kernel is: one CTA of three warpgroups per query r
   producer's first gather does not queue behind them; each consumer stores its half of the output
   through the queries' buffer as 16-byte vectors;
 - the CTAs of one row's head blocks (128 heads: two) are neighbours in launch order, so the second
-  finds the key rows the first gathered in L2 (1.7 % off prefill at h = 128; rows first, the two
-  gathered the same rows far apart in time).
+  finds the key rows the first gathered in L2 (in head-block-major order the two would gather the
+  same rows far apart in time).
 
 The running max is lazy (:data:`LAZY_LOG2`): it moves only when a block's scores pass it by more
 than a factor 256, so after the first blocks almost no block rescales the output, and a warp
@@ -32,14 +32,10 @@ whatever the batch, so with ``splits = 1`` the result is batch invariant (decode
 alike, both with 32-key blocks).
 
 The default for both sparse MLA ops on Hopper (``backend.options.mla_kernel=portable`` picks the
-portable kernel instead). Side by side on the H200 it takes 0.45-0.53 of the portable kernel's
-time on fp8 + fp4 decode at B >= 64 (0.76-0.79 at B = 1 and 16) and 0.94-0.97 on bf16 prefill;
-the three-stage key ring and the lazy max cut its own decode time by 7-10 %, loading the raw
-bytes into registers ahead of the decode another 4-5 % at B = 256, and the bit-placement decode,
-the early start and the staged output store together 1.20x at B = 256 and 1.14-1.16x on prefill,
-and a lane per key row in the decode another 1-3 % at B >= 132
-(``experiments/results/mla_kernels_h200.txt``; ``experiments/mla_trace.py`` shows where a CTA's
-time goes)."""
+portable kernel instead): faster than the portable kernel on fp8 + fp4 decode, most at large
+batches, and slightly faster on bf16 prefill (``experiments/results/mla_kernels_h200.txt``,
+``experiments/results/sm100_design_measurements_h200.md``; ``experiments/mla_trace.py`` shows where
+a CTA's time goes)."""
 import tilelang
 import tilelang.language as T
 
@@ -62,8 +58,8 @@ LAUNCH_REGISTERS = 168
 illegal instruction."""
 HELD_CALLS = 4
 """Decode calls whose raw bytes a producer thread loads into registers at once (of its 16 a block of
-32 keys, consecutive in one row: 32 bytes of fp8 or 16 of fp4): four is the fastest measured (two
-were 5-6 % slower, sixteen 7-10 %, eight with the earlier row order 1.5-2.4 %)."""
+32 keys, consecutive in one row: 32 bytes of fp8 or 16 of fp4): four is the fastest of the counts
+compared (``experiments/results/sm100_design_measurements_h200.md``)."""
 LAZY_LOG2 = 8.0
 """A row's running max moves only when a block's scores pass it by more than this (log2 units), so
 probabilities stay at most ``2**LAZY_LOG2`` and most blocks rescale nothing (the output is divided
@@ -153,8 +149,8 @@ def sparse_mla_ws(heads: int, dim: int, main_keys: int, extra_keys: int, scale: 
         """A consumer's half of the output, ``[64, half]``, from its accumulators. bf16 goes through
         shared memory (the queries' buffer, free once the last scores are in) so that the stores to
         global memory are whole 16-byte vectors of consecutive addresses: 4-byte stores straight from
-        the accumulator layout took 4-9 us at the end of every row. Float32 partials (split-KV) would
-        need twice that buffer and go straight."""
+        the accumulator layout spread each warp store over 8 rows and slow the end of every row.
+        Float32 partials (split-KV) would need twice that buffer and go straight."""
         if splits == 1:
             T.copy(acc_o, q_s[:, col0:col0 + half])
             T.sync_threads(bar, 128)

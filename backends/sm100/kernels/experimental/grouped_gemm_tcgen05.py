@@ -10,7 +10,7 @@ block and frees each buffer when that MMA completes (``consumed`` barriers, ``tc
 then signals ``done``; every warp then reads its TMEM lanes into registers and stores the rows
 of the tile's segment. TMA zero-fills rows past ``m`` and columns past ``n`` or ``k``.
 
-Compiled for sm_100a but never run: no Blackwell GPU was available. Hence the wrappers select it
+Compiled for sm_100a but not run on Blackwell hardware. Hence the wrappers select it
 only with ``backend.options.tcgen05=true`` on an sm_100a device (``toolchain.kernel_module``), and
 ``tests/backends/test_sm100_tcgen05.py`` only checks that it lowers to tcgen05/TMEM code that
 nvcc and ptxas accept."""

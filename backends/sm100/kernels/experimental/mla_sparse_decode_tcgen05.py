@@ -20,7 +20,7 @@ each block's product is loaded once and scaled in registers. ``P`` goes to the M
 memory (``p_s``), not TMEM. No warp specialisation yet: gather, decode, MMA and softmax phases
 follow each other, as in the Hopper kernel.
 
-Compiled for sm_100a but never run: no Blackwell GPU was available. Hence the wrappers select it
+Compiled for sm_100a but not run on Blackwell hardware. Hence the wrappers select it
 only with ``backend.options.tcgen05=true`` on an sm_100a device (``toolchain.kernel_module``), and
 ``tests/backends/test_sm100_tcgen05.py`` only checks that it lowers to tcgen05/TMEM code that
 nvcc and ptxas accept."""
