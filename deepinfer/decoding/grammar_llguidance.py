@@ -56,15 +56,15 @@ def ascii_classes(pattern: str) -> str:
 
 
 def llguidance_schema(schema: str) -> str:
-    """``schema`` (JSON text) as llguidance compiles it: xgrammar's strict mode written out (an object schema listing
-    ``properties`` and leaving extra properties unsaid gets ``additionalProperties: false``; a
-    ``prefixItems`` tuple leaving extra items unsaid gets ``items: false``), patterns in ASCII
+    """``schema`` (JSON text) as llguidance compiles it: xgrammar's strict mode written out (an
+    object schema listing ``properties`` and leaving extra properties unsaid gets
+    ``additionalProperties: false``; a ``prefixItems`` tuple leaving extra items unsaid gets
+    ``items: false``), patterns in ASCII
     classes (:func:`ascii_classes`), and ``format`` only beside ``"type": "string"``, where
     xgrammar asserts it too (elsewhere it stays the annotation JSON Schema makes it by default).
-    Schemas another one
-    intersects with (``allOf`` entries and their parents, schemas beside an applicator, the
-    targets of references made inside an ``allOf``) stay open, since closing one would refuse
-    properties its partner lists."""
+    Schemas another one intersects with (``allOf`` entries and their parents, schemas beside an
+    applicator, the targets of references made inside an ``allOf``) stay open, since closing one
+    would refuse properties its partner lists."""
     document = json.loads(schema)
     if not isinstance(document, dict):
         return schema
