@@ -17,8 +17,7 @@ from deepinfer.decoding.grammar_llguidance import LLGuidanceMatcher, ascii_class
 from deepinfer.decoding.grammar_pool import CompilePool, CompileTimeout, GrammarCompileError
 from deepinfer.decoding.grammar_worker import llguidance_tokenizer
 from deepinfer.decoding.schema_check import BACKENDS as SCHEMA_BACKENDS
-from deepinfer.decoding.schema_check import (json_validator, json_violation, validation_only_keywords,
-                                             with_inferred_draft)
+from deepinfer.decoding.schema_check import json_violation, read_json_schema, validation_only_keywords
 from deepinfer.decoding.schema_rewrite import enforced_by_rewrite, grammar_schema
 from deepinfer.decoding.structured import EXTRA, raw_token_bytes
 from deepinfer.tokenizer import TokenizerBase
@@ -141,9 +140,9 @@ class GrammarService:
         try:
             prepared = {"validator": None, "invalid": None, "by_backend": {}}
             if spec["type"] == "json":
-                spec = {**spec, "schema": with_inferred_draft(spec["schema"])}
                 try:
-                    prepared["validator"] = json_validator(spec["schema"])
+                    schema, prepared["validator"] = read_json_schema(spec["schema"])
+                    spec = {**spec, "schema": schema}
                     enforced = enforced_by_rewrite(spec["schema"])
                     prepared["by_backend"] = {
                         b: [k for k in validation_only_keywords(spec["schema"], b) if k not in enforced]

@@ -125,11 +125,12 @@ class Compilers:
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             grammar = LLMatcher.grammar_from_lark(gbnf_to_lark(schema))
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.llguidance)
-        if is_error:
-            raise ValueError(messages[0])
-        self._probe(LLMatcher(self.llguidance, grammar, log_level=0))
-        return grammar, messages
+        matcher = LLMatcher(self.llguidance, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        warnings = matcher.get_grammar_warnings()
+        self._probe(matcher)
+        return grammar, warnings
 
     def _probe(self, matcher) -> None:
         """Walk the grammar for :data:`PROBE_TOKENS` tokens (each time the lowest allowed id that is

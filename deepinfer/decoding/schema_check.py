@@ -54,6 +54,19 @@ def json_validator(schema: str | None):
     return cls(document)
 
 
+def read_json_schema(schema: str | None):
+    """``(schema, validator)`` of the JSON schema text ``schema`` (:func:`json_validator`); only
+    when that refuses it is the draft inferred (:func:`with_inferred_draft`), the schema then
+    returned naming it. Raises ValueError as :func:`json_validator` does."""
+    try:
+        return schema, json_validator(schema)
+    except ValueError:
+        inferred = with_inferred_draft(schema)
+        if inferred == schema:
+            raise
+        return inferred, json_validator(inferred)
+
+
 def with_inferred_draft(schema: str | None) -> str | None:
     """``schema`` as given, unless it names no ``$schema``, breaks the 2020-12 metaschema (the
     draft assumed then) and keeps draft 7's (array-form ``items``, ``additionalItems``,

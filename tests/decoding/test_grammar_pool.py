@@ -70,15 +70,15 @@ def test_a_schema_is_read_off_the_callers_thread(monkeypatch):
     thread only queues it."""
     import threading
 
-    from deepinfer.decoding import grammar_service
+    from deepinfer.decoding import schema_check
 
     readers = []
-    real = grammar_service.json_validator
+    real = schema_check.json_validator
     def recording(text):
         readers.append(threading.current_thread())
         return real(text)
 
-    monkeypatch.setattr(grammar_service, "json_validator", recording)
+    monkeypatch.setattr(schema_check, "json_validator", recording)
     service = GrammarService(ByteTokenizer(), VOCAB, timeout_s=60, workers=1)
     try:
         grammar = service.request({"type": "json", "schema": json.dumps({"type": "integer"})})
