@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.hal import SPECS, get_backend
-from deepinfer.hal.spec import compare
+from deepinfer.hal.spec import compare, dtype_skip_reason
 from tests.hal.oracle import _clone
 from tests.hal.test_parity import _to_device
 
@@ -45,9 +45,9 @@ def _errors(got, want) -> tuple[float, float]:
 def run_case(backend, op: str, case_name: str) -> dict:
     spec = SPECS[op]
     case = spec.case(case_name)
-    if case.dtype not in backend.capabilities.dtypes:
-        return {"status": "skipped", "detail": f"case runs {case.dtype}; backend declares "
-                                               f"{sorted(map(str, backend.capabilities.dtypes))}"}
+    reason = dtype_skip_reason(spec, case, backend.capabilities.dtypes)
+    if reason:
+        return {"status": "skipped", "detail": reason}
     inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
     want = spec.reference(**_clone(inputs))
     try:

@@ -15,11 +15,15 @@ import torch
 from deepinfer.hal.backend import Backend, Capabilities
 from deepinfer_backends.sm100.options import KernelOptions
 
-IMPLEMENTED = ("apply_rope", "ep_combine", "grouped_gemm", "indexer_logits", "kv_load", "kv_norm_rope_store",
-               "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill",
-               "rms_norm", "swiglu")
+IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "ep_combine", "ep_dispatch", "grouped_gemm",
+               "indexer_logits", "indexer_topk", "kv_load", "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes",
+               "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample",
+               "speculative_accept", "swa_decode_indices", "swa_history_slots", "swa_prefill_indices",
+               "swa_ring_slots", "swiglu")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
+    "kv_cast": "training rounds keys through a cache format with kv_cast; inference stores them with "
+               "kv_norm_rope_store, so kv_cast has " + _NOT_YET,
     "kv_store": "the model stores its SWA, compressed and indexer keys through kv_norm_rope_store (fused kernel "
                 "for fp8, bf16, fp4 and index_fp4 rows); a bare kv_store has " + _NOT_YET,
 }
@@ -41,6 +45,17 @@ INVARIANT = {
     "swiglu": "per element",
     "mhc_pre": "one program per (token, column block), the streams added in order",
     "mhc_post": "one program per (token, column block), the streams added in order",
+    "moe_gate": "one program per token: its scores and top-k from its own logits row",
+    "ep_dispatch": "a stable counting sort: a pair's slot is fixed by the keys before it, in pair order; one rank",
+    "compress_tokens": "per (token, channel): the group's softmax over its own members, in member order",
+    "indexer_topk": "one program per row: a select over that row's window alone",
+    "swa_ring_slots": "integer index arithmetic per element",
+    "swa_decode_indices": "integer index arithmetic per element",
+    "swa_prefill_indices": "integer index arithmetic per element",
+    "swa_history_slots": "integer index arithmetic per element",
+    "sample": "one program per row: its own logits, filters and counter-based draw (integer CDF)",
+    "speculative_accept": "one program per row: its own distributions and counter-based draws",
+    "apply_token_bitmask": "per element: the row's mask bit",
 }
 """Ops in the batch-invariant table (``engine.batch_invariant=true``), with the reason each row's
 arithmetic does not depend on the batch. Ops not listed go to the fallback (or are refused)."""
@@ -78,7 +93,7 @@ class Sm100Backend(Backend):
             "decoded to bf16 in the kernel (bf16 wgmma, float32 accumulation), FP8 activations once per row "
             "before it on Hopper; no FP8 tensor-core GEMM yet",
             "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
-            "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128, at most 8192",
+            "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128 (beyond 8192 in pieces, added in order)",
             "mHC (mixes, head, pre, post): Triton kernels, float32 math; the mixes' dot products in fixed slices "
             "of the width, then the gates and every Sinkhorn iteration in one kernel",
             "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "

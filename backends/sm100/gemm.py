@@ -99,8 +99,9 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
         raise ValueError(f"group_sizes must be int64 [{w_shape[0]}], got {group_sizes.dtype} "
                          f"{tuple(group_sizes.shape)}")
     rows, k = x_shape
-    require(k % QUANT_BLOCK_K == 0 and k <= QUANT_MAX_K, op,
-             f"K={k} must be a multiple of {QUANT_BLOCK_K} and at most {QUANT_MAX_K} for the block-scaled kernel")
+    require(k % QUANT_BLOCK_K == 0, op, f"K={k} must be a multiple of {QUANT_BLOCK_K} for the block-scaled kernel")
+    if k > QUANT_MAX_K:
+        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05)
     x_data, x_scale = (x.data, x.scale) if isinstance(x, Quantized) else (x, None)
     tensors = [t for t in (x_data, x_scale, weight.data, weight.scale) if t is not None]
     require(all(t.is_cuda for t in tensors), op,
@@ -128,6 +129,32 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
             kernel(x_data.contiguous(), x_scale.contiguous(), weight.data.contiguous(), weight.scale.contiguous(),
                    schedule[0], schedule[1], schedule[2], y)
     return y
+
+
+def _split_k(x, weight, group_sizes: torch.Tensor, batch_invariant: bool, op: str, tcgen05: bool) -> torch.Tensor:
+    """The block-scaled GEMM over K beyond :data:`QUANT_MAX_K`: K cut into equal pieces (whole
+    K blocks, at most that long each), their float32 products added in order. Each weight piece
+    is copied to a contiguous tensor per call."""
+    k = x.data.shape[-1] if isinstance(x, Quantized) else x.shape[-1]
+    blocks = k // QUANT_BLOCK_K
+    pieces = -(-k // QUANT_MAX_K)
+    y = None
+    for piece in range(pieces):
+        first, last = blocks * piece // pieces * QUANT_BLOCK_K, blocks * (piece + 1) // pieces * QUANT_BLOCK_K
+        part = _grouped_gemm_quant(_k_slice(x, first, last), _k_slice(weight, first, last), group_sizes,
+                                   batch_invariant, op, tcgen05)
+        y = part if y is None else y.add_(part)
+    return y
+
+
+def _k_slice(operand, first: int, last: int):
+    """Values ``first .. last - 1`` along K of a plain or Quantized operand, contiguous."""
+    if not isinstance(operand, Quantized):
+        return operand[..., first:last].contiguous()
+    per_byte = 2 if operand.fmt == "mxfp4" else 1
+    return Quantized(operand.data[..., first // per_byte:last // per_byte].contiguous(),
+                     operand.scale[..., first // operand.block:last // operand.block].contiguous(),
+                     operand.fmt, operand.block)
 
 
 def run_quant_ws(x, x_scale, w, w_scale, schedule: torch.Tensor, y: torch.Tensor, w_format: str,

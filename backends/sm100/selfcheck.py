@@ -27,12 +27,12 @@ def check_op(op: str, options: dict | None = None) -> bool:
     (``backend.options``); prints a line per case, returns whether all passed."""
     import deepinfer.hal.ops  # noqa: F401  (declares every OpSpec)
     from deepinfer.hal.registry import get_backend
-    from deepinfer.hal.spec import SPECS, compare
+    from deepinfer.hal.spec import SPECS, compare, dtype_skip_reason
 
     backend, spec = get_backend("sm100", options), SPECS[op]
     impl, passed = backend.implementations()[op], True
     for case in spec.cases:
-        if case.dtype not in backend.capabilities.dtypes:
+        if dtype_skip_reason(spec, case, backend.capabilities.dtypes):
             continue
         inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
         want = spec.reference(**_moved(inputs, torch.device("cpu")))

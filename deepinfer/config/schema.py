@@ -38,12 +38,19 @@ class ModelConfig:
     """Activation dtype, one of ``DTYPE_NAMES``."""
     max_model_len: int = 1024
     """Longest sequence (prompt + output) the engine accepts; bounds the RoPE tables."""
+    weight_format: Optional[str] = None
+    """How the weights the official checkpoint quantizes are held in memory: None in ``dtype``;
+    ``mxfp4`` as the checkpoint stores them (projections FP8 e4m3, routed experts MXFP4, UE8M0
+    scales per 32 along K); ``fp8`` with the routed experts FP8 too. The GEMMs then read them
+    quantized."""
     config: Dict[str, Any] = field(default_factory=dict)
     """HF ``config.json`` architecture keys; a checkpoint's config.json overrides them."""
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPE_NAMES, "model.dtype", self.dtype, f"use one of {list(DTYPE_NAMES)}")
         _require(self.max_model_len >= 1, "model.max_model_len", self.max_model_len, "must be >= 1")
+        _require(self.weight_format in (None, "fp8", "mxfp4"), "model.weight_format", self.weight_format,
+                 "use null (weights in model.dtype), fp8 or mxfp4")
 
     @property
     def torch_dtype(self):

@@ -42,13 +42,18 @@ class OpSpec:
     """Contract of one HAL op.
 
     ``reference`` is the PyTorch ground truth (float32 accumulation, any device). Backends must
-    match it within ``tolerance(dtype)`` on every case; integer outputs must match exactly."""
+    match it within ``tolerance(dtype)`` on every case; integer outputs must match exactly.
+    ``activations``: whether the op takes activations in the model's dtype, so that a backend
+    runs only the cases whose ``dtype`` it declares (``Capabilities.dtypes``); ops whose inputs
+    are indices or have a fixed float dtype (float32 logits, router logits) set it False, and
+    every backend runs all their cases."""
 
     name: str
     summary: str
     reference: Callable[..., Any]
     cases: tuple[OpCase, ...]
     tolerances: dict[torch.dtype, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
+    activations: bool = True
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         return self.tolerances.get(dtype, DEFAULT_TOLERANCES.get(dtype, Tolerance(1e-4, 1e-4)))
@@ -61,6 +66,13 @@ class OpSpec:
 
 
 SPECS: dict[str, OpSpec] = {}
+
+
+def dtype_skip_reason(spec: OpSpec, case: OpCase, dtypes: frozenset[torch.dtype]) -> str | None:
+    """Why a backend with activation ``dtypes`` does not run ``case`` of ``spec`` (None: it runs it)."""
+    if not spec.activations or case.dtype in dtypes:
+        return None
+    return f"the backend declares activation dtypes {sorted(map(str, dtypes))}; case {case.name!r} runs {case.dtype}"
 
 
 def register(spec: OpSpec) -> OpSpec:

@@ -4,19 +4,67 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.hal.formats import Quantized, quantize
 from deepinfer.hal.registry import OpTable
 
 
+QUANTIZED_DATA = {"fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
+"""What a held-quantized weight's data is stored as: e4m3, or e2m1 packed two per byte."""
+QUANTIZED_BLOCK = 32
+
+
+def quantized_operand(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | Quantized:
+    """``data`` as the ops take it: a plain weight when ``scale`` is None, else the
+    :class:`~deepinfer.hal.formats.Quantized` weight (format from the data's dtype, UE8M0 ``scale``
+    per 32 along K)."""
+    if scale is None:
+        return data
+    return Quantized(data, scale, "fp8" if data.dtype == torch.float8_e4m3fn else "mxfp4", QUANTIZED_BLOCK)
+
+
+def quantized_parameters(weight: torch.Tensor, fmt: str) -> tuple[nn.Parameter, nn.Parameter]:
+    """``(data, scale)`` parameters holding ``weight [..., N, K]`` as ``fmt`` (``"fp8"`` or
+    ``"mxfp4"``, UE8M0 per 32 along K); exact when ``weight`` is representable in ``fmt``."""
+    if fmt not in QUANTIZED_DATA:
+        raise ValueError(f"a held-quantized weight is 'fp8' or 'mxfp4', got {fmt!r}")
+    if weight.shape[-1] % QUANTIZED_BLOCK:
+        raise ValueError(f"holding a weight as {fmt} needs K a multiple of {QUANTIZED_BLOCK}; "
+                         f"got shape {tuple(weight.shape)}")
+    packed = quantize(weight.detach().float(), fmt, QUANTIZED_BLOCK)
+    return (nn.Parameter(packed.data.view(QUANTIZED_DATA[fmt]), requires_grad=False),
+            nn.Parameter(packed.scale, requires_grad=False))
+
+
 class Linear(nn.Module):
-    """``y = x @ weight.T`` through the ``linear`` op (no bias: V4.1 has none)."""
+    """``y = x @ weight.T`` through the ``linear`` op (no bias: V4.1 has none), in ``x.dtype``.
+
+    The weight is a plain ``[N, K]`` tensor, or after :meth:`hold_quantized` its e4m3 / packed
+    e2m1 data with ``weight_scale`` (UE8M0 ``[N, K/32]``), passed to the op as
+    :class:`~deepinfer.hal.formats.Quantized`."""
 
     def __init__(self, in_features: int, out_features: int, ops: OpTable, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.register_parameter("weight_scale", None)
         self.ops = ops
 
+    def hold_quantized(self, fmt: str) -> None:
+        """Keep the weight as ``fmt`` (``"fp8"`` or ``"mxfp4"``), encoded from its current values."""
+        self.weight, self.weight_scale = quantized_parameters(self.weight, fmt)
+
+    def operand(self, groups: int | None = None) -> torch.Tensor | Quantized:
+        """The weight as the ops take it (plain or Quantized); with ``groups`` its rows split into
+        ``[groups, N / groups, K]`` for a grouped GEMM."""
+        data, scale = self.weight, self.weight_scale
+        if groups is not None:
+            data = data.view(groups, -1, data.shape[-1])
+            scale = None if scale is None else scale.view(groups, -1, scale.shape[-1])
+        return quantized_operand(data, scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight)
+        if self.weight_scale is None:
+            return self.ops.linear(x, self.weight)
+        return self.ops.linear(x, self.operand()).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

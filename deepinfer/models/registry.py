@@ -44,19 +44,20 @@ def build_model(model_cfg, ops, device: str = "cpu", seed: int = 0):
     """Instantiate the model a ``model`` config section describes, on ``device``.
 
     With ``checkpoint`` set, the checkpoint's config.json and weights are used; otherwise the
-    preset's architecture gets seeded random weights. Returns ``(model, has_random_weights)``."""
+    preset's architecture gets seeded random weights. ``weight_format`` keeps the quantized
+    weights quantized (``weights.hold_quantized``). Returns ``(model, has_random_weights)``."""
     import torch
 
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
-    from deepinfer.models.deepseek_v41.weights import init_random_weights, load_pretrained
+    from deepinfer.models.deepseek_v41.weights import hold_quantized, init_random_weights, load_pretrained
 
     if model_cfg.arch not in ARCHITECTURES:
         raise ValueError(f"unknown model architecture {model_cfg.arch!r}; known: {list(ARCHITECTURES)}")
     dtype = getattr(torch, model_cfg.dtype)
     if model_cfg.checkpoint:
         model = load_pretrained(resolve_checkpoint(model_cfg.checkpoint), ops, dtype=dtype,
-                                max_model_len=model_cfg.max_model_len)
+                                max_model_len=model_cfg.max_model_len, weight_format=model_cfg.weight_format)
         return model.to(device), False
     config = build_config({"arch": model_cfg.arch, "config": dict(model_cfg.config)})
     model = DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=model_cfg.max_model_len)
-    return init_random_weights(model, seed).to(device), True
+    return hold_quantized(init_random_weights(model, seed), model_cfg.weight_format).to(device), True

@@ -1,7 +1,8 @@
-"""The sm100 backend without a GPU: what it declares, how its wrappers refuse bad input, and that
-every TileLang kernel lowers for sm_90a (the matrix kernels on wgmma), one kernel of each kind
-compiles with nvcc and ptxas, and the matrix kernels lower for sm_100a. The kernel tests need tilelang (``pip install -e '.[sm100]'``)
-and nvcc; they skip with that reason where either is missing (the default CI has neither)."""
+"""The sm100 backend without a GPU: what it declares, how its wrappers refuse bad input, and what
+every TileLang kernel compiles to for sm_90a (the matrix kernels on wgmma), and the portable matrix
+kernels for sm_100a: measured from the cubin (registers, spills, shared memory, SASS instructions,
+see ``cubin_checks``). The kernel tests need tilelang (``pip install -e '.[sm100]'``) and nvcc;
+they skip with that reason where either is missing (the default CI has neither)."""
 import functools
 import importlib.util
 import subprocess
@@ -12,6 +13,9 @@ import torch
 
 from deepinfer.hal import SPECS, get_backend
 from deepinfer.hal.formats import quantize
+from deepinfer_backends.sm100 import gemm, toolchain
+from deepinfer_backends.sm100.attention import mla_kernel
+from tests.backends import cubin_checks
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="tilelang is not installed (pip install -e '.[sm100]')")
@@ -27,9 +31,7 @@ def test_importing_the_backend_imports_neither_tilelang_nor_triton():
 def test_every_op_is_implemented_or_declined_with_a_reason():
     backend = get_backend("sm100")
     implemented, declined = set(backend.implementations()), backend.unsupported_reasons()
-    assert implemented == {"apply_rope", "ep_combine", "grouped_gemm", "indexer_logits", "kv_load",
-                           "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_pre",
-                           "mla_sparse_decode", "mla_sparse_prefill", "rms_norm", "swiglu"}
+    assert set(declined) == {"kv_cast", "kv_store"}, "only ops off the inference path may lack a kernel"
     assert implemented.isdisjoint(declined)
     assert implemented | set(declined) == set(SPECS)
     assert all("reference" in reason for reason in declined.values())
@@ -53,8 +55,7 @@ def test_batch_invariant_table_turns_split_kv_off_and_fixes_the_gemm_tiles():
     assert table["linear"].keywords == {"batch_invariant": True}
     assert table["rms_norm"] is wrappers.rms_norm
     shapes = [(rows, experts) for rows in (1, 7, 64, 300, 20000) for experts in (1, 8, 256)]
-    assert {tuple(wrappers.gemm_tiles(r, e, 4096, 4096, batch_invariant=True).items()) for r, e in shapes} == \
-        {tuple(wrappers.INVARIANT_TILES.items())}
+    assert len({tuple(wrappers.gemm_tiles(r, e, 4096, 4096, batch_invariant=True).items()) for r, e in shapes}) == 1
     assert len({tuple(wrappers.gemm_tiles(r, e, 4096, 4096).items()) for r, e in shapes}) > 1
 
 
@@ -125,22 +126,23 @@ def test_split_count_weighs_each_ctas_fixed_cost(monkeypatch):
 
 
 def test_sparse_mla_kernel_is_chosen_by_arch_and_options_and_lists_align_to_its_key_block():
-    from deepinfer_backends.sm100 import toolchain
-    from deepinfer_backends.sm100.attention import align_lists, key_block, mla_kernel
+    """Hopper: the warp-specialised kernel, decode on 32-key blocks (a lane per quantized key row),
+    batch-invariant prefill on decode's very blocks, other prefill on longer ones; Blackwell and
+    ``mla_kernel=portable``: the portable kernel, decode and prefill alike."""
+    from deepinfer_backends.sm100.attention import align_lists, key_block
     from deepinfer_backends.sm100.options import KernelOptions
 
-    ws32 = ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32})
-    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER) == ws32
-    assert mla_kernel("mla_sparse_prefill", toolchain.HOPPER, batch_invariant=True) == ws32  # decode's blocks
+    decode = mla_kernel("mla_sparse_decode", toolchain.HOPPER)
+    assert decode[:2] == ("mla_sparse_ws", "sparse_mla_ws") and key_block(decode) == 32
+    assert mla_kernel("mla_sparse_prefill", toolchain.HOPPER, batch_invariant=True) == decode
     prefill = mla_kernel("mla_sparse_prefill", toolchain.HOPPER)
-    assert prefill == ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 64, "key_stages": 2}) and key_block(prefill) == 64
-    for op in ("mla_sparse_decode", "mla_sparse_prefill"):
-        assert mla_kernel(op, toolchain.BLACKWELL) == ("mla_sparse_decode", "sparse_mla", {})
-        assert key_block(mla_kernel(op, toolchain.BLACKWELL)) == 64
-    portable = KernelOptions(mla_kernel="portable")
-    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER, options=portable) == ("mla_sparse_decode", "sparse_mla", {})
+    assert prefill[:2] == decode[:2] and key_block(prefill) > key_block(decode)
+    portable = [mla_kernel(op, toolchain.BLACKWELL) for op in ("mla_sparse_decode", "mla_sparse_prefill")]
+    assert portable[0] == portable[1] and portable[0][:2] == ("mla_sparse_decode", "sparse_mla")
+    options = KernelOptions(mla_kernel="portable")
+    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER, options=options) == portable[0]
     warp_specialized = KernelOptions(mla_kernel="warp_specialized")
-    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER, options=warp_specialized) == ws32
+    assert mla_kernel("mla_sparse_decode", toolchain.HOPPER, options=warp_specialized) == decode
     with pytest.raises(RuntimeError, match="mla_kernel=warp_specialized needs Hopper"):
         mla_kernel("mla_sparse_decode", toolchain.BLACKWELL, options=warp_specialized)
     indices = torch.arange(6, dtype=torch.int32).reshape(1, 6)
@@ -149,21 +151,23 @@ def test_sparse_mla_kernel_is_chosen_by_arch_and_options_and_lists_align_to_its_
     assert align_lists(indices, 6, block=32) is indices and align_lists(indices, None, block=32) is indices
 
 
-KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor cores)
+KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor cores); the wrappers' tiles where served
     "grouped_gemm": ("grouped_gemm", "grouped_gemm_bf16", (4, 2048, 4096), {}, True),
     "grouped_gemm_small_tiles": ("grouped_gemm", "grouped_gemm_bf16", (2, 24, 96),
-                                 {"block_m": 64, "block_n": 128, "threads": 128}, True),
-    "grouped_gemm_ws": ("grouped_gemm_ws", "grouped_gemm_bf16_ws", (4, 2048, 4096), {}, True),
+                                 gemm.bf16_kernel(40, 2, 24, 96, toolchain.HOPPER, batch_invariant=True)[2], True),
+    "grouped_gemm_ws": ("grouped_gemm_ws", "grouped_gemm_bf16_ws", (4, 2048, 4096),
+                        gemm.bf16_kernel(12288, 4, 2048, 4096, toolchain.HOPPER)[2], True),
     "grouped_gemm_ws_small_tiles": ("grouped_gemm_ws", "grouped_gemm_bf16_ws", (2, 24, 96),
-                                    {"block_m": 64, "block_n": 128}, True),
+                                    gemm.bf16_kernel(40, 2, 24, 96, toolchain.HOPPER)[2], True),
     "mla_sparse_decode": ("mla_sparse_decode", "sparse_mla", (64, 512, 128, 512, 512 ** -0.5, "fp8"), {}, True),
     "mla_sparse_decode_split": ("mla_sparse_decode", "sparse_mla", (128, 512, 6, 5, 512 ** -0.5, "fp8"),
                                 {"splits": 2}, True),
     "mla_sparse_decode_combine": ("mla_sparse_decode", "combine", (64, 512, 4), {}, False),
     "mla_sparse_prefill": ("mla_sparse_decode", "sparse_mla", (64, 64, 8, 0, 64 ** -0.5, "bf16"), {}, True),
-    "mla_sparse_ws": ("mla_sparse_ws", "sparse_mla_ws", (64, 512, 128, 512, 512 ** -0.5, "fp8"), {}, True),
+    "mla_sparse_ws": ("mla_sparse_ws", "sparse_mla_ws", (64, 512, 128, 512, 512 ** -0.5, "fp8"),
+                      mla_kernel("mla_sparse_decode", toolchain.HOPPER)[2], True),
     "mla_sparse_ws_prefill": ("mla_sparse_ws", "sparse_mla_ws", (64, 512, 640, 0, 512 ** -0.5, "bf16"),
-                              {"block_k": 64, "key_stages": 2}, True),
+                              mla_kernel("mla_sparse_prefill", toolchain.HOPPER)[2], True),
     "mla_sparse_ws_split_bf16": ("mla_sparse_ws", "sparse_mla_ws", (128, 64, 100, 0, 0.1, "bf16"), {"splits": 3},
                                  True),
     "key_decode_fp8": ("key_decode", "decode_rows", ("fp8",), {}, False),
@@ -179,124 +183,57 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "kv_norm_rope_store_index_fp4": ("kv_norm_rope_store", "kv_norm_rope_store",
                                      (128, 64, 1e-6, "index_fp4", "bfloat16"), {}, False),
 }
+SPILLS = {(toolchain.HOPPER, "mla_sparse_decode"), (toolchain.HOPPER, "mla_sparse_decode_split"),
+          (toolchain.HOPPER, "mla_sparse_ws"), (toolchain.BLACKWELL, "mla_sparse_decode")}
+"""Kernels ptxas is known to spill registers in on that arch (their GPU tests check their results)."""
 
 
 @functools.lru_cache(maxsize=None)
-def _lower(name: str, arch: str) -> str:
-    from deepinfer_backends.sm100 import toolchain
-
+def _lower(name: str, arch: str) -> cubin_checks.Lowered:
     module, factory, args, kwargs, _ = KERNELS[name]
     jit = getattr(importlib.import_module(f"deepinfer_backends.sm100.kernels.{module}"), factory)
-    return toolchain.lower_source(jit, *args, arch=arch, **kwargs)
+    return cubin_checks.lower(jit, *args, arch=arch, **kwargs)
+
+
+def _compile(name: str, arch: str = toolchain.HOPPER) -> cubin_checks.Cubin:
+    return cubin_checks.compile_cubin(_lower(name, arch))
+
+
+def _spill_cases(arch: str, names) -> list:
+    return [pytest.param(name, marks=pytest.mark.xfail(reason=f"ptxas spills registers in {name} on {arch}"))
+            if (arch, name) in SPILLS else name for name in names]
 
 
 @needs_tilelang
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_kernel_lowers_for_hopper(name):
-    source = _lower(name, "sm_90a")
-    assert '__global__ void __launch_bounds__' in source
-    assert ("tl::wgmma_ss" in source) == KERNELS[name][4]
+def test_kernel_compiles_for_hopper_within_a_ctas_limits(name):
+    """nvcc and ptxas accept the generated code for sm_90a; its registers, shared memory and
+    warpgroup register budgets fit one CTA of an H100/H200; the matrix kernels run on wgmma
+    (HGMMA in the SASS) and none on the older mma.sync (HMMA)."""
+    cubin = _compile(name)
+    cubin_checks.assert_fits(cubin)
+    assert (cubin.count("HGMMA") > 0) == KERNELS[name][4] and cubin.count("HMMA") == 0
 
 
 @needs_tilelang
-@pytest.mark.parametrize("name", ["grouped_gemm", "grouped_gemm_ws", "mla_sparse_decode", "mla_sparse_ws",
-                                  "mla_sparse_ws_prefill", "rms_norm",
-                                  "indexer_logits", "indexer_logits_per_sequence", "kv_norm_rope_store",
-                                  "kv_norm_rope_store_index_fp4",
-                                  "key_decode_fp4"])
-def test_kernel_compiles_for_hopper_on_wgmma(name):
-    """nvcc and ptxas accept the generated code for sm_90a, and the matrix kernels' PTX holds
-    wgmma (the Hopper tensor-core path), not the older mma.sync or scalar FMA only."""
-    from deepinfer_backends.sm100 import toolchain
-
-    if not toolchain.nvcc_available():
-        pytest.skip("nvcc is not on the PATH")
-    ptx = toolchain.compile_ptx(_lower(name, toolchain.HOPPER), toolchain.HOPPER)
-    assert toolchain.assemble(ptx, toolchain.HOPPER)[:4] == b"\x7fELF"
-    if KERNELS[name][4]:
-        assert "wgmma.mma_async.sync.aligned" in ptx and "mma.sync.aligned" not in ptx
+@pytest.mark.parametrize("name", _spill_cases(toolchain.HOPPER, sorted(KERNELS)))
+def test_kernel_keeps_its_values_in_registers_on_hopper(name):
+    cubin_checks.assert_no_spill(_compile(name))
 
 
 @needs_tilelang
-def test_warp_specialised_mla_splits_its_warpgroups_and_decodes_in_one_rolled_loop():
-    """Consumer 0 raises its register budget, consumer 1 and the producer lower theirs; the producer
-    gathers by predicated cp.async (zero-filled padding), loads its first raw bytes of a block into
-    registers before waiting for a free key slot (a lane per key row: four calls' bytes in 16-byte
-    loads), decodes through the ``key_decode`` functions in
-    one rolled loop and meets the others on mbarriers, with one producer barrier per key block.
-    Each consumer rescales its output only when a row of its warp moved its max, and walks a
-    three-stage key ring (quantized rows) unrolled over its stages."""
-    source = _lower("mla_sparse_ws", "sm_90a")
-    producer = source[source.index("warpgroup_reg_dealloc<136>"):]
-    consumers = source[source.index("warpgroup_reg_alloc<208>"):source.index("warpgroup_reg_dealloc<136>")]
-    assert "warpgroup_reg_alloc<208>" in source and "warpgroup_reg_dealloc<160>" in consumers
-    assert consumers.count("if (mla_rows_moved(") == 2
-    assert "k_free[2].init(256)" in source and "k_free[3]" not in source and "k_free[(t % 3)].wait(" in producer
-    assert "cp_async_gs_conditional<16>" in producer and "k_ready[" in producer and "k_free[" in producer
-    assert producer.count("__sync_thread_partial") == 1
-    assert producer.count("dk_fp8x8(") == 1 and producer.count("dk_fp4x8(") == 1
-    assert producer.index("*(uint4*)(held + ") < producer.index("k_free[(t % 3)].wait(") < producer.index("dk_fp8x8(")
-    assert "*(uint2*)(held + " not in producer and "*(uint*)(held + " not in producer  # whole runs, not a call each
-    bf16 = _lower("mla_sparse_ws_split_bf16", "sm_90a")
-    assert "mbarrier_cp_async_arrive_noinc" in bf16[bf16.index("warpgroup_reg_dealloc<96>"):]
-
-
-@needs_tilelang
-def test_warp_specialised_kernels_start_early_and_store_whole_vectors():
-    """Sparse MLA: the key lists are read first and only the consumers copy (and wait for) the
-    queries, so the producer's first gather does not queue behind them; the output leaves through
-    shared memory as 16-byte vectors of consecutive addresses, not as 4-byte stores from the
-    accumulator layout (those took 4-9 us a row on the H200). The bf16 grouped GEMM stores its tile
-    the same way, through its weight ring; the key decode uses no float conversion instruction."""
-    from deepinfer_backends.sm100.kernels import key_decode
-
-    source = _lower("mla_sparse_ws", "sm_90a")
-    producer = source[source.index("warpgroup_reg_dealloc<136>"):]
-    prologue = source[:source.index("warpgroup_reg_alloc<208>")]
-    assert prologue.index("main_idx[") < prologue.index("cp_async_gs<16>") < prologue.rindex("__syncthreads()")
-    assert "cp_async_wait<0>" not in prologue and "cp_async_wait<0>" not in producer
-    assert "if (((int)threadIdx.x) < 256) {" in prologue
-    stores = [line for line in source.splitlines() if "(out + " in line and "= " in line]
-    assert len(stores) == 2 and all(line.lstrip().startswith("*(uint4*)(out + ") and "q_s" in line
-                                    for line in stores)
-    gemm = _lower("grouped_gemm_ws", "sm_90a")
-    y_stores = [line for line in gemm.splitlines() if "(y + " in line and "= " in line]
-    assert y_stores and all(line.lstrip().startswith("*(uint4*)(y + ") and "w_s" in line for line in y_stores)
-    assert "cvt." not in key_decode.PRELUDE and "mul.rn.bf16x2" in key_decode.PRELUDE
-
-
-@needs_tilelang
-def test_the_mla_trace_tool_still_finds_its_anchors_in_the_kernel():
-    """``experiments/mla_trace.py`` patches a copy of ``mla_sparse_ws.py`` at anchor lines; after a
-    change to the kernel its copy must still lower, with every phase stamp in place."""
-    from pathlib import Path
-
-    from deepinfer_backends.sm100 import toolchain
-
-    path = Path(__file__).resolve().parents[2] / "experiments" / "mla_trace.py"
-    spec = importlib.util.spec_from_file_location("mla_trace", path)
-    mla_trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mla_trace)
-    mla_trace.load_traced()
-    traced = sys.modules[f"deepinfer_backends.sm100.kernels.{mla_trace.TRACE_MODULE}"]
-    source = toolchain.lower_source(traced.sparse_mla_ws, 64, 512, 128, 512, 512 ** -0.5)
-    assert source.count("mla_clock()") == 13 + 1 and source.count("mla_dump(") == 2  # 13 stamps; definitions
-
-
-@needs_tilelang
-def test_warp_specialised_mla_lowers_a_budget_under_the_launch_registers_and_refuses_bad_ones():
-    """A warpgroup budget under the 168 registers a thread gets at launch is lowered
-    (``setmaxnreg.dec``: raising to a smaller count is an illegal instruction, as seen on the H200),
-    one above it raised; budgets that are not multiples of 8 or add up to more than 504 are refused,
-    and so is a producer register batch (``held_calls``) that does not divide a block's decode calls,
-    and a quantized key block other than 32 rows (the decode maps a lane to a row)."""
-    from deepinfer_backends.sm100 import toolchain
+def test_warp_specialised_mla_gets_the_register_budgets_it_asks_for_and_refuses_bad_ones():
+    """Each warpgroup budget asked for reaches the SASS as a ``setmaxnreg``: lowered from the launch
+    count when under it, raised when over (:func:`cubin_checks.assert_fits` checks the direction).
+    Budgets that are not multiples of 8 or add up to more than 504 are refused, and so is a
+    producer register batch (``held_calls``) that does not divide a block's decode calls, and a
+    quantized key block other than 32 rows (the decode maps a lane to a row)."""
     from deepinfer_backends.sm100.kernels.mla_sparse_ws import sparse_mla_ws
 
-    args = (64, 512, 128, 512, 512 ** -0.5, "fp8")
-    source = toolchain.lower_source(sparse_mla_ws, *args, registers=(216, 160, 128))
-    assert "warpgroup_reg_alloc<216>" in source and "warpgroup_reg_dealloc<160>" in source
-    assert "warpgroup_reg_dealloc<128>" in source and "warpgroup_reg_alloc<160>" not in source
+    args, budgets = (64, 512, 128, 512, 512 ** -0.5, "fp8"), (216, 160, 128)
+    cubin = cubin_checks.compile_cubin(cubin_checks.lower(sparse_mla_ws, *args, registers=budgets))
+    cubin_checks.assert_fits(cubin)
+    assert sorted(count for _, count in cubin.register_budgets()) == sorted(budgets)
     for bad in ((216, 168, 128), (212, 160, 128), (208, 168)):
         with pytest.raises(ValueError, match="registers"):
             toolchain.lower_source(sparse_mla_ws, *args, registers=bad)
@@ -308,79 +245,107 @@ def test_warp_specialised_mla_lowers_a_budget_under_the_launch_registers_and_ref
 
 
 @needs_tilelang
-def test_sparse_mla_gathers_without_a_barrier_per_copy():
-    """The key lists sit in static shared memory (when they fit), which TileLang's sync pass tracks
-    apart from the dynamic buffer the gathers write: no cp.async of a gather loop follows a barrier
-    of its own. A list too long for static shared memory stays dynamic."""
-    source = _lower("mla_sparse_decode", "sm_90a")
-    assert "__shared__ __align__(16) int main_idx_s[128]" in source
-    assert "__shared__ __align__(16) int extra_idx_s[512]" in source
-    lines = [line.strip() for line in source.splitlines() if line.strip()]
-    copies = [i for i, line in enumerate(lines) if "cp_async_gs_conditional" in line]
-    assert copies and all(lines[i - 1] != "__syncthreads();" for i in copies)
-    from deepinfer_backends.sm100 import toolchain
+def test_warp_specialised_kernels_store_whole_vectors():
+    """The bf16 grouped GEMM writes its output tile as 16-byte stores only, and sparse MLA its
+    output as 16-byte stores with only the lse's floats narrower (stores from the accumulator
+    layout would be 4 bytes each)."""
+    gemm_stores = [line.split()[0] for line in _compile("grouped_gemm_ws").sass if line.startswith("STG")]
+    assert gemm_stores and all(".128" in store for store in gemm_stores)
+    mla_stores = [line.split()[0] for line in _compile("mla_sparse_ws").sass if line.startswith("STG")]
+    wide = sum(".128" in store for store in mla_stores)
+    assert not any(".U16" in store for store in mla_stores) and len(mla_stores) - wide < wide
+
+
+@needs_tilelang
+@pytest.mark.parametrize("name", ["key_decode_fp8", "key_decode_fp4"])
+def test_key_decode_uses_bf16_multiplies_and_no_conversion_instruction(name):
+    """The quantized key rows are decoded by bit moves and bf16 multiplies (HMUL2/HFMA2 ``BF16``),
+    with no float conversion instruction (F2F, I2F, F2I, F2FP)."""
+    sass = _compile(name).sass
+    assert any(line.startswith(("HMUL2.BF16", "HFMA2.MMA.BF16", "HFMA2.BF16")) for line in sass)
+    assert not [line for line in sass if line.startswith(("F2F", "I2F", "F2I"))]
+
+
+@needs_tilelang
+def test_the_mla_trace_tool_still_finds_its_anchors_in_the_kernel():
+    """``experiments/mla_trace.py`` patches a copy of ``mla_sparse_ws.py`` at anchor lines (and
+    raises when one is missing or repeated); after a change to the kernel its copy must still lower."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "mla_trace.py"
+    spec = importlib.util.spec_from_file_location("mla_trace", path)
+    mla_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mla_trace)
+    mla_trace.load_traced()
+    traced = sys.modules[f"deepinfer_backends.sm100.kernels.{mla_trace.TRACE_MODULE}"]
+    cubin_checks.assert_launch_fits(cubin_checks.lower(traced.sparse_mla_ws, 64, 512, 128, 512, 512 ** -0.5))
+
+
+@needs_tilelang
+def test_sparse_mla_keeps_short_key_lists_in_static_shared_memory():
+    """The key lists sit in static shared memory when they fit (TileLang's sync pass tracks it apart
+    from the dynamic buffer the gathers write); a list too long for static shared memory moves to
+    the dynamic buffer, and the kernel still fits a CTA."""
     from deepinfer_backends.sm100.kernels.mla_sparse_decode import sparse_mla
 
-    long_list = toolchain.lower_source(sparse_mla, 64, 512, 16384, 0, 512 ** -0.5, "bf16")
-    assert "main_idx_s = ((void*)((char*)buf_dyn_shmem" in long_list
+    main_keys, extra_keys = KERNELS["mla_sparse_decode"][2][2:4]
+    assert _compile("mla_sparse_decode").static_shared >= 4 * (main_keys + extra_keys)
+    long_list = cubin_checks.lower(sparse_mla, 64, 64, 16384, 0, 64 ** -0.5, "bf16")
+    cubin_checks.assert_launch_fits(long_list)
+    assert 4 * 16384 > cubin_checks.MAX_STATIC_SHARED and long_list.dynamic_shared >= 4 * 16384
 
 
 @needs_tilelang
 def test_warp_specialised_grouped_gemm_keeps_one_k_block_in_flight():
-    """The producer warpgroup alone issues the TMA loads; each consumer warpgroup issues one 64-row
-    m64n256 wgmma chain per k-block (only while its rows hold some of the tile's rows), waits until
-    at most one chain is in flight and then frees the previous block's ring slot."""
-    source = _lower("grouped_gemm_ws", "sm_90a")
-    producer = source[source.index("warpgroup_reg_dealloc<40>"):source.index("warpgroup_reg_alloc<232>")]
-    consumer = source[source.index("warpgroup_reg_alloc<232>"):]
-    assert producer.count("tl::tma_load") == 2 and "tma_load" not in consumer
-    assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 256, 16" in consumer
-    live, issue, wait = consumer.index("if (live[0])"), consumer.index("wgmma_ss"), consumer.index("wait_wgmma<1>")
-    assert live < issue < wait < consumer.index("empty[((kb_1 + 3) & 3)].arrive()")
-    assert "wait_wgmma<0>" in consumer[wait:]
+    """The served tiles: TMA loads, one 64 x 256 wgmma chain per consumer warpgroup and k-block,
+    and a wait until at most one chain is in flight (``wgmma.wait_group 1``) before a ring slot is
+    freed, and a final wait for none."""
+    tiles = KERNELS["grouped_gemm_ws"][3]
+    sass = _compile("grouped_gemm_ws").sass
+    assert any(line.startswith("UTMALDG") for line in sass)
+    assert any(line.startswith(f"HGMMA.64x{tiles['block_n']}x16.F32.BF16") for line in sass)
+    waits = {line.split()[-1] for line in sass if line.startswith("WARPGROUP.DEPBAR.LE")}
+    assert waits == {"0x1", "0x0"}
 
 
 def test_bf16_grouped_gemm_kernel_is_chosen_by_arch_and_mode(monkeypatch):
-    from deepinfer_backends.sm100 import gemm, toolchain
-
-    ws = gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.HOPPER)
-    assert ws == ("grouped_gemm_ws", "grouped_gemm_bf16_ws", {"block_m": 128, "block_n": 256, "num_stages": 4})
-    assert gemm.bf16_kernel(192, 48, 4096, 4096, toolchain.HOPPER)[2]["block_m"] == 64
-    assert gemm.bf16_kernel(40, 2, 24, 96, toolchain.HOPPER)[2]["block_n"] == 128
-    assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.HOPPER, batch_invariant=True) == \
-        ("grouped_gemm", "grouped_gemm_bf16", gemm.INVARIANT_TILES)
-    assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.BLACKWELL) == \
+    """Hopper: the warp-specialised kernel, 128-row tiles for long segments and 64 for short ones,
+    256 columns where N allows; batch-invariant: the portable kernel, the same tiles at every row
+    count; Blackwell: the portable kernel, or its tcgen05 variant when asked."""
+    hopper, blackwell = toolchain.HOPPER, toolchain.BLACKWELL
+    module, factory, tiles = gemm.bf16_kernel(12288, 48, 4096, 4096, hopper)
+    assert (module, factory) == ("grouped_gemm_ws", "grouped_gemm_bf16_ws")
+    assert (tiles["block_m"], tiles["block_n"]) == (128, 256)
+    assert gemm.bf16_kernel(192, 48, 4096, 4096, hopper)[2]["block_m"] == 64
+    assert gemm.bf16_kernel(40, 2, 24, 96, hopper)[2]["block_n"] == 128
+    invariant = [gemm.bf16_kernel(rows, 48, 4096, 4096, hopper, batch_invariant=True) for rows in (1, 192, 12288)]
+    assert invariant[0][:2] == ("grouped_gemm", "grouped_gemm_bf16") and invariant.count(invariant[0]) == 3
+    assert gemm.bf16_kernel(12288, 48, 4096, 4096, blackwell) == \
         ("grouped_gemm", "grouped_gemm_bf16", gemm.gemm_tiles(12288, 48, 4096, 4096))
-    monkeypatch.setattr(toolchain, "device_arch", lambda device_index=0: toolchain.BLACKWELL)
-    assert gemm.bf16_kernel(12288, 48, 4096, 4096, toolchain.BLACKWELL, tcgen05=True)[:2] == \
+    monkeypatch.setattr(toolchain, "device_arch", lambda device_index=0: blackwell)
+    assert gemm.bf16_kernel(12288, 48, 4096, 4096, blackwell, tcgen05=True)[:2] == \
         ("experimental.grouped_gemm_tcgen05", "grouped_gemm_bf16")
 
 
 @needs_tilelang
-@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode"])
-def test_matrix_kernels_lower_for_blackwell_on_mma(name):
-    """The portable kernels (the default on every arch) lower for sm_100a on mma.sync; the tcgen05
-    variants are separate modules (tests/backends/test_sm100_tcgen05.py)."""
-    from deepinfer_backends.sm100 import toolchain
-
-    source = _lower(name, toolchain.BLACKWELL)
-    assert "tl::wgmma" not in source and "tcgen05" not in source
-    if name == "grouped_gemm" and toolchain.nvcc_available():
-        ptx = toolchain.compile_ptx(source, toolchain.BLACKWELL)
-        assert "mma.sync.aligned" in ptx and "wgmma" not in ptx
+@pytest.mark.parametrize("name", _spill_cases(toolchain.BLACKWELL, ["grouped_gemm", "mla_sparse_decode"]))
+def test_matrix_kernels_compile_for_blackwell_on_mma(name):
+    """The portable kernels (the default on every arch) compile for sm_100a within a CTA's limits,
+    without spilling, on mma.sync (HMMA) and neither wgmma nor tcgen05; the tcgen05 variants are
+    separate modules (tests/backends/test_sm100_tcgen05.py)."""
+    cubin = _compile(name, toolchain.BLACKWELL)
+    cubin_checks.assert_fits(cubin)
+    assert cubin.count("HMMA") and not cubin.count("HGMMA") and not any(line.startswith("UTC") for line in cubin.sass)
+    cubin_checks.assert_no_spill(cubin)
 
 
 @needs_tilelang
 @pytest.mark.parametrize("name", ["kv_norm_rope_store", "kv_norm_rope_store_fp4"])
 def test_kv_norm_rope_store_rounds_like_the_reference(name):
-    """The fp8 and fp4 store kernels' PTX: IEEE sqrt and division (torch's 1 / sqrt on a CPU), a
-    saturating round-to-nearest e4m3 conversion (fp8 values, fp4 scales), and no approximate
-    transcendental (scales come from bits)."""
-    from deepinfer_backends.sm100 import toolchain
-
-    if not toolchain.nvcc_available():
-        pytest.skip("nvcc is not on the PATH")
-    ptx = toolchain.compile_ptx(_lower(name, toolchain.HOPPER), toolchain.HOPPER)
+    """The fp8 and fp4 store kernels' PTX (where rounding modes are still named): IEEE sqrt and
+    division (torch's 1 / sqrt on a CPU), a saturating round-to-nearest e4m3 conversion (fp8 values,
+    fp4 scales), and no approximate transcendental (scales come from bits)."""
+    ptx = _compile(name).ptx
     assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert not any(approx in ptx for approx in ("rsqrt.approx", "lg2.approx", "ex2.approx", "div.approx"))
 

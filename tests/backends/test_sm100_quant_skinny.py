@@ -1,35 +1,37 @@
 """The sm100 block-scaled grouped GEMM for few rows per expert (``kernels/grouped_gemm_quant_skinny.py``)
 without a GPU: when the wrapper picks it, that its K order inside a chunk gives the MMA each product
-once (a float64 model of the ``mma.m16n8k16`` fragments it fills), and that it lowers and compiles
-for sm_90a on ``mma.sync`` with no shared memory. Its results are checked on the H200 by
-``tests/backends/test_sm100_gpu_grouped_gemm.py``. The kernel tests need tilelang (and nvcc)."""
+once (a float64 model of the ``mma.m16n8k16`` fragments it fills), and what it compiles to for
+sm_90a (``cubin_checks``): ``mma.sync`` with no shared memory, within a CTA's limits. Its results
+are checked on the H200 by ``tests/backends/test_sm100_gpu_grouped_gemm.py``. The kernel tests need
+tilelang and nvcc."""
 import functools
 
 import pytest
 import torch
 
+from deepinfer_backends.sm100 import gemm, toolchain
+from tests.backends import cubin_checks
+
+H200_SMS = 132
+
 
 def test_wrapper_picks_the_skinny_kernel_and_its_tiles_by_rows_per_expert():
-    from deepinfer_backends.sm100 import gemm, toolchain
-
-    skinny = ("grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny")
-    narrow = {"block_t": 8, "warps": 4, "depth": 2, "tiles_m": 2}
-    wide = {"fp8": {"block_t": 16, "warps": 4, "depth": 1, "tiles_m": 2},
-            "mxfp4": {"block_t": 16, "warps": 4, "depth": 2, "tiles_m": 2}}
+    """Up to 16 rows per expert (on average) the kernel for few rows: 8-row tiles up to 4 rows per
+    expert, 16-row tiles above; two MMA tiles a warp unless that leaves fewer than two CTAs per SM
+    of an H200 (then one: a one-expert ``linear`` of a few thousand columns)."""
     for w_format in ("fp8", "mxfp4"):
         def pick(rows, experts, n=4096):
             return gemm.quant_kernel(rows, experts, n, 4096, toolchain.HOPPER, w_format=w_format)
 
-        for rows, experts in ((192, 48), (1536, 384), (1, 48)):  # at most 4 rows per expert: 8-row tiles
-            assert pick(rows, experts) == (*skinny, narrow)
-        for rows, experts in ((193, 48), (384, 48), (768, 48), (6144, 384)):  # up to 16: 16-row tiles
-            assert pick(rows, experts) == (*skinny, wide[w_format])
-        assert pick(769, 48)[0] == pick(6145, 384)[0] == "grouped_gemm_quant_ws"
-        # one expert (linear): 4096 columns make 32 CTAs at two MMA tiles a warp, so one a warp (64 CTAs)
-        assert pick(3, 1) == (*skinny, {**narrow, "tiles_m": 1})
-        assert pick(16, 1) == (*skinny, {**wide[w_format], "tiles_m": 1})
-        assert pick(17, 1)[0] == "grouped_gemm_quant_ws"
-        assert pick(3, 1, n=128 * 264)[2]["tiles_m"] == 2 and pick(3, 1, n=128 * 263)[2]["tiles_m"] == 1
+        for rows, experts, block_t in ((192, 48, 8), (1536, 384, 8), (1, 48, 8), (193, 48, 16), (384, 48, 16),
+                                       (768, 48, 16), (6144, 384, 16), (3, 1, 8), (16, 1, 16)):
+            module, _, tiles = pick(rows, experts)
+            assert module == "grouped_gemm_quant_skinny" and tiles["block_t"] == block_t, (rows, experts)
+        assert pick(769, 48)[0] == pick(6145, 384)[0] == pick(17, 1)[0] == "grouped_gemm_quant_ws"
+        for rows, experts, n in ((192, 48, 4096), (3, 1, 4096), (16, 1, 4096), (3, 1, 128 * 264), (3, 1, 128 * 263)):
+            tiles = pick(rows, experts, n)[2]
+            ctas_at_two_tiles = experts * -(-n // (16 * tiles["warps"] * 2))  # 16 weight rows an MMA tile
+            assert tiles["tiles_m"] == (2 if ctas_at_two_tiles >= 2 * H200_SMS else 1), (rows, experts, n)
     for k, arch, invariant in ((384, toolchain.HOPPER, False), (4096, toolchain.HOPPER, True),
                                (4096, toolchain.BLACKWELL, False)):
         assert gemm.quant_kernel(192, 48, 4096, k, arch, batch_invariant=invariant)[0] == "grouped_gemm_quant"
@@ -67,53 +69,49 @@ def test_chunk_order_gives_the_mma_each_product_once():
     torch.testing.assert_close(got2 - got, 3 * w[:, 32:64] @ x[:, 32:64].T, rtol=1e-12, atol=1e-12)
 
 
-@functools.lru_cache(maxsize=None)
-def _lower(w_format: str, **tiles) -> str:
+def _factory():
     pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
-    from deepinfer_backends.sm100 import toolchain
     from deepinfer_backends.sm100.kernels.grouped_gemm_quant_skinny import grouped_gemm_quant_skinny
 
-    return toolchain.lower_source(grouped_gemm_quant_skinny, 8, 40, 1024, w_format, **tiles)
+    return grouped_gemm_quant_skinny
+
+
+def _served(w_format: str) -> dict:
+    """The tiles the wrapper picks for 4 rows per expert over 48 experts."""
+    return gemm.quant_kernel(192, 48, 4096, 4096, toolchain.HOPPER, w_format=w_format)[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(w_format: str, **tiles) -> cubin_checks.Cubin:
+    return cubin_checks.compile_cubin(cubin_checks.lower(_factory(), 8, 40, 1024, w_format, **tiles))
 
 
 @pytest.mark.parametrize("w_format", ["fp8", "mxfp4"])
 def test_skinny_kernel_decodes_in_registers_into_mma_sync(w_format):
-    """The wrapper's tiles: 128 threads; each chunk's raw weight runs and activation runs loaded as
-    16-byte vectors into registers (no shared memory), two chunks ahead; the decode-and-MMA device
-    function called for this format; nvcc and ptxas accept it, with ``mma.sync`` m16n8k16 bf16
-    MMAs, both decode paths behind a warp vote, and no wgmma."""
-    from deepinfer_backends.sm100 import gemm, toolchain
-
-    source = _lower(w_format, **gemm.SKINNY_TILES)
-    assert "__launch_bounds__(128, 1)" in source and "__shared__" not in source
-    body = source[source.index("extern \"C\" __global__"):]
-    call = f"sk_chunk<{str(w_format == 'mxfp4').lower()}, 1, {gemm.SKINNY_TILES['tiles_m']}>("
-    assert body.count(call) == 1  # the loop over two register slots
-    assert "for (int c0 = 0; c0 < 4; ++c0)" in body  # 1024 / 128 chunks, two a turn
-    vector = "uint4" if w_format == "mxfp4" else "fp8_e4_16_t"
-    assert body.count(f"*({vector}*)(w + ") == 2 and body.count("*(uint4*)(x + ") == 2  # prologue, loop
-    if not toolchain.nvcc_available():
-        pytest.skip("nvcc is not on the PATH")
-    ptx = toolchain.compile_ptx(source, toolchain.HOPPER)
-    assert toolchain.assemble(ptx, toolchain.HOPPER)[:4] == b"\x7fELF"
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "wgmma" not in ptx
-    assert "vote.sync.any.pred" in ptx and "mul.rn.bf16x2" in ptx and ".shared" not in ptx
+    """The wrapper's tiles: a warp per 32 threads, within a CTA's limits and without spilling; raw
+    weights and activations loaded as 16-byte vectors straight into registers (no shared memory
+    at all), decoded with bf16 multiplies into ``mma.sync`` m16n8k16 bf16 MMAs (HMMA.16816), no wgmma."""
+    tiles = _served(w_format)
+    cubin = _compile(w_format, **tiles)
+    cubin_checks.assert_fits(cubin)
+    cubin_checks.assert_no_spill(cubin)
+    assert cubin.threads == 32 * tiles["warps"] and cubin.static_shared == cubin.dynamic_shared == 0
+    assert not [line for line in cubin.sass if line.startswith(("LDS", "STS", "LDSM", "STSM"))]
+    assert cubin.count("LDG.E.128") and cubin.count("HMUL2")
+    assert cubin.count("HMMA.16816.F32.BF16") and not cubin.count("HGMMA")
 
 
 def test_skinny_kernel_shares_activation_runs_between_mma_tiles():
-    """``tiles_m = 2``: each thread decodes four weight rows (``g``, ``g + 8`` of two MMA tiles, 32
-    rows a warp) against one set of activation runs, and stores both tiles."""
-    source = _lower("mxfp4", block_t=8, warps=4, depth=2, tiles_m=2)
-    body = source[source.index("extern \"C\" __global__"):]
-    assert body.count("sk_chunk<true, 1, 2>(") == 1 and "for (int r = 0; r < 4; ++r)" in body
-    assert "(((int)threadIdx.x) >> 5) * 32)" in body  # 32 weight rows a warp
+    """Two MMA tiles a warp decode twice the weight rows against one set of activation runs: twice
+    the MMAs of one tile a warp, with fewer than twice its 16-byte loads."""
+    tiles = _served("mxfp4")
+    one, two = (_compile("mxfp4", **{**tiles, "tiles_m": tiles_m}) for tiles_m in (1, 2))
+    assert two.count("HMMA") == 2 * one.count("HMMA")
+    assert one.count("LDG.E.128") < two.count("LDG.E.128") < 2 * one.count("LDG.E.128")
 
 
 def test_skinny_kernel_refuses_tiles_it_cannot_run():
-    pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
-    from deepinfer_backends.sm100 import toolchain
-    from deepinfer_backends.sm100.kernels.grouped_gemm_quant_skinny import grouped_gemm_quant_skinny
-
+    grouped_gemm_quant_skinny = _factory()
     for args, tiles, message in (((4, 64, 1024, "nvfp4"), {}, "w_format"),
                                  ((4, 64, 1024, "fp8"), {"block_t": 12}, "block_t=12"),
                                  ((4, 64, 1024, "fp8"), {"block_t": 72}, "block_t=72"),

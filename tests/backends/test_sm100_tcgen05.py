@@ -1,6 +1,7 @@
 """The Blackwell tcgen05/TMEM variants of grouped_gemm and mla_sparse_decode without a GPU: each
-lowers for sm_100a to tcgen05 MMAs on TMEM accumulators (no mma.sync, no wgmma) and nvcc and
-ptxas accept it; and ``backend.options.tcgen05`` picks them only when set, and only on Blackwell.
+compiles for sm_100a (``cubin_checks``) to tcgen05 MMAs into TMEM read back by the threads (no
+mma.sync, no wgmma), within a CTA's limits; and ``backend.options.tcgen05`` picks them only when
+set, and only on Blackwell.
 No kernel runs here: their results on hardware are unverified. The kernel tests need tilelang
 (``pip install -e '.[sm100]'``) and nvcc and skip with that reason where either is missing."""
 import functools
@@ -12,6 +13,7 @@ import torch
 
 from deepinfer_backends.sm100 import toolchain
 from deepinfer_backends.sm100.options import KernelOptions
+from tests.backends import cubin_checks
 
 VARIANTS = {  # name: (kernel module, factory, args, kwargs)
     "grouped_gemm": ("experimental.grouped_gemm_tcgen05", "grouped_gemm_bf16", (4, 2048, 4096), {}),
@@ -21,36 +23,36 @@ VARIANTS = {  # name: (kernel module, factory, args, kwargs)
     "mla_sparse_decode_split": ("experimental.mla_sparse_decode_tcgen05", "sparse_mla", (128, 512, 6, 5, 512 ** -0.5, "fp8"),
                                 {"splits": 2}),
 }
+SPILLS = {"mla_sparse_decode"}
+"""Variants ptxas is known to spill registers in."""
 
 
 @functools.lru_cache(maxsize=None)
-def _lower(name: str) -> str:
+def _compile(name: str) -> cubin_checks.Cubin:
+    pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
     module, factory, args, kwargs = VARIANTS[name]
     jit = getattr(importlib.import_module(f"deepinfer_backends.sm100.kernels.{module}"), factory)
-    return toolchain.lower_source(jit, *args, arch=toolchain.BLACKWELL, **kwargs)
+    return cubin_checks.compile_cubin(cubin_checks.lower(jit, *args, arch=toolchain.BLACKWELL, **kwargs))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_variant_lowers_to_tcgen05_on_tmem(name):
-    pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
-    source = _lower(name)
-    assert "tl::tmem_allocate" in source and "tl::tmem_deallocate" in source
-    assert "tl::tcgen05mma" in source and "tl::tcgen05_ld" in source  # MMA into TMEM, read back by the threads
-    assert "tl::mma_sync" not in source and "tl::wgmma" not in source
+def test_variant_compiles_to_tcgen05_on_tmem(name):
+    """nvcc and ptxas accept the variant for sm_100a, within a CTA's limits; its SASS allocates and
+    frees TMEM (UTCATOMSWS), issues tcgen05 MMAs into it (UTC*MMA), commits them to a barrier
+    (UTCBAR), reads the accumulators back into registers (LDTM), and holds no older tensor-core
+    path (HMMA, HGMMA)."""
+    cubin = _compile(name)
+    cubin_checks.assert_fits(cubin)
+    opcodes = {line.split()[0].split(".")[0] for line in cubin.sass}
+    assert any(op.startswith("UTC") and op.endswith("MMA") for op in opcodes), sorted(opcodes)
+    assert {"UTCBAR", "LDTM"} <= opcodes and "UTCATOMSWS" in opcodes
+    assert not {"HMMA", "HGMMA"} & opcodes
 
 
-@pytest.mark.parametrize("name", ["grouped_gemm", "mla_sparse_decode"])
-def test_variant_compiles_for_blackwell(name):
-    """nvcc makes PTX of the generated source for sm_100a and ptxas assembles it; the PTX holds
-    the tcgen05 MMA and TMEM instructions and no older tensor-core path."""
-    pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
-    if not toolchain.nvcc_available():
-        pytest.skip("nvcc is not on the PATH")
-    ptx = toolchain.compile_ptx(_lower(name), toolchain.BLACKWELL)
-    for instruction in ("tcgen05.alloc", "tcgen05.mma", "tcgen05.commit", "tcgen05.ld", "tcgen05.dealloc"):
-        assert instruction in ptx, instruction
-    assert "mma.sync.aligned" not in ptx and "wgmma" not in ptx
-    assert toolchain.assemble(ptx, toolchain.BLACKWELL)[:4] == b"\x7fELF"
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=f"ptxas spills registers in {n}"))
+                                  if n in SPILLS else n for n in sorted(VARIANTS)])
+def test_variant_keeps_its_values_in_registers(name):
+    cubin_checks.assert_no_spill(_compile(name))
 
 
 def _arch(monkeypatch, arch: str | None) -> None:

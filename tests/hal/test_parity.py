@@ -1,14 +1,15 @@
 """The parity grid: every op x every installed backend x every case, against the reference run
 on the CPU. The reference itself is in the grid when it can run on a GPU (its fallback role);
 on a CPU-only machine with only the reference installed the grid is empty and skips. A case whose
-dtype a backend does not declare (``capabilities.dtypes``) is skipped with that reason."""
+dtype a backend does not declare (``capabilities.dtypes``) is skipped with that reason, unless the op
+takes no activations (``OpSpec.activations``)."""
 import dataclasses
 
 import pytest
 import torch
 
 from deepinfer.hal import SPECS, available_backends, get_backend
-from deepinfer.hal.spec import compare
+from deepinfer.hal.spec import compare, dtype_skip_reason
 from tests.hal.oracle import _clone
 
 
@@ -51,10 +52,9 @@ def test_backend_matches_reference(backend, op, case):
         pytest.skip(f"backend {backend!r} declares {op!r} unsupported")
     spec = SPECS[op]
     c = spec.case(case)
-    declared = get_backend(backend).capabilities.dtypes
-    if c.dtype not in declared:
-        pytest.skip(f"backend {backend!r} declares activation dtypes {sorted(map(str, declared))}; case {case!r} "
-                    f"runs {c.dtype}")
+    reason = dtype_skip_reason(spec, c, get_backend(backend).capabilities.dtypes)
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
     inputs = c.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
     want = spec.reference(**_clone(inputs))
     got = impl(**_to_device(_clone(inputs), device))

@@ -128,6 +128,7 @@ def _case(sequences, dim, ratio, num_slots=0, ring_length=0):
 
 register(OpSpec(
     name="compress_tokens",
+    activations=False,
     summary="C1/C2 KV compression: softmax-gated pooling of ratio tokens, per-sequence state ring",
     reference=compress_tokens,
     cases=(

@@ -139,6 +139,7 @@ register(OpSpec(
 
 register(OpSpec(
     name="indexer_topk",
+    activations=False,
     summary="top-k columns of a per-row window, ascending offsets, -1 padding",
     reference=indexer_topk,
     cases=(

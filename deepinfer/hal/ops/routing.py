@@ -56,6 +56,7 @@ def _case(tokens: int, experts: int, top_k: int, with_bias: bool = True, tied: b
 
 register(OpSpec(
     name="moe_gate",
+    activations=False,
     summary="sqrtsoftplus MoE gate with noaux_tc bias: top-k expert ids and routed weights",
     reference=moe_gate,
     cases=(

@@ -168,6 +168,7 @@ def _case(vocab: int, temperature, top_p, top_k, case: int = CASE_SAMPLE, scale:
 
 register(OpSpec(
     name="sample",
+    activations=False,
     summary="temperature / top-k / top-p sampling with a counter-based RNG and integer CDF",
     reference=sample,
     cases=(

@@ -78,6 +78,7 @@ def _case(rows: int, vocab: int, sharp: float, agree: float):
 
 register(OpSpec(
     name="speculative_accept",
+    activations=False,
     summary="accept a draft with probability min(1, q/p), else resample from max(q - alpha p, 0)",
     reference=speculative_accept,
     cases=(

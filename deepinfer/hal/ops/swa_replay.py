@@ -187,6 +187,7 @@ def _history_case(batch: int, window: int, ring_size: int):
 
 register(OpSpec(
     name="swa_ring_slots",
+    activations=False,
     summary="flat SWA ring row of each (state slot, position); -1 for padding",
     reference=swa_ring_slots,
     cases=(OpCase("tiny", _ring_case(9, 6)), OpCase("v41", _ring_case(64, 134), size="real")),
@@ -194,6 +195,7 @@ register(OpSpec(
 
 register(OpSpec(
     name="swa_decode_indices",
+    activations=False,
     summary="per-query window key rows in the SWA ring (decode), -1 outside the visible range",
     reference=swa_decode_indices,
     cases=(
@@ -206,6 +208,7 @@ register(OpSpec(
 
 register(OpSpec(
     name="swa_prefill_indices",
+    activations=False,
     summary="per-query window key rows in the gathered [history | chunk] prefill buffer",
     reference=swa_prefill_indices,
     cases=(
@@ -218,6 +221,7 @@ register(OpSpec(
 
 register(OpSpec(
     name="swa_history_slots",
+    activations=False,
     summary="ring rows of the window - 1 keys before each chunk (the prefill history segment)",
     reference=swa_history_slots,
     cases=(OpCase("tiny", _history_case(4, 4, 6)), OpCase("v41", _history_case(64, 128, 134), size="real")),

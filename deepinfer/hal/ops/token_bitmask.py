@@ -196,6 +196,7 @@ def _case(rows: int, vocab: int, masked: list[int] | None, allowed: float):
 
 register(OpSpec(
     name="apply_token_bitmask",
+    activations=False,
     summary="grammar bitmask (xgrammar layout) applied to logits rows, in place: disallowed -> -inf",
     reference=apply_token_bitmask,
     cases=(

@@ -233,8 +233,7 @@ class Attention(nn.Module):
         """Grouped low-rank projection: each group of heads to ``o_lora_rank``, then to hidden."""
         tokens, groups = out.shape[0], self.cfg.o_groups
         grouped = out.reshape(tokens, groups, -1).transpose(0, 1).reshape(groups * tokens, -1)
-        weight = self.wo_a.weight.view(groups, self.cfg.o_lora_rank, -1)
         sizes = torch.full((groups,), tokens, dtype=torch.long, device=out.device)
-        low_rank = self.ops.grouped_gemm(grouped, weight, sizes)
+        low_rank = self.ops.grouped_gemm(grouped, self.wo_a.operand(groups), sizes)
         low_rank = low_rank.view(groups, tokens, -1).transpose(0, 1).reshape(tokens, -1)
         return self.wo_b(low_rank.to(out.dtype))

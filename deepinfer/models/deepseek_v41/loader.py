@@ -156,14 +156,18 @@ class CheckpointEntry:
 
 
 def load_checkpoint(directory, expected_shapes: dict[str, tuple[int, ...]] | None = None,
-                    dtype: torch.dtype = torch.float32, device="cpu") -> tuple[dict, dict[str, torch.Tensor]]:
+                    dtype: torch.dtype = torch.float32, device="cpu",
+                    quantized: bool = False) -> tuple[dict, dict[str, torch.Tensor | Quantized]]:
     """Read an official V4.1 checkpoint: ``(config dict, {official name: float tensor})``.
 
     Reads ``config.json`` and the shards named by the index (or a lone ``model.safetensors``),
     drops the optional ``model.`` prefix and dequantizes FP8 / MXFP4 weights exactly to ``dtype``
-    on ``device``. Every header is checked before any data is read; tensors are then read one at
-    a time, shard by shard. With ``expected_shapes`` (official name -> dequantized shape) the
-    checkpoint must hold exactly those tensors with those shapes.
+    on ``device``; with ``quantized`` they stay :class:`~deepinfer.hal.formats.Quantized` instead,
+    with one UE8M0 scale per 32 along K (an FP8 weight's 32 x 32 scale repeated over its 32 rows;
+    one whose K is not a multiple of 32 is dequantized). Every header is checked before any data
+    is read; tensors are then read one at a time, shard by shard. With ``expected_shapes``
+    (official name -> dequantized shape) the checkpoint must hold exactly those tensors with
+    those shapes.
 
     Raises :class:`LoaderError`, naming the file and the tensor, for a missing or corrupt shard,
     an unknown, absent or misshapen tensor, a quantized weight without its scale (or a scale
@@ -177,7 +181,7 @@ def load_checkpoint(directory, expected_shapes: dict[str, tuple[int, ...]] | Non
     entries = _pair_scales(catalogue)
     if expected_shapes is not None:
         _check_expected(entries, {strip_prefix(k): tuple(v) for k, v in expected_shapes.items()}, source)
-    return config, _read_tensors(directory, entries, dtype, device)
+    return config, _read_tensors(directory, entries, dtype, device, quantized)
 
 
 def _read_json(path: Path):
@@ -310,7 +314,8 @@ class _ShardReader:
             raise LoaderError(f"{stored.file}: cannot read tensor {stored.key!r}: {error}") from error
 
 
-def _read_tensors(directory: Path, entries: dict[str, CheckpointEntry], dtype: torch.dtype, device) -> dict:
+def _read_tensors(directory: Path, entries: dict[str, CheckpointEntry], dtype: torch.dtype, device,
+                  quantized: bool) -> dict:
     by_file: dict[str, list[str]] = {}
     for name, entry in entries.items():
         by_file.setdefault(entry.data.file, []).append(name)
@@ -319,15 +324,19 @@ def _read_tensors(directory: Path, entries: dict[str, CheckpointEntry], dtype: t
         with ExitStack() as stack:
             reader = _ShardReader(directory, stack)
             for name in names:
-                state_dict[name] = _decode(entries[name], reader, device).to(dtype)
+                value = _decode(entries[name], reader, device, quantized)
+                state_dict[name] = value if isinstance(value, Quantized) else value.to(dtype)
     return state_dict
 
 
-def _decode(entry: CheckpointEntry, reader: _ShardReader, device) -> torch.Tensor:
+def _decode(entry: CheckpointEntry, reader: _ShardReader, device, quantized: bool) -> torch.Tensor | Quantized:
     data = reader.read(entry.data).to(device)
     if entry.scale is None:
         return data
     scale = reader.read(entry.scale).to(device).view(torch.uint8)
-    if entry.fmt == "fp8":
-        return dequantize_weight_fp8(data, scale, BLOCK)
-    return dequantize(Quantized(data.view(torch.uint8), scale, "mxfp4", BLOCK))
+    if entry.fmt == "mxfp4":
+        packed = Quantized(data.view(torch.uint8), scale, "mxfp4", BLOCK)
+        return packed if quantized else dequantize(packed)
+    if quantized and entry.shape[1] % BLOCK == 0:
+        return Quantized(data, scale.repeat_interleave(BLOCK, dim=0)[:entry.shape[0]].contiguous(), "fp8", BLOCK)
+    return dequantize_weight_fp8(data, scale, BLOCK)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.hal.registry import OpTable
-from deepinfer.models.layers import Linear
+from deepinfer.models.layers import Linear, quantized_operand, quantized_parameters
 
 
 class Gate(nn.Module):
@@ -19,15 +19,31 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked per projection: ``w1, w3 [E, I, H]``, ``w2 [E, H, I]``.
+    """Routed experts stacked per projection: ``w1, w3 [E, I, H]``, ``w2 [E, H, I]``, plain, or
+    after :meth:`hold_quantized` e4m3 / packed e2m1 data with ``w1_scale`` etc. (UE8M0 per 32).
 
     Checkpoints name them one by one (``experts.{e}.w1.weight``); see ``model.official_state_dict``."""
+
+    PROJECTIONS = ("w1", "w2", "w3")
 
     def __init__(self, experts: int, hidden: int, intermediate: int, dtype: torch.dtype):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, intermediate, hidden, dtype=dtype), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(experts, intermediate, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(experts, hidden, intermediate, dtype=dtype), requires_grad=False)
+        for name in self.PROJECTIONS:
+            self.register_parameter(f"{name}_scale", None)
+
+    def hold_quantized(self, fmt: str) -> None:
+        """Keep every projection as ``fmt`` (``"fp8"`` or ``"mxfp4"``), encoded from its current values."""
+        for name in self.PROJECTIONS:
+            data, scale = quantized_parameters(getattr(self, name), fmt)
+            setattr(self, name, data)
+            setattr(self, f"{name}_scale", scale)
+
+    def operand(self, name: str):
+        """Projection ``name`` as the grouped GEMM takes it (plain or Quantized)."""
+        return quantized_operand(getattr(self, name), getattr(self, f"{name}_scale"))
 
 
 class SharedExperts(nn.Module):
@@ -65,8 +81,9 @@ class MoE(nn.Module):
         """Routed experts (weighted by ``weights``) plus the shared expert."""
         ops = self.ops
         rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
-        hidden = ops.swiglu(ops.grouped_gemm(rows, self.experts.w1, group_sizes),
-                            ops.grouped_gemm(rows, self.experts.w3, group_sizes), self.limit, x.dtype)
-        routed = ops.ep_combine(ops.grouped_gemm(hidden, self.experts.w2, group_sizes), handle)
+        experts = self.experts
+        hidden = ops.swiglu(ops.grouped_gemm(rows, experts.operand("w1"), group_sizes),
+                            ops.grouped_gemm(rows, experts.operand("w3"), group_sizes), self.limit, x.dtype)
+        routed = ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle)
         shared = self.shared_experts
         return routed.to(x.dtype) + shared.w2(ops.swiglu(shared.w1(x), shared.w3(x), self.limit))

@@ -8,35 +8,70 @@ from pathlib import Path
 import torch
 
 from deepinfer.hal import formats
+from deepinfer.hal.formats import Quantized
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer.models.deepseek_v41.moe import Experts
 from deepinfer.models.deepseek_v41.names import storage_format
+from deepinfer.models.layers import Linear, quantized_operand
 
 _HC = re.compile(r"(hc_(?:attn|ffn|head))\.(fn|base|scale)$")
 _EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 
 
-def official_state_dict(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
-    """The model's tensors under official checkpoint names (experts split one by one; views)."""
+WEIGHT_FORMATS = (None, "fp8", "mxfp4")
+"""``model.weight_format`` values: None holds every weight in the model dtype; ``"fp8"`` and
+``"mxfp4"`` keep the weights the official checkpoint quantizes quantized (:func:`hold_quantized`)."""
+
+
+def official_state_dict(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor | Quantized]:
+    """The model's tensors under official checkpoint names (experts split one by one; views).
+    A weight held quantized is a :class:`~deepinfer.hal.formats.Quantized` of its data and scale."""
+    tensors = model.state_dict()
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in tensors.items():
+        if name.endswith("_scale"):
+            continue
+        scale = tensors.get(f"{name}_scale")
         stacked = _EXPERTS.match(name)
         if stacked:
             for e in range(tensor.shape[0]):
-                out[f"{stacked.group(1)}.{e}.{stacked.group(2)}.weight"] = tensor[e]
+                out[f"{stacked.group(1)}.{e}.{stacked.group(2)}.weight"] = quantized_operand(
+                    tensor[e], None if scale is None else scale[e])
         else:
-            out[_HC.sub(r"\1_\2", name)] = tensor
+            out[_HC.sub(r"\1_\2", name)] = quantized_operand(tensor, scale)
     return out
 
 
 def expected_shapes(model: DeepseekV41ForCausalLM) -> dict[str, tuple[int, ...]]:
-    """Official name -> shape of every tensor a checkpoint of this model must hold."""
-    return {name: tuple(t.shape) for name, t in official_state_dict(model).items()}
+    """Official name -> shape of every tensor a checkpoint of this model must hold (the values'
+    shape for a weight held quantized)."""
+    return {name: _value_shape(t) for name, t in official_state_dict(model).items()}
 
 
-def load_official_state_dict(model: DeepseekV41ForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy official-named tensors into the model (shapes already checked by the loader)."""
+def hold_quantized(model: DeepseekV41ForCausalLM, weight_format: str | None) -> DeepseekV41ForCausalLM:
+    """Keep the weights the official checkpoint quantizes quantized in memory, encoded from their
+    current values (exact for values the checkpoint formats hold, as :func:`init_random_weights`
+    and the loader give them): with ``"mxfp4"`` the FP8 projections as FP8 (e4m3, UE8M0 per 32
+    along K) and the routed experts as MXFP4, the checkpoint's own formats; with ``"fp8"`` the
+    experts as FP8 too. None leaves every weight plain."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"model.weight_format must be one of {list(WEIGHT_FORMATS)}, got {weight_format!r}")
+    if weight_format is None:
+        return model
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            module.hold_quantized(weight_format)
+        elif isinstance(module, Linear) and storage_format(f"{name}.weight") == "fp8":
+            module.hold_quantized("fp8")
+    return model
+
+
+def load_official_state_dict(model: DeepseekV41ForCausalLM, tensors: dict[str, torch.Tensor | Quantized]) -> None:
+    """Copy official-named tensors (plain or Quantized) into the model (shapes already checked
+    by the loader); a weight held quantized takes a Quantized value of its format as it is, and
+    any other value encoded in its format."""
     targets = official_state_dict(model)
     missing = sorted(set(targets) - set(tensors))
     unknown = sorted(set(tensors) - set(targets))
@@ -44,7 +79,26 @@ def load_official_state_dict(model: DeepseekV41ForCausalLM, tensors: dict[str, t
         raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unknown {unknown[:5]}")
     with torch.no_grad():
         for name, target in targets.items():
-            target.copy_(tensors[name])
+            assign(target, tensors[name])
+
+
+def assign(target: torch.Tensor | Quantized, value: torch.Tensor | Quantized) -> None:
+    """Copy ``value`` into ``target`` in place: dequantized into a plain target, encoded in a
+    quantized target's format unless it already is."""
+    if isinstance(target, torch.Tensor):
+        target.copy_(value.dequantize() if isinstance(value, Quantized) else value)
+        return
+    if not (isinstance(value, Quantized) and value.fmt == target.fmt and value.block == target.block):
+        dense = value.dequantize() if isinstance(value, Quantized) else value
+        value = formats.quantize(dense.float(), target.fmt, target.block)
+    target.data.copy_(value.data.view(target.data.dtype))
+    target.scale.copy_(value.scale)
+
+
+def _value_shape(t: torch.Tensor | Quantized) -> tuple[int, ...]:
+    if isinstance(t, Quantized):
+        return (*t.data.shape[:-1], t.data.shape[-1] * (2 if t.fmt == "mxfp4" else 1))
+    return tuple(t.shape)
 
 
 def _random_like(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -82,7 +136,7 @@ def init_random_weights(model: DeepseekV41ForCausalLM, seed: int = 0) -> Deepsee
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in official_state_dict(model).items():
-            tensor.copy_(representable(name, _random_like(name, tuple(tensor.shape), gen)))
+            assign(tensor, representable(name, _random_like(name, _value_shape(tensor), gen)))
     return model
 
 
@@ -90,20 +144,25 @@ def save_pretrained(model: DeepseekV41ForCausalLM, directory: str | Path, max_sh
     """Write ``model`` as an official-layout checkpoint (config.json, shards, index)."""
     from deepinfer.models.deepseek_v41.loader import save_checkpoint
 
-    tensors = {name: t.detach().float().cpu() for name, t in official_state_dict(model).items()}
+    tensors = {name: (t.dequantize() if isinstance(t, Quantized) else t).detach().float().cpu()
+               for name, t in official_state_dict(model).items()}
     save_checkpoint(directory, model.cfg.to_hf_dict(), tensors, max_shard_bytes=max_shard_bytes)
 
 
 def load_pretrained(directory: str | Path, ops: OpTable, dtype: torch.dtype = torch.float32,
-                    max_model_len: int = 4096, overrides: dict | None = None) -> DeepseekV41ForCausalLM:
-    """Build the model a checkpoint directory describes and load its weights."""
+                    max_model_len: int = 4096, overrides: dict | None = None,
+                    weight_format: str | None = None) -> DeepseekV41ForCausalLM:
+    """Build the model a checkpoint directory describes and load its weights; with a
+    ``weight_format`` (:func:`hold_quantized`) the quantized weights go from disk to memory without
+    being dequantized."""
     from deepinfer.models.deepseek_v41.loader import load_checkpoint
 
     config = DeepseekV41Config.from_json(Path(directory) / "config.json")
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    model = DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=max_model_len)
-    _, tensors = load_checkpoint(directory, expected_shapes(model), dtype=dtype)
+    model = hold_quantized(DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=max_model_len),
+                           weight_format)
+    _, tensors = load_checkpoint(directory, expected_shapes(model), dtype=dtype, quantized=weight_format is not None)
     load_official_state_dict(model, tensors)
     return model
 

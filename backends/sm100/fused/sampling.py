@@ -1,0 +1,244 @@
+"""Token sampling in one Triton program per row, passes over the vocabulary in blocks (each lane
+of a block accumulates on its own; the lanes are combined once a pass ends):
+
+1. the row's max, first argmax and online sum of ``exp(z - max)``, ``z`` kept in the ``logprobs``
+   row as scratch when a filter is on;
+2. top-k rows: four 8-bit radix-select passes (``tl.histogram``) for the k-th largest order key;
+3. top-k or top-p rows: ``e = exp(z - max)`` over the top-k-kept tokens, summed (and stored);
+4. top-p rows: bisection over the probability's bits for the largest ``v`` with
+   ``sum(p >= v) >= top_p`` (float64 sums), the bracket tightened to the row's keys each pass:
+   at most 31 passes, fewer the more the probabilities are spread out in the bits;
+5. ``logprobs`` written and the fixed-point weights summed (int64, exact in any order);
+6. sampled rows: the drawn token, a block-wise ``tl.cumsum`` that stops at the token's block.
+
+So 3 passes for a row without filters (2 when greedy), 8 with top-k alone, 4 plus the bisection
+with top-p alone, 8 plus the bisection with both (the last pass stops early).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from deepinfer.hal.ops import sampling
+
+BLOCK_VOCAB = 8192
+NUM_WARPS = 32
+GOLDEN_GAMMA: tl.constexpr = tl.constexpr(sampling.GOLDEN_GAMMA)
+SPLITMIX_MUL_1: tl.constexpr = tl.constexpr(sampling.SPLITMIX_MUL_1)
+SPLITMIX_MUL_2: tl.constexpr = tl.constexpr(sampling.SPLITMIX_MUL_2)
+MIN_TEMPERATURE: tl.constexpr = tl.constexpr(sampling.MIN_TEMPERATURE)
+FIXED_POINT_ONE: tl.constexpr = tl.constexpr(float(sampling.FIXED_POINT_ONE))
+UNIFORM_STEP: tl.constexpr = tl.constexpr(2.0 ** -53)
+
+
+@triton.jit
+def counter_uniform(seed, counter, NAMESPACE: tl.constexpr):
+    """:func:`deepinfer.hal.ops.sampling.counter_uniform` of ``(seed + NAMESPACE, counter)``, bit for
+    bit: SplitMix64 in wrapping uint64 arithmetic, a float64 in ``[0, 1)``."""
+    z = (seed.to(tl.uint64, bitcast=True) + NAMESPACE) ^ (counter.to(tl.uint64, bitcast=True) * GOLDEN_GAMMA)
+    z = z + GOLDEN_GAMMA
+    z = (z ^ (z >> 30)) * SPLITMIX_MUL_1
+    z = (z ^ (z >> 27)) * SPLITMIX_MUL_2
+    z = z ^ (z >> 31)
+    return (z >> 11).to(tl.float64) * UNIFORM_STEP
+
+
+@triton.jit
+def draw_block(weights, offs, inside, running, target, vocab):
+    """One block of the fixed-point draw: the first token of the block whose inclusive cumsum
+    (``running`` + this block's int64 ``weights``) exceeds ``target`` (``vocab`` if none), and
+    ``running`` past the block."""
+    cumulative = running + tl.cumsum(weights, 0)
+    token = tl.min(tl.where(inside & (cumulative > target), offs, vocab))
+    return token, running + tl.sum(weights)
+
+
+@triton.jit
+def _order_key(z):
+    """int64 in ``[0, 2**32)`` ordered as the float32 ``z`` (-0.0 as +0.0)."""
+    bits = z.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _scaled(src, offs, inside, scale):
+    """``z = logits / scale`` in float32 with IEEE rounding, -inf past the row."""
+    return tl.math.div_rn(tl.load(src + offs, mask=inside, other=float("-inf")).to(tl.float32), scale)
+
+
+@triton.jit
+def _max_pass(src, scratch, vocab, scale, keep_z, BLOCK: tl.constexpr):
+    """Max of ``z``, the online ``sum(exp(z - max))`` and the first argmax (each lane of the block
+    on its own, combined at the end); ``z`` stored in ``scratch`` when ``keep_z``."""
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    first = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < vocab
+        z = _scaled(src, offs, inside, scale)
+        tl.store(scratch + offs, z, mask=inside & keep_z)
+        new_top = tl.maximum(top, z)
+        rescale = tl.where(top == new_top, 1.0, tl.exp(top - new_top))
+        total = total * rescale + tl.where(z > float("-inf"), tl.exp(z - new_top), 0.0)
+        first = tl.where(z > top, offs, first)
+        top = new_top
+    row_top = tl.max(top)
+    total = tl.sum(total * tl.where(top > float("-inf"), tl.exp(top - row_top), 0.0))
+    return row_top, total, tl.min(tl.where(top == row_top, first, vocab))
+
+
+@triton.jit
+def _top_k_key(scratch, vocab, k, BLOCK: tl.constexpr):
+    """Order key of the k-th largest ``z`` of ``scratch``: radix select, 8 bits a pass."""
+    digits = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.int64)
+    above = tl.zeros([], tl.int64)
+    for level in tl.static_range(4):
+        shift = 24 - 8 * level
+        counts = tl.zeros([256], tl.int32)
+        for start in range(0, vocab, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < vocab
+            key = _order_key(tl.load(scratch + offs, mask=inside, other=0.0))
+            match = inside & ((key >> (shift + 8)) == prefix)
+            counts += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+        at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts
+        digit = tl.max(tl.where(above + at_or_above >= k, digits, 0))
+        above += tl.sum(tl.where(digits > digit, counts, 0))
+        prefix = prefix * 256 + digit
+    return prefix
+
+
+@triton.jit
+def _kept_exp_pass(scratch, vocab, top, kth, store, BLOCK: tl.constexpr):
+    """``e = exp(z - top)`` where ``z``'s key is at least ``kth`` (else 0), over ``z`` in
+    ``scratch`` (replaced by ``e`` when ``store``): the float64 sum of ``e`` and its max."""
+    total = tl.zeros([BLOCK], tl.float64)
+    largest = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < vocab
+        z = tl.load(scratch + offs, mask=inside, other=float("-inf"))
+        e = tl.where(inside & (_order_key(z) >= kth), tl.exp(z - top), 0.0)
+        tl.store(scratch + offs, e, mask=inside & store)
+        total += e.to(tl.float64)
+        largest = tl.maximum(largest, e)
+    return tl.sum(total), tl.max(largest)
+
+
+@triton.jit
+def _top_p_key(scratch, vocab, inv_mass, top_p, mass, largest, BLOCK: tl.constexpr):
+    """The largest probability bits ``v`` with ``sum(p >= v) >= top_p`` (``p = e * inv_mass``
+    over ``e`` in ``scratch``; 0, all kept, when none reaches it) and the sum of ``e`` kept."""
+    low = tl.zeros([], tl.int32)
+    high = (largest * inv_mass).to(tl.int32, bitcast=True) + 1
+    while high - low > 1:
+        mid = low + (high - low) // 2
+        reached = tl.zeros([BLOCK], tl.float64)
+        kept = tl.zeros([BLOCK], tl.float64)
+        above = tl.zeros([BLOCK], tl.int32) + high
+        below = tl.zeros([BLOCK], tl.int32) + low
+        for start in range(0, vocab, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < vocab
+            e = tl.load(scratch + offs, mask=inside, other=0.0)
+            p = e * inv_mass
+            key = p.to(tl.int32, bitcast=True)
+            upper = inside & (key >= mid)
+            reached += tl.where(upper, p.to(tl.float64), 0.0)
+            kept += tl.where(upper, e.to(tl.float64), 0.0)
+            above = tl.minimum(above, tl.where(upper & (key < high), key, high))
+            below = tl.maximum(below, tl.where(inside & (key >= low) & (key < mid), key, low))
+        ok = tl.sum(reached).to(tl.float32) >= top_p
+        low = tl.where(ok, tl.minimum(tl.min(above), high - 1), low)
+        mass = tl.where(ok, tl.sum(kept), mass)
+        high = tl.where(ok, high, tl.max(below) + 1)
+    return low, mass
+
+
+@triton.jit
+def _write_pass(src, out, vocab, scale, top, log_mass, kth, p_key, inv_mass, greedy, first,
+                FILTERS: tl.constexpr, BLOCK: tl.constexpr):
+    """``logprobs = z - top - log_mass`` over the kept tokens (-inf elsewhere) into ``out``; returns
+    the sum of the int64 weights ``floor(exp(logprobs) * 2**31)``."""
+    total = tl.zeros([BLOCK], tl.int64)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < vocab
+        z = _scaled(src, offs, inside, scale)
+        keep = inside
+        if FILTERS:
+            probability_key = (tl.exp(z - top) * inv_mass).to(tl.int32, bitcast=True)
+            keep = keep & (_order_key(z) >= kth) & (probability_key >= p_key)
+        keep = tl.where(greedy, offs == first, keep)
+        logprobs = tl.where(keep, (z - top) - log_mass, float("-inf"))
+        tl.store(out + offs, logprobs, mask=inside)
+        total += tl.where(inside, tl.floor(tl.exp(logprobs) * FIXED_POINT_ONE).to(tl.int64), 0)
+    return tl.sum(total)
+
+
+@triton.jit
+def sample_kernel(logits, temperature, top_p, top_k, seeds, positions, token_ids, logprobs, vocab, logits_stride,
+                  CASE: tl.constexpr, NAMESPACE: tl.constexpr, FILTERS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``pid`` of the HAL ``sample``: ``token_ids[pid]`` and ``logprobs[pid, :vocab]`` (the
+    row doubles as scratch until it is written)."""
+    row = tl.program_id(0).to(tl.int64)
+    src = logits + row * logits_stride
+    out = logprobs + row * vocab
+    temp = tl.load(temperature + row)
+    greedy = temp == 0
+    scale = tl.maximum(temp.to(tl.float32), MIN_TEMPERATURE)
+    k = tl.load(top_k + row)
+    p_limit = tl.load(top_p + row)
+    by_k = FILTERS & (temp != 0) & (k > 0) & (k < vocab)
+    by_p = FILTERS & (temp != 0) & (p_limit < 1.0)
+    top, total, first = _max_pass(src, out, vocab, scale, by_k | by_p, BLOCK)
+    log_mass = tl.where(greedy, 0.0, tl.log(total))
+    kth = tl.zeros([], tl.int64)
+    p_key = tl.zeros([], tl.int32)
+    inv_mass = tl.zeros([], tl.float32)
+    if FILTERS:
+        if by_k:
+            tl.debug_barrier()
+            kth = _top_k_key(out, vocab, k, BLOCK)
+        if by_k | by_p:
+            tl.debug_barrier()
+            mass, largest = _kept_exp_pass(out, vocab, top, kth, by_p, BLOCK)
+            inv_mass = tl.math.div_rn(1.0, mass.to(tl.float32))
+            if by_p:
+                tl.debug_barrier()
+                p_key, mass = _top_p_key(out, vocab, inv_mass, p_limit.to(tl.float32), mass, largest, BLOCK)
+            log_mass = tl.log(mass.to(tl.float32))
+    tl.debug_barrier()
+    weight_sum = _write_pass(src, out, vocab, scale, top, log_mass, kth, p_key, inv_mass, greedy, first, FILTERS,
+                             BLOCK)
+    token = first
+    if temp != 0:
+        tl.debug_barrier()
+        uniform = counter_uniform(tl.load(seeds + row), 3 * tl.load(positions + row) + CASE, NAMESPACE)
+        target = tl.floor(uniform * weight_sum.to(tl.float64)).to(tl.int64)
+        token = tl.zeros([], tl.int32) + vocab
+        running = tl.zeros([], tl.int64)
+        start = tl.zeros([], tl.int32)
+        while (token == vocab) & (start < vocab):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < vocab
+            lp = tl.load(out + offs, mask=inside, other=float("-inf"))
+            weights = tl.floor(tl.exp(lp) * FIXED_POINT_ONE).to(tl.int64)
+            token, running = draw_block(weights, offs, inside, running, target, vocab)
+            start += BLOCK
+    tl.store(token_ids + row, token.to(tl.int64))
+
+
+def main() -> None:
+    """Check the sampling and speculative-acceptance kernels against the OpSpec references on this
+    GPU (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("sample", "speculative_accept")
+
+
+if __name__ == "__main__":
+    main()
