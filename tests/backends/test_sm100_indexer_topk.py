@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.backends.triton_cubin import hopper_cubin
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 CHECK = """
@@ -86,16 +88,10 @@ def test_indexer_topk_matches_the_reference_in_the_interpreter():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_indexer_topk_kernel_compiles_for_hopper(dtype):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from deepinfer_backends.sm100.fused import indexer_topk as kernel_module
 
     constants = dict(BLOCK=kernel_module.BLOCK, CANDIDATES=kernel_module.CANDIDATES, RADIX_BITS=kernel_module.RADIX_BITS)
     signature = dict(logits=f"*{dtype}", starts="*i64", lengths="*i64", out="*i32", scratch="*i32", tokens="i32",
                      row_stride="i32", extent="i32", k="i32")
-    source = ASTSource(kernel_module.indexer_topk_kernel, signature={**signature, **{c: "constexpr" for c in constants}},
-                       constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kernel_module.NUM_WARPS))
-    assert compiled.asm["cubin"], "no cubin"
+    assert hopper_cubin(kernel_module.indexer_topk_kernel, signature, constants, num_warps=kernel_module.NUM_WARPS), \
+        "no cubin"

@@ -5,6 +5,8 @@ import importlib.util
 
 import pytest
 
+from tests.backends.triton_cubin import hopper_cubin
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
@@ -52,10 +54,4 @@ KERNELS = list(_kernels()) if importlib.util.find_spec("triton") else []
 
 @pytest.mark.parametrize("name,kernel,signature,constants", KERNELS, ids=[k[0] for k in KERNELS])
 def test_triton_kernel_compiles_for_hopper(name, kernel, signature, constants):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    source = ASTSource(kernel, signature={**signature, **{c: "constexpr" for c in constants}}, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"], f"{name}: no cubin"
+    assert hopper_cubin(kernel, signature, constants), f"{name}: no cubin"
