@@ -10,8 +10,8 @@ Rows (``kind``):
   decode steps' wall time; ``tok_s_per_user``: that over the batch).
 * ``hf``: transformers' ``DeepseekV3ForCausalLM`` with the widths of ``--hf-widths`` (random
   weights, bf16, eager PyTorch with SDPA attention, its own KV cache), same prompts and steps.
-* ``ceiling``: device copy bandwidth (GB/s, a large device-to-device copy) and the dense bf16
-  matmul rate (TFLOP/s, 8192-cubed).
+* ``ceiling``: device copy bandwidth (GB/s, a large device-to-device copy), and the dense bf16
+  matmul and FP8 e4m3 ``torch._scaled_mm`` rates (TFLOP/s, 8192-cubed).
 * ``floor``: per engine point of the first backend, the bytes a decode step must read (non-expert weights, the
   experts a batch routes to in expectation with uniform routing, the LM head, and each
   sequence's attended KV) over the measured copy bandwidth.
@@ -19,14 +19,15 @@ Rows (``kind``):
 ``--dspark-model`` (the trained ``tiny``) adds rows with drafts off and on, to read the
 wall-clock speedup of DSpark; ``--compare-async`` adds the first backend's rows with
 asynchronous scheduling off (engines run with it on, the GPU default); ``--trace-prefill``
-prints the heaviest kernels of one traced prefill. Prints a table, writes
+prints the heaviest kernels of one traced prefill, ``--trace-decode`` the kernels of a few eager
+decode steps by HAL op. Prints a table, writes
 ``experiments/results/bench_engine_<tag>.csv`` after every row (``--append`` keeps an earlier
 run's rows, each with its own stamp) and the Pareto-style plot (decode tok/s against tok/s per
 user) beside it.
 
     python experiments/bench_engine.py --tag h200 [--backends sm100 reference] [--batches 1 4 16 64 128]
         [--prompts 512 4096] [--steps 32] [--hf] [--dspark-model tiny] [--compare-async] [--append]
-        [overrides...]
+        [--trace-prefill B] [--trace-decode B] [overrides...]
 """
 from __future__ import annotations
 
@@ -61,13 +62,13 @@ STAMP = ("card", "date", "commit", "torch", "command")
 def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int], steps: int, dspark: bool,
                 overrides: list[str], bandwidth: float, record, profile: tuple[int, ...] = (),
                 memory_share: float = 0.45, asynchronous: bool = True, trace_prefill: int = 0,
-                floors: bool = True) -> None:
+                trace_decode: int = 0, floors: bool = True) -> None:
     """One engine's points, each passed to ``record`` as it is measured (then the floor rows, with
     ``floors``). Engines run one after another in this process, each taking ``memory_share`` of
     the card (``engine.gpu_memory_utilization``). Each point runs once untimed first, so no kernel
     compiles while it is timed. ``trace_prefill``: a batch size whose prefill at
     the first prompt length is traced once more, after the timed points, its heaviest kernels
-    printed."""
+    printed; ``trace_decode``: a batch size whose decode steps are traced eagerly by op."""
     longest = max(prompts) + steps * 8 + 64
     decoding = ["decoding=dspark", "decoding.varlen=false"] if dspark else ["decoding=greedy"]
     if backend == "reference":
@@ -88,6 +89,8 @@ def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int]
             record(row)
     if trace_prefill:
         print(prefill_kernels(llm, prompts[0], trace_prefill), flush=True)
+    if trace_decode:
+        print(decode_kernels(llm, prompts[0], trace_decode), flush=True)
     for row in floor_rows(llm, rows, bandwidth) if floors else []:
         record(row)
     del llm
@@ -158,6 +161,32 @@ def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
     for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.2f} ms {100 * us / gpu_us:5.1f} % x{count:<5d} {name[:110]}")
     return "\n".join(lines)
+
+
+def decode_kernels(llm: LLM, prompt: int, batch: int, steps: int = 4) -> str:
+    """``steps`` decode steps of ``batch`` ``prompt``-token requests run eagerly (the captured
+    graphs set aside, so every HAL op call is labelled) under the profiler: kernels per step, and
+    per op its GPU time and kernel count over the steps. A graph replays the same kernels."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
+    while llm.step().num_prefill_tokens:
+        pass
+    llm.step()
+    passes, llm.runner.passes = llm.runner.passes, {}
+    try:
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with labelled_ops(llm.ops), torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                llm.step()
+            torch.cuda.synchronize()
+    finally:
+        llm.runner.passes = passes
+    while not all(r.finished for r in requests):
+        llm.step()
+    busy = _gpu_busy(prof, steps=steps)
+    return "\n".join([f"decode trace, batch {batch}, {steps} eager steps: kernels {busy['gpu_kernels_per_step']:.0f} "
+                      f"a step", "by op (all steps):", op_table(op_times(prof), top=60)])
 
 
 def _gpu_busy(prof, steps: int = 8) -> dict:
@@ -337,6 +366,8 @@ def main(argv=None) -> int:
                         help="engine points (first prompt length) whose decode steps are traced for GPU idle time")
     parser.add_argument("--trace-prefill", type=int, default=16,
                         help="batch size whose prefill (first prompt length) the first backend traces; 0: none")
+    parser.add_argument("--trace-decode", type=int, default=0,
+                        help="batch size whose decode steps (first prompt length) the first backend traces by op")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in the CSV (each with its own card, date, commit and command)")
     parser.add_argument("--commit", default="", help="the commit to record where the tree is not a git checkout")
@@ -360,6 +391,7 @@ def main(argv=None) -> int:
 
     record(dict(kind="ceiling", backend="copy", model="-", gb_s=round(bandwidth / 1e9, 1)))
     record(dict(kind="ceiling", backend="bf16_matmul", model="-", tflop_s=round(measured["dense_bf16"] / 1e12, 1)))
+    record(dict(kind="ceiling", backend="fp8_scaled_mm", model="-", tflop_s=round(measured["dense_fp8"] / 1e12, 1)))
     first = args.backends[0] if args.backends else ""
     for backend in args.backends:
         reference = backend == "reference"
@@ -369,6 +401,7 @@ def main(argv=None) -> int:
                         bandwidth, record, profile=() if reference else tuple(args.profile_batches),
                         memory_share=0.3 if reference else 0.45,
                         trace_prefill=args.trace_prefill if backend == first and not dspark else 0,
+                        trace_decode=args.trace_decode if backend == first and not dspark else 0,
                         floors=backend == first)
         if backend == first and args.compare_async:
             engine_rows(backend, args.model, args.prompts[:1], args.batches, args.steps, False, args.overrides,

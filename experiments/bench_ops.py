@@ -30,7 +30,7 @@ from bench_points import POINTS, Point  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 FIELDS = ("card", "date", "command", "op", "backend", "shape", "time_us", "gb_s", "tflop_s", "frac_copy_bw",
-          "frac_dense_bf16", "frac_roofline", "timing", "note")
+          "frac_dense_bf16", "frac_dense_fp8", "frac_roofline", "timing", "note")
 
 
 def timed(fn, reps: int = 20, rounds: int = 5, graph: bool = True) -> tuple[float, str]:
@@ -65,15 +65,20 @@ def timed(fn, reps: int = 20, rounds: int = 5, graph: bool = True) -> tuple[floa
 
 
 def ceilings() -> dict[str, float]:
-    """Measured device-to-device copy bandwidth (bytes read + written per second) and dense bf16
-    matmul rate (8192^3, random data)."""
+    """Measured device-to-device copy bandwidth (bytes read + written per second), dense bf16
+    matmul rate and dense FP8 e4m3 rate (``torch._scaled_mm``, per-tensor scales, bf16 out), both
+    8192^3 on random data."""
     g = torch.Generator("cuda").manual_seed(0)
     src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_(generator=g)
     dst = torch.empty_like(src)
     copy_s, _ = timed(lambda: dst.copy_(src), reps=5, graph=False)
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     mm_s, _ = timed(lambda: a @ b, reps=5, graph=False)
-    return {"copy_bw": 2 * src.numel() / copy_s, "dense_bf16": 2 * 8192 ** 3 / mm_s}
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    fp8_s, _ = timed(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                     reps=5, graph=False)
+    return {"copy_bw": 2 * src.numel() / copy_s, "dense_bf16": 2 * 8192 ** 3 / mm_s, "dense_fp8": 2 * 8192 ** 3 / fp8_s}
 
 
 def dense_rate(rows: int, n: int, k: int) -> float:
@@ -116,7 +121,8 @@ def measure(point: Point, ops, backend: str, peaks: dict[str, float]) -> dict:
     row = {"op": point.op, "backend": backend, "shape": point.shape, "time_us": seconds * 1e6,
            "gb_s": point.bytes / seconds / 1e9, "tflop_s": point.flops / seconds / 1e12,
            "frac_copy_bw": point.bytes / seconds / peaks["copy_bw"],
-           "frac_dense_bf16": point.flops / seconds / peaks["dense_bf16"], "frac_roofline": floor / seconds,
+           "frac_dense_bf16": point.flops / seconds / peaks["dense_bf16"],
+           "frac_dense_fp8": point.flops / seconds / peaks["dense_fp8"], "frac_roofline": floor / seconds,
            "timing": how, "note": point.note}
     if point.gathered:
         row["note"] = f"{point.note} gathers {point.gathered / 1e9:.2f} GB: {point.gathered / seconds / 1e9:.0f} " \
@@ -147,10 +153,12 @@ def main() -> None:
             for line in pool.imap_unordered(_warm, [(n, tuple(args.overrides), args.backend) for n in names]):
                 print("compiled", line, flush=True)
     peaks = ceilings()
-    print(f"{card}: copy {peaks['copy_bw'] / 1e9:.0f} GB/s, dense bf16 {peaks['dense_bf16'] / 1e12:.0f} TFLOP/s",
-          flush=True)
+    print(f"{card}: copy {peaks['copy_bw'] / 1e9:.0f} GB/s, dense bf16 {peaks['dense_bf16'] / 1e12:.0f} TFLOP/s, "
+          f"dense fp8 {peaks['dense_fp8'] / 1e12:.0f} TFLOP/s", flush=True)
     rows = [{**stamp, "op": "ceiling", "backend": "torch", "shape": "copy 2 GiB / mm 8192^3",
-             "gb_s": peaks["copy_bw"] / 1e9, "tflop_s": peaks["dense_bf16"] / 1e12}]
+             "gb_s": peaks["copy_bw"] / 1e9, "tflop_s": peaks["dense_bf16"] / 1e12},
+            {**stamp, "op": "ceiling", "backend": "torch", "shape": "_scaled_mm e4m3 8192^3",
+             "tflop_s": peaks["dense_fp8"] / 1e12}]
     tables = {args.backend: _op_table(args.overrides, args.backend), "reference": _op_table(args.overrides, "reference")}
     for name in names:
         point = POINTS[name]

@@ -16,7 +16,7 @@ from deepinfer.hal.backend import Backend, Capabilities
 from deepinfer_backends.sm100.options import KernelOptions
 
 IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "ep_combine", "ep_dispatch", "grouped_gemm",
-               "indexer_logits", "indexer_topk", "kv_load", "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes",
+               "grouped_linear", "indexer_logits", "indexer_topk", "kv_load", "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes",
                "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample",
                "speculative_accept", "swa_decode_indices", "swa_history_slots", "swa_prefill_indices",
                "swa_ring_slots", "swiglu")
@@ -30,7 +30,8 @@ UNSUPPORTED = {
 INVARIANT = {
     "grouped_gemm": "fixed 64 x 128 tiles whatever the row count; each output element is one wgmma sequence "
                     "over the whole K, in order (no split-K)",
-    "linear": "the grouped GEMM kernel with one expert, same fixed tiles",
+    "linear": "the grouped GEMM kernel with one expert, same fixed tiles (never cuBLAS)",
+    "grouped_linear": "the grouped GEMM kernel on the group-major rows, same fixed tiles (never cuBLAS)",
     "mla_sparse_decode": "split-KV off: one CTA per query row walks its key lists block by block, in order",
     "mla_sparse_prefill": "the decode kernel on a bf16 key buffer, in decode's key blocks, split-KV off",
     "rms_norm": "one CTA per row, a reduction tree fixed by the row width",
@@ -59,9 +60,10 @@ INVARIANT = {
 }
 """Ops in the batch-invariant table (``engine.batch_invariant=true``), with the reason each row's
 arithmetic does not depend on the batch. Ops not listed go to the fallback (or are refused)."""
-KERNEL_CHOICE = ("grouped_gemm", "mla_sparse_decode", "mla_sparse_prefill")
+KERNEL_CHOICE = ("grouped_gemm", "grouped_linear", "linear", "mla_sparse_decode", "mla_sparse_prefill")
 """Ops whose kernel ``backend.options`` (:class:`~deepinfer_backends.sm100.options.KernelOptions`) picks."""
-_INVARIANT_ARGS = {"grouped_gemm": {"batch_invariant": True}, "linear": {"batch_invariant": True},
+_INVARIANT_ARGS = {"grouped_gemm": {"batch_invariant": True}, "grouped_linear": {"batch_invariant": True},
+                   "linear": {"batch_invariant": True},
                    "mla_sparse_decode": {"split_kv": False},
                    "mla_sparse_prefill": {"split_kv": False, "batch_invariant": True}}
 
@@ -94,6 +96,9 @@ class Sm100Backend(Backend):
             "before it on Hopper; no FP8 tensor-core GEMM yet",
             "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
             "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128 (beyond 8192 in pieces, added in order)",
+            "linear: cuBLAS below 128 rows by default (backend.options.linear_kernel), the TileLang GEMM above, "
+            "for block-scaled weights and in batch-invariant mode; grouped_linear: cuBLAS's strided batched GEMM "
+            "on bf16 operands where they lie, else the grouped GEMM on group-major copies",
             "mHC (mixes, head, pre, post): Triton kernels, float32 math; the mixes' dot products in fixed slices "
             "of the width, then the gates and every Sinkhorn iteration in one kernel",
             "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "
@@ -104,6 +109,10 @@ class Sm100Backend(Backend):
     def implementations(self, batch_invariant: bool = False):
         from deepinfer_backends.sm100 import wrappers
 
+        if batch_invariant and self.options.linear_kernel == "cublas":
+            raise ValueError("backend.options.linear_kernel=cublas cannot serve engine.batch_invariant=true: cuBLAS "
+                             "picks its kernel by shape. Use linear_kernel=auto (the TileLang GEMM in that mode) "
+                             "or tilelang")
         ops = [op for op in IMPLEMENTED if not batch_invariant or op in INVARIANT]
         return {op: _bound(getattr(wrappers, op), {**({"options": self.options} if op in KERNEL_CHOICE else {}),
                                                    **(_INVARIANT_ARGS.get(op, {}) if batch_invariant else {})})

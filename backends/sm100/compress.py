@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.hal.ops.compress import _check_contiguous, _check_state, _check_tokens
+from deepinfer.hal.ops.compress import check_contiguous, check_compress_state, check_compress_tokens
 from deepinfer.hal.value_checks import value_checks
 from deepinfer_backends.sm100.launch import on_device, require
 
@@ -15,12 +15,12 @@ def compress_tokens(latent, score, positions, state_slots, chunk_start, state, r
     Tokens whose state slot lies outside ``state`` (padding rows, when value checks are off)
     neither read nor write the ring."""
     op = "compress_tokens"
-    _check_tokens(latent, positions, state_slots, chunk_start, ratio)
+    check_compress_tokens(latent, positions, state_slots, chunk_start, ratio)
     for name, value in (("latent", latent), ("positions", positions), ("state_slots", state_slots),
                         ("chunk_start", chunk_start)):
         require(on_device(value), op, f"{name} must be a CUDA tensor, got one on {value.device}")
     if ratio > 1:
-        _check_state(latent, score, state_slots, state, ratio)
+        check_compress_state(latent, score, state_slots, state, ratio)
         require(on_device(score) and on_device(state), op, "score and state must be CUDA tensors")
         require(state.is_contiguous(), op, f"state must be contiguous (it is written in place), got strides "
                                            f"{state.stride()}")
@@ -56,5 +56,5 @@ def _check_groups(positions, state_slots, chunk_start, ratio) -> None:
     in_call = member_positions >= chunk_start[:, None]
     call_rows = torch.arange(positions.shape[0], device=positions.device)[:, None] - back
     rows = ((positions + 1) % ratio == 0).nonzero().squeeze(1)
-    _check_contiguous(call_rows[rows], in_call[rows], member_positions[rows], positions, state_slots,
+    check_contiguous(call_rows[rows], in_call[rows], member_positions[rows], positions, state_slots,
                       state_slots[rows])

@@ -12,7 +12,7 @@ import torch
 from deepinfer.hal.formats import Quantized
 from deepinfer_backends.sm100 import toolchain
 from deepinfer_backends.sm100.launch import compiled, cuda_bf16, require
-from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
+from deepinfer_backends.sm100.options import DEFAULT, SKINNY_ROWS, KernelOptions
 
 INVARIANT_TILES = {"block_m": 64, "block_n": 128, "threads": 128}
 """GEMM tiles of the batch-invariant mode: one shape whatever the row count (each output element
@@ -254,9 +254,10 @@ def _operand_kind(operand) -> str:
     return type(operand).__name__
 
 
-def linear(x, weight, batch_invariant: bool = False) -> torch.Tensor:
+def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DEFAULT) -> torch.Tensor:
     """HAL ``linear``, ``y[..., N] = x[..., K] @ weight[N, K].T``: the grouped GEMM kernel with
-    one expert (its tile schedule built once per row count, with no host sync)."""
+    one expert (its tile schedule built once per row count, with no host sync), or cuBLAS for a
+    bf16 weight where ``options.linear_kernel`` picks it (:func:`linear_kernel`)."""
     op = "linear"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _linear_quant(x, weight, batch_invariant)
@@ -265,9 +266,12 @@ def linear(x, weight, batch_invariant: bool = False) -> torch.Tensor:
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if linear_kernel(rows, options, batch_invariant) == "cublas":
+        return torch.nn.functional.linear(x, weight)
     require(x.shape[-1] % 8 == 0, op, f"K={x.shape[-1]} must be a multiple of 8 (16-byte rows for TMA)")
     flat, weight = x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous()
-    rows, n = flat.shape[0], weight.shape[0]
+    n = weight.shape[0]
     tiles = gemm_tiles(rows, 1, n, weight.shape[1], batch_invariant=batch_invariant)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
@@ -275,6 +279,19 @@ def linear(x, weight, batch_invariant: bool = False) -> torch.Tensor:
         kernel = compiled("grouped_gemm", "grouped_gemm_bf16", 1, *weight.shape, **tiles)
         kernel(flat, weight.unsqueeze(0), schedule[0], schedule[1], schedule[2], y)
     return y.reshape(*x.shape[:-1], n)
+
+
+def linear_kernel(rows: int, options: KernelOptions = DEFAULT, batch_invariant: bool = False) -> str:
+    """``"cublas"`` or ``"tilelang"``: the kernel of a bf16 ``linear`` over ``rows`` rows
+    (:attr:`KernelOptions.linear_kernel`)."""
+    if batch_invariant:
+        if options.linear_kernel == "cublas":
+            raise RuntimeError("backend.options.linear_kernel=cublas cannot serve batch-invariant mode: cuBLAS "
+                               "picks its kernel by shape. Use linear_kernel=auto or tilelang")
+        return "tilelang"
+    if options.linear_kernel == "auto":
+        return "cublas" if rows < SKINNY_ROWS else "tilelang"
+    return options.linear_kernel
 
 
 def _linear_quant(x, weight, batch_invariant: bool) -> torch.Tensor:

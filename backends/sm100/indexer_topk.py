@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from deepinfer.hal.ops.indexer import _check_windows
+from deepinfer.hal.ops.indexer import check_windows
 from deepinfer_backends.sm100.launch import on_device, require
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -22,7 +22,7 @@ def indexer_topk(logits, starts, lengths, k):
     each with a small scratch row; logits whose last axis is strided are copied first."""
     op = "indexer_topk"
     require(on_device(logits), op, "logits must be a CUDA tensor")
-    _check_windows(logits, starts, lengths, k)
+    check_windows(logits, starts, lengths, k)
     require(logits.dtype in LOGIT_DTYPES, op, f"logits must be float32, bf16 or fp16, got {logits.dtype}")
     require(on_device(starts) and on_device(lengths), op, "starts and lengths must be CUDA tensors")
     require(logits.shape[1] <= MAX_INDEX and k <= MAX_INDEX, op,

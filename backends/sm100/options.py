@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MLA_KERNELS = ("auto", "warp_specialized", "portable")
+LINEAR_KERNELS = ("auto", "tilelang", "cublas")
+SKINNY_ROWS = 128
+"""Below this many rows a bf16 ``linear`` reads its weight once and is bound by memory, where
+the ``auto`` choice takes cuBLAS (``experiments/results/linear_skinny_h200.csv``)."""
 
 
 @dataclass(frozen=True)
@@ -13,6 +17,13 @@ class KernelOptions:
     mla_kernel: str = "auto"
     """Sparse MLA, decode and prefill: ``auto`` (the warp-specialised kernel on Hopper, the
     portable one elsewhere), ``warp_specialized`` (Hopper only), or ``portable`` (every arch)."""
+    linear_kernel: str = "auto"
+    """Dense bf16 ``linear``: ``auto`` (cuBLAS, through ``torch.nn.functional.linear``, below
+    :data:`SKINNY_ROWS` rows, where the GEMM kernel's 64- and 128-row tiles leave the weight
+    stream short of the memory bandwidth; the TileLang GEMM above), ``tilelang`` (always the
+    TileLang GEMM) or ``cublas`` (always cuBLAS). Block-scaled weights always take the TileLang
+    kernel, and so does every row count in batch-invariant mode (cuBLAS picks its kernel by
+    shape); ``cublas`` is refused there."""
     tcgen05: bool = False
     """The Blackwell tcgen05/TMEM variants of the bf16 grouped GEMM and of sparse MLA decode
     (``kernels/experimental/``: compiled for sm_100a, never run on hardware). They need a
@@ -21,6 +32,9 @@ class KernelOptions:
     def __post_init__(self) -> None:
         if self.mla_kernel not in MLA_KERNELS:
             raise ValueError(f"backend.options.mla_kernel={self.mla_kernel!r}: expected one of {list(MLA_KERNELS)}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"backend.options.linear_kernel={self.linear_kernel!r}: expected one of "
+                             f"{list(LINEAR_KERNELS)}")
         if not isinstance(self.tcgen05, bool):
             raise ValueError(f"backend.options.tcgen05={self.tcgen05!r}: expected true or false")
 

@@ -11,14 +11,16 @@ ROW_ELEMENTS = 2048
 """A program turns at least this many elements (more short rows each) and at least ``BLOCK_ROWS`` rows."""
 
 
-def apply_rope(x, positions, cos_sin, conjugate=False):
+def apply_rope(x, positions, cos_sin, conjugate=False, out=None):
     """HAL ``apply_rope`` for CUDA ``x [T, ..., D]`` (bf16 or float32, ``D`` at most
     :data:`MAX_WIDTH`): ``x`` with its trailing ``cos_sin.shape[1]`` dims turned, in ``x.dtype``
-    (contiguous). ``x`` is read in place when its rows are evenly spaced (a slice of the last axis
-    of a contiguous tensor, say); otherwise it is copied first."""
+    (contiguous, or written into ``out``). ``x`` and ``out`` are read and written in place when
+    their rows are evenly spaced (a slice of the last axis of a contiguous tensor, say); otherwise
+    ``x`` is copied first, and the result copied into ``out``. ``out`` may be ``x`` itself (each
+    row is read whole before it is written)."""
     op = "apply_rope"
     require(on_device(x), op, "x must be a CUDA tensor")
-    check_rope_args(x, positions, cos_sin)
+    check_rope_args(x, positions, cos_sin, out)
     require(x.dtype in (torch.bfloat16, torch.float32), op, f"x must be bf16 or float32, got {x.dtype}")
     dim, rope = x.shape[-1], cos_sin.shape[1]
     require(dim <= MAX_WIDTH, op, f"the last axis ({dim}) must be at most {MAX_WIDTH} wide")
@@ -27,15 +29,17 @@ def apply_rope(x, positions, cos_sin, conjugate=False):
 
     if _row_stride(x) is None:
         x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    target = out if out is not None and _row_stride(out) is not None else torch.empty(
+        x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // dim if dim else 0
     if rows:
         table, block_d = cos_sin.float().contiguous(), triton.next_power_of_2(dim)
         block_rows = max(BLOCK_ROWS, ROW_ELEMENTS // block_d)
         rope_kernel[(-(-rows // block_rows),)](
-            x, positions.contiguous(), table, out, rows, rows // x.shape[0], dim, _row_stride(x), table.stride(0),
-            -1.0 if conjugate else 1.0, ROPE=rope, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4)
-    return out
+            x, positions.contiguous(), table, target, rows, rows // x.shape[0], dim, _row_stride(x),
+            _row_stride(target), table.stride(0), -1.0 if conjugate else 1.0, ROPE=rope, BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d, num_warps=4)
+    return target if out is None or target is out else out.copy_(target)
 
 
 def _row_stride(x: torch.Tensor) -> int | None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from deepinfer.hal.ops.all_to_all import DispatchHandle, _check_routing
-from deepinfer.hal.ops.routing import _check_gate_args
+from deepinfer.hal.ops.all_to_all import DispatchHandle, check_routing
+from deepinfer.hal.ops.routing import check_gate_args
 from deepinfer_backends.sm100.launch import TRITON_INTERPRETED, on_device, require
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -22,7 +22,7 @@ def moe_gate(logits, bias, top_k, routed_scale):
     ids int64 [T, k])``, one program per few tokens."""
     op = "moe_gate"
     require(on_device(logits), op, "logits must be a CUDA tensor")
-    _check_gate_args(logits, bias, top_k)
+    check_gate_args(logits, bias, top_k)
     require(logits.dtype in FLOAT_DTYPES, op, f"logits must be float32, bf16 or fp16, got {logits.dtype}")
     require(bias is None or (on_device(bias) and bias.dtype in FLOAT_DTYPES), op,
             "bias must be a float32, bf16 or fp16 CUDA tensor")
@@ -55,7 +55,7 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group=None):
     op = "ep_dispatch"
     require(on_device(x) and on_device(topk_ids) and on_device(topk_weights), op,
             "x, topk_ids and topk_weights must be CUDA tensors")
-    _check_routing(x, topk_ids, topk_weights, num_experts)
+    check_routing(x, topk_ids, topk_weights, num_experts)
     require(group is None or dist.get_world_size(group) == 1, op,
             "only one rank has a kernel; the exchange between ranks runs on the fallback")
     require(x.dtype in FLOAT_DTYPES, op, f"x must be float32, bf16 or fp16, got {x.dtype}")

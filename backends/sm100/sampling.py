@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.hal.ops.sampling import CASE_SAMPLE, SEED_NAMESPACE_TARGET, _check_sample_args, namespaced_seeds
-from deepinfer.hal.ops.speculative import _check as _check_speculative_args
+from deepinfer.hal.ops.sampling import CASE_SAMPLE, SEED_NAMESPACE_TARGET, check_sample_args, namespaced_seeds
+from deepinfer.hal.ops.speculative import check_speculative_args
 from deepinfer_backends.sm100.launch import on_device, require
 
 MAX_VOCAB = 1 << 30
@@ -19,7 +19,7 @@ def sample(logits, temperature, top_p, top_k, seeds, positions, case=CASE_SAMPLE
     op = "sample"
     require(all(on_device(t) for t in (logits, temperature, top_p, top_k, seeds, positions)), op,
             "logits, temperature, top_p, top_k, seeds and positions must be CUDA tensors")
-    _check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
+    check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
     namespaced_seeds(seeds[:0], namespace)  # the reference's check of namespace, on no rows
     rows, vocab = logits.shape
     require(1 <= vocab <= MAX_VOCAB, op, f"the vocabulary must hold 1 to {MAX_VOCAB} tokens, got {vocab}")
@@ -46,7 +46,7 @@ def speculative_accept(target_logprobs, draft_logprobs, draft_ids, seeds, positi
     op = "speculative_accept"
     require(all(on_device(t) for t in (target_logprobs, draft_logprobs, draft_ids, seeds, positions)), op,
             "target_logprobs, draft_logprobs, draft_ids, seeds and positions must be CUDA tensors")
-    _check_speculative_args(target_logprobs, draft_logprobs, draft_ids, seeds, positions)
+    check_speculative_args(target_logprobs, draft_logprobs, draft_ids, seeds, positions)
     rows, vocab = target_logprobs.shape
     require(1 <= vocab <= MAX_VOCAB, op, f"the vocabulary must hold 1 to {MAX_VOCAB} tokens, got {vocab}")
     require({target_logprobs.dtype, draft_logprobs.dtype} <= set(FLOATS), op,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.ops.swa_replay import (
-    _check_after_chunk_start, _check_index_vectors, _check_positive, _check_window,
+    check_after_chunk_start, check_index_vectors, check_positive, check_window,
 )
 from deepinfer.hal.value_checks import value_checks
 from deepinfer_backends.sm100.launch import on_device, require
@@ -14,8 +14,8 @@ from deepinfer_backends.sm100.launch import on_device, require
 def swa_ring_slots(state_slots, positions, ring_size):
     """HAL ``swa_ring_slots`` for CUDA vectors: flat ring rows ``int64 [n]``, ``-1`` for padding
     rows and negative positions."""
-    _check_index_vectors(state_slots=state_slots, positions=positions)
-    _check_positive(ring_size=ring_size)
+    check_index_vectors(state_slots=state_slots, positions=positions)
+    check_positive(ring_size=ring_size)
     _require_on_device("swa_ring_slots", state_slots=state_slots, positions=positions)
     out = torch.empty(positions.shape[0], 1, dtype=torch.int64, device=positions.device)
     _ring_window(out, state_slots, positions, None, 0, ring_size)
@@ -25,8 +25,8 @@ def swa_ring_slots(state_slots, positions, ring_size):
 def swa_decode_indices(state_slots, positions, window, ring_size, visible_start=None):
     """HAL ``swa_decode_indices`` for CUDA vectors: ``int32 [T, window]`` ring rows of each
     query's window keys, ``-1`` for keys it does not see."""
-    _check_index_vectors(state_slots=state_slots, positions=positions, visible_start=visible_start)
-    _check_window(window, ring_size)
+    check_index_vectors(state_slots=state_slots, positions=positions, visible_start=visible_start)
+    check_window(window, ring_size)
     _require_on_device("swa_decode_indices", state_slots=state_slots, positions=positions,
                        visible_start=visible_start)
     out = torch.empty(positions.shape[0], window, dtype=torch.int32, device=positions.device)
@@ -37,8 +37,8 @@ def swa_decode_indices(state_slots, positions, window, ring_size, visible_start=
 def swa_history_slots(state_slots, chunk_start, window, ring_size):
     """HAL ``swa_history_slots`` for CUDA vectors: ``int64 [B, window - 1]`` ring rows of the
     keys before each chunk, ``-1`` for negative positions."""
-    _check_index_vectors(state_slots=state_slots, chunk_start=chunk_start)
-    _check_window(window, ring_size)
+    check_index_vectors(state_slots=state_slots, chunk_start=chunk_start)
+    check_window(window, ring_size)
     _require_on_device("swa_history_slots", state_slots=state_slots, chunk_start=chunk_start)
     out = torch.empty(chunk_start.shape[0], window - 1, dtype=torch.int64, device=chunk_start.device)
     _ring_window(out, state_slots, chunk_start, None, 1 - window, ring_size)
@@ -50,10 +50,10 @@ def swa_prefill_indices(positions, chunk_start, history_offset, chunk_offset, wi
     window keys in the gathered ``[history | chunk]`` buffer, ``-1`` for keys it does not see."""
     vectors = dict(positions=positions, chunk_start=chunk_start, history_offset=history_offset,
                    chunk_offset=chunk_offset, visible_start=visible_start)
-    _check_index_vectors(**vectors)
-    _check_positive(window=window)
+    check_index_vectors(**vectors)
+    check_positive(window=window)
     if value_checks():
-        _check_after_chunk_start(positions, chunk_start)
+        check_after_chunk_start(positions, chunk_start)
     _require_on_device("swa_prefill_indices", **vectors)
     from deepinfer_backends.sm100.fused.swa_indices import prefill_window_kernel
 

@@ -2,7 +2,7 @@
 (:mod:`.fused.token_bitmask`)."""
 from __future__ import annotations
 
-from deepinfer.hal.ops.token_bitmask import _check
+from deepinfer.hal.ops.token_bitmask import check_bitmask_args
 from deepinfer_backends.sm100.launch import on_device, require
 
 
@@ -11,7 +11,7 @@ def apply_token_bitmask(logits, bitmask, rows=None):
     ``bitmask`` (and ``rows``): disallowed logits set to ``-inf`` in place; returns ``logits``.
     Allowed logits keep their exact bits (``-0.0`` included)."""
     op = "apply_token_bitmask"
-    _check(logits, bitmask, rows)
+    check_bitmask_args(logits, bitmask, rows)
     for name, value in (("logits", logits), ("bitmask", bitmask), ("rows", rows)):
         require(value is None or on_device(value), op, f"{name} must be a CUDA tensor")
     masks, words = bitmask.shape

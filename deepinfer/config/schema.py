@@ -74,7 +74,8 @@ class BackendConfig:
     """Per-op backend choice (op name -> backend name), for bisecting parity problems."""
     options: Dict[str, Any] = field(default_factory=dict)
     """The chosen backend's kernel choices, checked by its typed options (sm100:
-    ``mla_kernel`` = auto | warp_specialized | portable, ``tcgen05`` = false | true); e.g.
+    ``mla_kernel`` = auto | warp_specialized | portable, ``linear_kernel`` = auto | tilelang | cublas,
+    ``tcgen05`` = false | true); e.g.
     ``+backend.options.mla_kernel=portable``."""
 
 

@@ -7,7 +7,7 @@ device in one transfer), and, for decode steps, from a few device tensors
 a device-side fix-up of the inputs can feed it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -73,10 +73,19 @@ class ForwardContext:
     replay_start: torch.Tensor | None = None
     replay_compact: bool = False
     consumer: ConsumerRows | None = None
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def derived(self, key: tuple, compute: Callable[[], object]):
+        """``compute()`` once per context and ``key``: index tensors every layer of one kind
+        derives from this context alike (cache rows, ring slots), built by the first layer that
+        asks and shared by the rest. A context made with ``dataclasses.replace`` starts empty."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @classmethod
     def for_sequences(cls, token_chunks: Sequence[Sequence[int]], start_positions: Sequence[int],

@@ -52,7 +52,7 @@ def test_batch_invariant_table_turns_split_kv_off_and_fixes_the_gemm_tiles():
     for op in ("mla_sparse_decode", "mla_sparse_prefill"):
         assert table[op].func is getattr(wrappers, op)
     assert table["grouped_gemm"].keywords == {**chosen, "batch_invariant": True}
-    assert table["linear"].keywords == {"batch_invariant": True}
+    assert table["linear"].keywords == table["grouped_linear"].keywords == {**chosen, "batch_invariant": True}
     assert table["rms_norm"] is wrappers.rms_norm
     shapes = [(rows, experts) for rows in (1, 7, 64, 300, 20000) for experts in (1, 8, 256)]
     assert len({tuple(wrappers.gemm_tiles(r, e, 4096, 4096, batch_invariant=True).items()) for r, e in shapes}) == 1
@@ -123,6 +123,27 @@ def test_split_count_weighs_each_ctas_fixed_cost(monkeypatch):
     assert split_count(256, 2, 8, "cuda") == 1  # 2 x 11 beats 4 x 6
     assert split_count(64, 2, 8, "cuda") == 2  # 1 x 6 beats 1 x 11 and 2 x 5
     assert split_count(1, 2, 8, "cuda") == 8  # 1 x 3: one block of each list per split
+
+
+def test_linear_kernel_is_chosen_by_rows_options_and_batch_invariance():
+    """``auto``: cuBLAS below ``SKINNY_ROWS`` rows, the TileLang GEMM from there on and in
+    batch-invariant mode at every row count; the fixed choices hold whatever the rows, and cuBLAS
+    is refused in batch-invariant mode (at the call and when the backend builds its table)."""
+    from deepinfer_backends.sm100.options import SKINNY_ROWS, KernelOptions
+
+    auto = KernelOptions()
+    assert [gemm.linear_kernel(r, auto) for r in (1, SKINNY_ROWS - 1, SKINNY_ROWS, 8192)] == \
+        ["cublas", "cublas", "tilelang", "tilelang"]
+    assert {gemm.linear_kernel(r, auto, batch_invariant=True) for r in (1, 8192)} == {"tilelang"}
+    for fixed in ("tilelang", "cublas"):
+        assert {gemm.linear_kernel(r, KernelOptions(linear_kernel=fixed)) for r in (1, 8192)} == {fixed}
+    assert gemm.linear_kernel(1, KernelOptions(linear_kernel="tilelang"), batch_invariant=True) == "tilelang"
+    with pytest.raises(RuntimeError, match="cannot serve batch-invariant mode"):
+        gemm.linear_kernel(1, KernelOptions(linear_kernel="cublas"), batch_invariant=True)
+    with pytest.raises(ValueError, match="linear_kernel=cublas cannot serve engine.batch_invariant=true"):
+        get_backend("sm100", options={"linear_kernel": "cublas"}).implementations(batch_invariant=True)
+    with pytest.raises(ValueError, match=r"linear_kernel='fast'"):
+        KernelOptions(linear_kernel="fast")
 
 
 def test_sparse_mla_kernel_is_chosen_by_arch_and_options_and_lists_align_to_its_key_block():

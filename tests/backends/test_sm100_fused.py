@@ -69,3 +69,61 @@ def test_mxfp4_cast_kernel_gives_the_reference_bits_in_the_interpreter():
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[0] == "mxfp4 cast ok"
+
+
+ROPE_OUT = """
+import torch
+from deepinfer.hal.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from deepinfer_backends.sm100 import wrappers
+
+gen = torch.Generator().manual_seed(0)
+table = rope_cos_sin(rope_inv_freq(10000.0), 64)
+positions = torch.randint(0, 64, (5,), generator=gen)
+for conjugate in (False, True):
+    q = torch.randn(5, 3, 160, generator=gen).bfloat16()
+    separate = wrappers.apply_rope(q[..., 96:], positions, table, conjugate=conjugate)
+    want = apply_rope(q, positions, table, conjugate=conjugate)
+    tail = q[..., 96:]
+    assert wrappers.apply_rope(tail, positions, table, conjugate=conjugate, out=tail).data_ptr() == tail.data_ptr()
+    assert torch.equal(tail, separate), "in place, the kernel writes what it returns out of place"
+    assert torch.allclose(q.float(), want.float(), atol=2e-2, rtol=2e-2), (q.float() - want.float()).abs().max()
+    rows = torch.randn(5, 4, 64, generator=gen).bfloat16()
+    uneven = torch.zeros(5, 6, 64, dtype=torch.bfloat16)[:, :4]  # rows not evenly spaced: written by a copy
+    wrappers.apply_rope(rows, positions, table, conjugate=conjugate, out=uneven)
+    assert torch.equal(uneven, wrappers.apply_rope(rows, positions, table, conjugate=conjugate))
+print("rope out ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_rope_kernel_writes_out_in_place_in_the_interpreter():
+    done = subprocess.run([sys.executable, "-c", ROPE_OUT], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[0] == "rope out ok"
+
+
+SCHEDULE = """
+import torch
+from deepinfer.hal.ops.grouped_gemm import tile_bounds
+from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
+
+# by hand: sizes 3, 0, 5 in tiles of 2 rows -> expert 0 rows 0-2 (2 tiles), expert 2 rows 3-8 (3 tiles), rest unused
+got = tile_schedule(torch.tensor([3, 0, 5]), 8, 2)
+assert got.tolist() == [[0, 0, 2, 2, 2, 3, 3], [0, 2, 3, 5, 7, 9, 11], [3, 3, 8, 8, 8, 8, 8]], got.tolist()
+gen = torch.Generator().manual_seed(0)
+for experts, rows_each, tile_rows in [(1, 5, 64), (1, 0, 64), (3, 7, 4), (48, 200, 128), (384, 11, 64), (257, 64, 128)]:
+    sizes = torch.randint(0, 2 * rows_each + 1, (experts,), generator=gen)
+    rows = int(sizes.sum())
+    want = torch.stack(tile_bounds(sizes, rows, tile_rows)).to(torch.int32)
+    assert torch.equal(tile_schedule(sizes, rows, tile_rows), want), (experts, rows_each, tile_rows)
+print("tile schedule ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_tile_schedule_kernel_gives_the_reference_tiles_in_the_interpreter():
+    done = subprocess.run([sys.executable, "-c", SCHEDULE], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[0] == "tile schedule ok"

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _kernels():
-    from deepinfer_backends.sm100.fused import ep_combine, kv_load, mhc_mixes, mhc_streams, mxfp4_cast, rope, swiglu
+    from deepinfer_backends.sm100.fused import (ep_combine, kv_load, mhc_mixes, mhc_streams, mxfp4_cast, rope, swiglu,
+                                                tile_schedule)
 
     yield "mhc_mix_partials", mhc_mixes.mhc_mix_partials, dict(
         x="*bf16", fn="*fp32", dots="*fp32", squares="*fp32", tokens="i32", width="i32", rows="i32", x_stride="i64"), \
@@ -29,7 +30,7 @@ def _kernels():
                                                               out="*bf16", hidden="i32"), \
         dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
     yield "rope_kernel", rope.rope_kernel, dict(x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32",
-                                                heads="i32", dim="i32", x_row_stride="i32", table_stride="i32",
+                                                heads="i32", dim="i32", x_row_stride="i32", out_row_stride="i32", table_stride="i32",
                                                 sign="fp32"), \
         dict(ROPE=64, BLOCK_ROWS=rope.BLOCK_ROWS, BLOCK_D=512)
     yield "ep_combine_kernel", ep_combine.ep_combine_kernel, dict(y="*fp32", row_of_pair="*i64", weights="*fp32",
@@ -47,6 +48,15 @@ def _kernels():
         dict(DIM=128, BLOCK_ROWS=mxfp4_cast.BLOCK_ROWS)
     yield "swiglu_kernel", swiglu.swiglu_kernel, dict(gate="*fp32", up="*fp32", out="*bf16", count="i64", limit="fp32"), \
         dict(CLAMP=True, BLOCK=swiglu.BLOCK)
+    for experts in (16, 384):
+        yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
+            sizes="*i64", out="*i32", experts="i32", tiles="i32"), \
+            dict(TILE_ROWS=64, BLOCK_E=triton_next_power_of_2(experts),
+                 BLOCK_T=max(16, tile_schedule.TILE_ELEMENTS // triton_next_power_of_2(experts)))
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 KERNELS = list(_kernels()) if importlib.util.find_spec("triton") else []

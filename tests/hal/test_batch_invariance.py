@@ -64,6 +64,8 @@ def test_each_row_has_the_same_bits_alone_and_anywhere_in_a_larger_batch(op, cas
     inputs = _inputs(op, case)
     rows = [name for name in ROW_ARGS[op] if inputs.get(name) is not None]
     count = _row_count(inputs[rows[0]])
+    if not count:
+        pytest.skip("the case has no rows to place in a batch")
     copies = ROW_TILE // count + 2
     order = torch.randperm(copies * count, generator=torch.Generator().manual_seed(1)) % count
     batched = _outputs(INVARIANT[op](**{**_clone(inputs), **{n: _rows(inputs[n], order) for n in rows}}))

@@ -107,3 +107,22 @@ def test_bad_positions_are_rejected(positions, match):
 def test_too_narrow_x_is_rejected():
     with pytest.raises(ValueError, match="D >= rope_dim=64"):
         apply_rope(torch.zeros(2, 32), torch.tensor([0, 1]), rope_cos_sin(rope_inv_freq(10000.0), 10))
+
+
+@pytest.mark.parametrize("conjugate", [False, True])
+def test_out_writes_the_tail_of_each_head_in_place(conjugate):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 3, 160, generator=gen)
+    positions = torch.randint(0, 50, (5,), generator=gen)
+    table = rope_cos_sin(rope_inv_freq(10000.0), 50)
+    expected = apply_rope_float64(q.double(), positions, table.double(), conjugate)
+    tail = q[..., 96:]
+    returned = apply_rope(tail, positions, table, conjugate=conjugate, out=tail)
+    assert returned.data_ptr() == tail.data_ptr()
+    assert torch.allclose(q.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_out_of_another_shape_is_refused():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="out must match x"):
+        apply_rope(x, torch.tensor([0, 1]), rope_cos_sin(rope_inv_freq(10000.0), 4), out=torch.empty(2, 32))

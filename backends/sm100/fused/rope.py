@@ -9,10 +9,10 @@ BLOCK_ROWS = 4
 
 
 @triton.jit
-def rope_kernel(x, positions, cos_sin, out, rows, heads, dim, x_row_stride, table_stride, sign,
+def rope_kernel(x, positions, cos_sin, out, rows, heads, dim, x_row_stride, out_row_stride, table_stride, sign,
                 ROPE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``[BLOCK_ROWS * pid, BLOCK_ROWS * (pid + 1))`` of ``x [rows, dim]`` (``heads`` rows
-    per token, ``x_row_stride`` elements apart): ``out`` (contiguous) ``= x`` with columns
+    per token, ``x_row_stride`` elements apart): ``out`` (rows ``out_row_stride`` apart) ``= x`` with columns
     ``dim - ROPE ..`` turned in interleaved pairs by the token's angles (``cos_sin [P, ROPE]``:
     cos then sin; ``sign`` -1 turns backwards)."""
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -32,7 +32,7 @@ def rope_kernel(x, positions, cos_sin, out, rows, heads, dim, x_row_stride, tabl
     sin = sign * tl.load(cos_sin + angle + ROPE // 2, mask=turning, other=0.0)
     turned = tl.where(odd[None, :], other * sin + value * cos, value * cos - other * sin)
     result = tl.where(turning, turned, value).to(out.dtype.element_ty)
-    tl.store(out + row[:, None].to(tl.int64) * dim + col[None, :], result, mask=inside)
+    tl.store(out + row[:, None].to(tl.int64) * out_row_stride + col[None, :], result, mask=inside)
 
 
 def main() -> None:

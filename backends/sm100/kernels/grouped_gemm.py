@@ -49,8 +49,15 @@ def grouped_gemm_bf16(experts: int, n: int, k: int, block_m: int = 128, block_n:
 def tile_schedule(group_sizes: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
     """``int32 [3, ceil(rows / block_m) + experts]``: each tile's expert, first row and end row
     (exclusive), computed on ``group_sizes``' device without a host sync
-    (:func:`~deepinfer.hal.ops.grouped_gemm.tile_bounds`). Unused tiles get expert ``experts``
-    (which the kernel skips)."""
+    (:func:`~deepinfer.hal.ops.grouped_gemm.tile_bounds`); one Triton launch where the sizes are
+    on the GPU (:mod:`..fused.tile_schedule`). Unused tiles get expert ``experts`` (which the
+    kernel skips)."""
+    from deepinfer_backends.sm100.launch import on_device
+
+    if on_device(group_sizes) and group_sizes.shape[0]:
+        from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule as on_gpu
+
+        return on_gpu(group_sizes.to(torch.int64), rows, block_m)
     return torch.stack(tile_bounds(group_sizes, rows, block_m)).to(torch.int32)
 
 

@@ -4,6 +4,7 @@ from deepinfer.hal.ops import (  # noqa: F401
     all_to_all,
     compress,
     grouped_gemm,
+    grouped_linear,
     indexer,
     kv_cache,
     kv_norm_rope_store,

@@ -54,7 +54,7 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     ``group_sizes int64 [E_local]`` (rows per local expert; they sum to the routed rows) and the
     :class:`DispatchHandle` for :func:`ep_combine`. ``num_experts`` must divide by the world
     size. On one rank no shape depends on the routing and nothing is read on the host."""
-    _check_routing(x, topk_ids, topk_weights, num_experts)
+    check_routing(x, topk_ids, topk_weights, num_experts)
     world, rank = _world(group)
     if num_experts % world:
         raise ValueError(f"num_experts={num_experts} does not divide over {world} ranks; expert "
@@ -125,7 +125,7 @@ def check_combine_rows(y: torch.Tensor, handle: DispatchHandle) -> None:
                          f"of the dispatch that made this handle), got {tuple(y.shape)}")
 
 
-def _check_routing(x, topk_ids, topk_weights, num_experts) -> None:
+def check_routing(x, topk_ids, topk_weights, num_experts) -> None:
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     if topk_ids.dtype != torch.int64 or topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:

@@ -28,10 +28,10 @@ def compress_tokens(latent: torch.Tensor, score: torch.Tensor | None, positions:
     ``[..., 1, :]`` latent), ``state`` being float32 ``[num_slots, L >= ratio, 2, D]``. Then every
     token's pair is written, in place, to ``state[slot, p % L]`` (the latest position wins).
     Rows that do not emit are zero."""
-    _check_tokens(latent, positions, state_slots, chunk_start, ratio)
+    check_compress_tokens(latent, positions, state_slots, chunk_start, ratio)
     if ratio == 1:
         return latent.clone(), torch.ones_like(positions, dtype=torch.bool)
-    _check_state(latent, score, state_slots, state, ratio)
+    check_compress_state(latent, score, state_slots, state, ratio)
     emit = (positions + 1) % ratio == 0
     member_scores, member_latents = _group_members(emit, latent, score, positions, state_slots, chunk_start,
                                                    state, ratio)
@@ -50,7 +50,7 @@ def _group_members(emit, latent, score, positions, state_slots, chunk_start, sta
     call_rows = torch.arange(positions.shape[0], device=latent.device)[:, None] - back
     if value_checks():
         rows = emit.nonzero().squeeze(1)
-        _check_contiguous(call_rows[rows], in_call[rows], member_positions[rows], positions, state_slots,
+        check_contiguous(call_rows[rows], in_call[rows], member_positions[rows], positions, state_slots,
                           state_slots[rows])
     call_rows = call_rows.clamp(min=0)
     ring = state[state_slots[:, None], member_positions % state.shape[1]]
@@ -71,7 +71,7 @@ def _store(state, score, latent, positions, state_slots) -> None:
     state.view(num_slots * ring_length, *state.shape[2:]).index_copy_(0, entry, pairs)
 
 
-def _check_tokens(latent, positions, state_slots, chunk_start, ratio) -> None:
+def check_compress_tokens(latent, positions, state_slots, chunk_start, ratio) -> None:
     if not isinstance(ratio, int) or ratio < 1:
         raise ValueError(f"ratio must be an int >= 1, got {ratio!r}")
     if latent.dtype != torch.float32 or latent.ndim != 2:
@@ -85,7 +85,7 @@ def _check_tokens(latent, positions, state_slots, chunk_start, ratio) -> None:
                          "each token's sequence in this call)")
 
 
-def _check_state(latent, score, state_slots, state, ratio) -> None:
+def check_compress_state(latent, score, state_slots, state, ratio) -> None:
     if score is None or score.shape != latent.shape or score.dtype != torch.float32:
         seen = None if score is None else f"{score.dtype} {tuple(score.shape)}"
         raise ValueError(f"ratio {ratio} needs score float32 {tuple(latent.shape)}, got {seen}")
@@ -99,7 +99,7 @@ def _check_state(latent, score, state_slots, state, ratio) -> None:
                          f"[{state_slots.min().item()}, {state_slots.max().item()}]")
 
 
-def _check_contiguous(call_rows, in_call, member_positions, positions, state_slots, group_slots) -> None:
+def check_contiguous(call_rows, in_call, member_positions, positions, state_slots, group_slots) -> None:
     rows = call_rows[in_call]
     safe_rows = rows.clamp(min=0)
     wanted_slots = group_slots[:, None].expand_as(call_rows)[in_call]

@@ -54,7 +54,7 @@ def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     (int64 ``starts``, ``lengths``) and keeps the ``k`` highest logits (ties: the lower column).
     Returned indices are relative to ``starts[t]``, sorted ascending, padded with -1 when the
     window holds fewer than ``k`` columns (then all of them are returned)."""
-    _check_windows(logits, starts, lengths, k)
+    check_windows(logits, starts, lengths, k)
     tokens, width = logits.shape
     offsets = torch.arange(width, device=logits.device)
     in_window = offsets < lengths[:, None]
@@ -68,7 +68,7 @@ def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     return torch.cat((chosen, padding), dim=1)
 
 
-def _check_windows(logits, starts, lengths, k) -> None:
+def check_windows(logits, starts, lengths, k) -> None:
     if logits.ndim != 2:
         raise ValueError(f"logits must be [T, S], got shape {tuple(logits.shape)}")
     if not isinstance(k, int) or k < 1:

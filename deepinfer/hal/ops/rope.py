@@ -68,15 +68,19 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, conjugate: bool = False):
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, conjugate: bool = False,
+               out: torch.Tensor | None = None):
     """Rotate the trailing ``R = cos_sin.shape[1]`` dims (64 in V4.1) of ``x``'s last axis.
 
     ``x``: ``[T, ..., D]`` with ``D >= R``; ``positions``: int64 ``[T]`` in ``[0, P)``;
     ``cos_sin``: float32 ``[P, R]`` from :func:`rope_cos_sin`. Pairs are interleaved: within the
     rotated slice, ``(x[2i], x[2i+1])`` turns by ``positions[t] * inv_freq[i]`` (by its negative
     when ``conjugate``, which undoes the rotation). Dims before the slice are returned untouched;
-    middle axes (heads) share the token's angle. Computed in float32, returned in ``x.dtype``."""
-    check_rope_args(x, positions, cos_sin)
+    middle axes (heads) share the token's angle. Computed in float32, returned in ``x.dtype``.
+
+    ``out`` (``x``'s shape and dtype; it may be ``x`` itself, or a strided view such as the tail
+    of each head): the result is written there and ``out`` is returned."""
+    check_rope_args(x, positions, cos_sin, out)
     rope_dim = cos_sin.shape[1]
     table = cos_sin[positions].float().reshape(x.shape[0], *([1] * (x.dim() - 2)), rope_dim)
     cos, sin = table[..., : rope_dim // 2], table[..., rope_dim // 2:]
@@ -85,11 +89,16 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     pairs = x[..., x.shape[-1] - rope_dim:].float().unflatten(-1, (rope_dim // 2, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-    return torch.cat([x[..., : x.shape[-1] - rope_dim], rotated.to(x.dtype)], dim=-1)
+    result = torch.cat([x[..., : x.shape[-1] - rope_dim], rotated.to(x.dtype)], dim=-1)
+    return result if out is None else out.copy_(result)
 
 
-def check_rope_args(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def check_rope_args(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                    out: torch.Tensor | None = None) -> None:
     """The checks of :func:`apply_rope`'s arguments (the positions' range under value checks)."""
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"out must match x ({x.dtype} {tuple(x.shape)} on {x.device}), got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if cos_sin.dim() != 2 or cos_sin.shape[1] % 2 or not cos_sin.is_floating_point():
         raise ValueError(f"cos_sin must be a float [P, rope_dim] table with even rope_dim, "
                          f"got {cos_sin.dtype} of shape {tuple(cos_sin.shape)}")

@@ -17,7 +17,7 @@ def moe_gate(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed
     ``score + bias`` (the bias only steers selection), largest first, equal values broken by the
     lower expert id, and ``ids`` are listed in that order. ``weights`` are the chosen experts'
     unbiased scores divided by ``(their sum + 1e-20)``, times ``routed_scale``."""
-    _check_gate_args(logits, bias, top_k)
+    check_gate_args(logits, bias, top_k)
     scores = torch.sqrt(F.softplus(logits.float()))
     selection = scores if bias is None else scores + bias.float()
     order = torch.sort(selection, dim=-1, descending=True, stable=True).indices
@@ -27,7 +27,7 @@ def moe_gate(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed
     return weights, ids
 
 
-def _check_gate_args(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int) -> None:
+def check_gate_args(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [T, E] tensor, got {logits.dtype} "
                          f"of shape {tuple(logits.shape)}")

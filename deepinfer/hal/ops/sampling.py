@@ -83,7 +83,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     ``namespace`` is added to every seed first (:func:`namespaced_seeds`). ``filters=False``
     is the caller's word that no sampled row (temperature > 0) has top-k or top-p on: the two
     filters, which sort every row, are then skipped (same result)."""
-    _check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
+    check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
     seeds = namespaced_seeds(seeds, namespace)
     z = logits.float() / temperature.float().clamp_min(MIN_TEMPERATURE)[:, None]
     keep = torch.ones_like(z, dtype=torch.bool)
@@ -123,7 +123,7 @@ def _top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return (probs >= threshold) | (top_p >= 1.0)[:, None]
 
 
-def _check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case) -> None:
+def check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [N, V] tensor, got {logits.dtype} "
                          f"of shape {tuple(logits.shape)}")

@@ -26,7 +26,7 @@ def speculative_accept(target_logprobs: torch.Tensor, draft_logprobs: torch.Tens
     ``u < min(1, q(d) / p(d))`` with ``u = counter_uniform(seed, 3 * position + 2)``;
     ``resampled`` is drawn (case 1) from ``max(q - alpha * p, 0)`` renormalised, or from ``q``
     when that residual is empty. Prefix closure across a request's rows is the caller's job."""
-    _check(target_logprobs, draft_logprobs, draft_ids, seeds, positions)
+    check_speculative_args(target_logprobs, draft_logprobs, draft_ids, seeds, positions)
     q = target_logprobs.double().exp()
     p = draft_logprobs.double().exp()
     index = draft_ids.clamp(min=0)[:, None]
@@ -46,7 +46,7 @@ def acceptance_probability(target_logprobs: torch.Tensor, draft_logprobs: torch.
     return torch.minimum(target_logprobs.double().exp(), draft_logprobs.double().exp()).sum(dim=-1)
 
 
-def _check(target, draft, ids, seeds, positions) -> None:
+def check_speculative_args(target, draft, ids, seeds, positions) -> None:
     if target.dim() != 2 or target.shape != draft.shape or not target.is_floating_point():
         raise ValueError(f"target_logprobs and draft_logprobs must be float [R, V] of one shape, got "
                          f"{tuple(target.shape)} and {tuple(draft.shape)}")

@@ -20,8 +20,8 @@ def swa_ring_slots(state_slots: torch.Tensor, positions: torch.Tensor, ring_size
 
     ``-1`` where the state slot is ``-1`` (a padding row) or the position is negative, so the
     result can go straight to ``kv_store``."""
-    _check_index_vectors(state_slots=state_slots, positions=positions)
-    _check_positive(ring_size=ring_size)
+    check_index_vectors(state_slots=state_slots, positions=positions)
+    check_positive(ring_size=ring_size)
     return _ring_rows(state_slots, positions, ring_size)
 
 
@@ -34,8 +34,8 @@ def swa_decode_indices(state_slots: torch.Tensor, positions: torch.Tensor, windo
     before ``max(0, visible_start[t])``; a padding row (state slot ``-1``) is all ``-1``.
     Requires ``window <= ring_size``; the ring must hold every key up to ``p`` and none past
     ``p + ring_size - window``."""
-    _check_index_vectors(state_slots=state_slots, positions=positions, visible_start=visible_start)
-    _check_window(window, ring_size)
+    check_index_vectors(state_slots=state_slots, positions=positions, visible_start=visible_start)
+    check_window(window, ring_size)
     key_positions = _window_key_positions(positions, window)
     rows = _ring_rows(state_slots.unsqueeze(1), key_positions, ring_size)
     return _mask_invisible(rows, key_positions, visible_start)
@@ -51,11 +51,11 @@ def swa_prefill_indices(positions: torch.Tensor, chunk_start: torch.Tensor, hist
     own keys (position ``chunk_start + j`` at row ``chunk_offset + j``); all four per-query
     vectors are ``int64 [T]`` with ``positions >= chunk_start``. Key positions are ordered and
     masked as in :func:`swa_decode_indices`."""
-    _check_index_vectors(positions=positions, chunk_start=chunk_start, history_offset=history_offset,
+    check_index_vectors(positions=positions, chunk_start=chunk_start, history_offset=history_offset,
                          chunk_offset=chunk_offset, visible_start=visible_start)
-    _check_positive(window=window)
+    check_positive(window=window)
     if value_checks():
-        _check_after_chunk_start(positions, chunk_start)
+        check_after_chunk_start(positions, chunk_start)
     key_positions = _window_key_positions(positions, window)
     start, history, chunk = chunk_start.unsqueeze(1), history_offset.unsqueeze(1), chunk_offset.unsqueeze(1)
     rows = torch.where(key_positions >= start, chunk + (key_positions - start),
@@ -68,8 +68,8 @@ def swa_history_slots(state_slots: torch.Tensor, chunk_start: torch.Tensor, wind
     """Flat ring rows ``int64 [B, window - 1]`` of key positions ``chunk_start - window + 1 ..
     chunk_start - 1`` (``-1`` where negative): the history segment to gather with ``kv_load``
     before the chunk's own keys are stored (they may overwrite it)."""
-    _check_index_vectors(state_slots=state_slots, chunk_start=chunk_start)
-    _check_window(window, ring_size)
+    check_index_vectors(state_slots=state_slots, chunk_start=chunk_start)
+    check_window(window, ring_size)
     key_positions = _window_key_positions(chunk_start - 1, window - 1)
     return _ring_rows(state_slots.unsqueeze(1), key_positions, ring_size)
 
@@ -90,7 +90,7 @@ def _mask_invisible(rows: torch.Tensor, key_positions: torch.Tensor, visible_sta
     return torch.where(key_positions >= first_visible, rows, torch.full_like(rows, -1)).to(torch.int32)
 
 
-def _check_index_vectors(**vectors: torch.Tensor | None) -> None:
+def check_index_vectors(**vectors: torch.Tensor | None) -> None:
     lengths = set()
     for name, value in vectors.items():
         if value is None:
@@ -103,7 +103,7 @@ def _check_index_vectors(**vectors: torch.Tensor | None) -> None:
         raise ValueError(f"per-row vectors must have one length; got {shapes}")
 
 
-def _check_after_chunk_start(positions: torch.Tensor, chunk_start: torch.Tensor) -> None:
+def check_after_chunk_start(positions: torch.Tensor, chunk_start: torch.Tensor) -> None:
     before_chunk = (positions < chunk_start).nonzero()
     if before_chunk.numel():
         row = before_chunk[0, 0].item()
@@ -111,14 +111,14 @@ def _check_after_chunk_start(positions: torch.Tensor, chunk_start: torch.Tensor)
                          f"{positions[row].item()} < chunk_start {chunk_start[row].item()}")
 
 
-def _check_positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _check_window(window: int, ring_size: int) -> None:
-    _check_positive(window=window, ring_size=ring_size)
+def check_window(window: int, ring_size: int) -> None:
+    check_positive(window=window, ring_size=ring_size)
     if window > ring_size:
         raise ValueError(f"window {window} does not fit the ring of {ring_size} rows; ring_size must be "
                          "window + max_backtracking >= window")

@@ -39,7 +39,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     with few allowed tokens keeps those values and fills the rest; any other row adds ``0.0`` or
     ``-inf`` to every logit. Where reading the mask on the host would cost a device sync (off a
     CPU, or inside an engine step: value checks off) every row takes that dense path."""
-    _check(logits, bitmask, rows)
+    check_bitmask_args(logits, bitmask, rows)
     if not bitmask.shape[0]:
         return logits
     if logits.device.type == "cpu" and not _COMPILE_FAILED and _compiled_kernel() is not None:
@@ -154,7 +154,7 @@ def _byte_table(device: torch.device) -> torch.Tensor:
     return torch.where(bits.bool(), 0.0, float("-inf")).to(device)
 
 
-def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+def check_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     if logits.ndim != 2 or logits.dtype != torch.float32:
         raise ValueError(f"apply_token_bitmask expects float32 logits [N, V]; got {logits.dtype} {tuple(logits.shape)}")
     words = bitmask_words(logits.shape[1])

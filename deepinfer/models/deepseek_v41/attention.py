@@ -23,9 +23,10 @@ INDEXER_SMALL_GROUP = 1 << 20
 def rope_tail(ops: OpTable, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
               conjugate: bool = False) -> torch.Tensor:
     """``x`` (a tensor the caller owns) with its trailing ``cos_sin.shape[1]`` dims turned in
-    place: only that slice goes through ``apply_rope``, the rest of each row is never copied."""
+    place: only that slice goes through ``apply_rope`` (written back through its ``out``), the
+    rest of each row is never copied."""
     tail = x[..., x.shape[-1] - cos_sin.shape[1]:]
-    tail.copy_(ops.apply_rope(tail, positions, cos_sin, conjugate=conjugate))
+    ops.apply_rope(tail, positions, cos_sin, conjugate=conjugate, out=tail)
     return x
 
 
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         see SWA keys only from ``ctx.replay_start`` on, when it is set."""
         ops, pos = self.ops, ctx.positions
         bounded = kv_source is not None and ctx.replay_start is not None
-        visible = ctx.replay_start[ctx.seq_of_token] if bounded else None
+        visible = ctx.derived(("replay_visible",), lambda: ctx.replay_start[ctx.seq_of_token]) if bounded else None
         q_a = self.q_norm(self.wq_a(hidden))
         q = rope_tail(ops, self.wq_b(q_a).view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
         kv_latent = self.wkv(hidden)
@@ -97,18 +98,24 @@ class Attention(nn.Module):
         ops, comp = self.ops, self.compressor
         latent = comp.wkv(source).float()
         score = comp.wgate(source).float() if comp.wgate is not None else None
-        packed, emit = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
-                                           ctx.chunk_start_of_token, cache.compress_state, self.ratio)
+        packed, _ = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
+                                        ctx.chunk_start_of_token, cache.compress_state, self.ratio)
         keys = packed.to(latent.dtype)  # every row: the ones that do not close a group are not stored
-        index = (ctx.positions + 1) // self.ratio - 1
-        key_pos = (index * self.ratio).clamp(min=0)
-        slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token, index.masked_fill(~emit, -1))
+        key_pos, slots = ctx.derived(("compressed_store", self.ratio), lambda: self._store_rows(ctx, cache))
         ops.kv_norm_rope_store(keys, comp.norm.weight, comp.norm.eps, key_pos, cos_sin, cache.compressed, slots,
                                self.cfg.compressed_cache_format)
         pre_rope, k_norm = comp.norm(keys), self.indexer.k_norm  # the indexer projects the keys before RoPE
         index_keys = self.indexer.wk(pre_rope.to(source.dtype))  # KProject runs in the activation dtype
         ops.kv_norm_rope_store(index_keys, k_norm.weight, k_norm.eps, key_pos, cos_sin, cache.index_k, slots,
                                "index_fp4")
+
+    def _store_rows(self, ctx: ForwardContext, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's compressed key position and cache row; ``-1`` where the token closes no
+        group of ``ratio`` (``compress_tokens`` emits at ``(p + 1) % ratio == 0``)."""
+        index = (ctx.positions + 1) // self.ratio - 1
+        closes = (ctx.positions + 1) % self.ratio == 0
+        slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token, index.masked_fill(~closes, -1))
+        return (index * self.ratio).clamp(min=0), slots
 
     def swa_keys(self, latent: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache: LayerCache,
                  slots: torch.Tensor) -> torch.Tensor:
@@ -121,7 +128,11 @@ class Attention(nn.Module):
         """Flat cache rows of every sequence's compressed tokens (``-1``: none), and each
         sequence's first row among them. A decode step lays each sequence out in full
         (``block table width x tokens per block`` rows, the ones past its count ``-1``), so no
-        shape depends on the lengths; other steps pack the lengths the host knows."""
+        shape depends on the lengths; other steps pack the lengths the host knows. Computed once
+        per context and ratio."""
+        return ctx.derived(("compressed_keys", self.ratio), lambda: self._lay_out_compressed_keys(ctx, cache))
+
+    def _lay_out_compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
         counts = ctx.context_lens // self.ratio
         if ctx.decode:
             per_seq = ctx.block_tables.shape[1] * cache.tokens_per_block
@@ -147,13 +158,14 @@ class Attention(nn.Module):
             visible = (ctx.positions + 1) // self.ratio
             return torch.where(offsets < visible[:, None], offsets, -1).to(torch.int32)
         q = rope_tail(ops, idx.wq_b(q_a).view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
-        weights = idx.weights_proj(hidden).float() * (idx.heads * INDEX_HEAD_DIM) ** -0.5
+        weights = idx.weights_proj(hidden).float().mul_((idx.heads * INDEX_HEAD_DIM) ** -0.5)
         key_slots, first = self._compressed_keys(ctx, cache)
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
-        visible = (ctx.positions + 1) // self.ratio
+        visible = ctx.derived(("compressed_visible", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
         if ctx.decode:
             keys = keys.view(ctx.num_seqs, -1, INDEX_HEAD_DIM)
-            return ops.indexer_topk(ops.indexer_logits(q, keys, weights), torch.zeros_like(visible), visible, topk)
+            starts = ctx.derived(("zeros", visible.shape), lambda: torch.zeros_like(visible))
+            return ops.indexer_topk(ops.indexer_logits(q, keys, weights), starts, visible, topk)
         starts = first[ctx.seq_of_token]
         return torch.cat([ops.indexer_topk(ops.indexer_logits(q[t0:t1], keys[k0:k1], weights[t0:t1]),
                                            starts[t0:t1] - k0, visible[t0:t1], topk)
@@ -211,29 +223,42 @@ class Attention(nn.Module):
     def _attend_decode(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
         ops, cfg = self.ops, self.cfg
         ring, fmt = cfg.swa_ring_size, cfg.swa_cache_format
-        slots = ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring)
+        slots = ctx.derived(("swa_ring_slots", ring),
+                            lambda: ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring))
         self.swa_keys(kv_latent, ctx.positions, cos_sin, cache, slots)
         batch, s_q = ctx.num_seqs, ctx.decode_query_len
-        if ctx.draft_block:
-            key_end = ctx.context_lens[ctx.seq_of_token] - 1
-            main = ops.swa_decode_indices(ctx.slot_of_token, key_end, cfg.sliding_window + ctx.draft_block, ring)
-        else:
-            main = ops.swa_decode_indices(ctx.slot_of_token, ctx.positions, cfg.sliding_window, ring, visible)
+        main = ctx.derived(("swa_decode_indices", cfg.sliding_window, ring, visible is not None),
+                           lambda: self._swa_decode_indices(ctx, visible))
         extra = {}
         if selected is not None:
-            rows = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token.unsqueeze(1), selected)
-            extra = dict(extra_cache=cache.compressed, extra_indices=rows.to(torch.int32).view(batch, s_q, -1),
+            table = ctx.derived(("compressed_rows_of_token", self.ratio), lambda: self._rows_of_token(ctx, cache))
+            rows = table.gather(1, selected.long().remainder(table.shape[1]))
+            extra = dict(extra_cache=cache.compressed, extra_indices=rows.view(batch, s_q, -1),
                          extra_format=cfg.compressed_cache_format)
         out, _ = ops.mla_sparse_decode(q.view(batch, s_q, self.heads, ATTENTION_DIM), cache.swa_ring,
                                        main.view(batch, s_q, -1), self.attn_sink, self.scale,
                                        cache_format=fmt, **extra)
         return out.reshape(ctx.num_tokens, self.heads, ATTENTION_DIM)
 
+    def _rows_of_token(self, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
+        """int32 ``[T, keys + 1]``: each decode token's sequence's compressed key rows in order
+        (``-1`` past its count), and a last ``-1`` column, which offset ``-1`` reaches modulo the width."""
+        key_slots, _ = self._compressed_keys(ctx, cache)
+        rows = key_slots.view(ctx.num_seqs, -1).to(torch.int32)
+        return torch.cat((rows, rows.new_full((ctx.num_seqs, 1), -1)), dim=1)[ctx.seq_of_token]
+
+    def _swa_decode_indices(self, ctx: ForwardContext, visible: torch.Tensor | None) -> torch.Tensor:
+        """The ring rows each decode query attends to (a draft block sees its whole block too)."""
+        ops, cfg = self.ops, self.cfg
+        if ctx.draft_block:
+            key_end = ctx.context_lens[ctx.seq_of_token] - 1
+            return ops.swa_decode_indices(ctx.slot_of_token, key_end, cfg.sliding_window + ctx.draft_block,
+                                          cfg.swa_ring_size)
+        return ops.swa_decode_indices(ctx.slot_of_token, ctx.positions, cfg.sliding_window, cfg.swa_ring_size,
+                                      visible)
+
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank projection: each group of heads to ``o_lora_rank``, then to hidden."""
         tokens, groups = out.shape[0], self.cfg.o_groups
-        grouped = out.reshape(tokens, groups, -1).transpose(0, 1).reshape(groups * tokens, -1)
-        sizes = torch.full((groups,), tokens, dtype=torch.long, device=out.device)
-        low_rank = self.ops.grouped_gemm(grouped, self.wo_a.operand(groups), sizes)
-        low_rank = low_rank.view(groups, tokens, -1).transpose(0, 1).reshape(tokens, -1)
-        return self.wo_b(low_rank.to(out.dtype))
+        low_rank = self.ops.grouped_linear(out.reshape(tokens, groups, -1), self.wo_a.operand(groups))
+        return self.wo_b(low_rank.reshape(tokens, -1).to(out.dtype))

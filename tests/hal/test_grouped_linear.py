@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from deepinfer.hal.formats import quantize
+from deepinfer.hal.ops.grouped_gemm import grouped_gemm
+from deepinfer.hal.ops.grouped_linear import grouped_linear
+from deepinfer.hal.spec import SPECS
+from tests.hal.oracle import check_against_oracle
+from tests.hal.test_grouped_gemm import float64_values
+
+
+def grouped_linear_float64(x, weight):
+    """Token by token, group by group, in float64 from the operands' decoded values."""
+    xv, wv = float64_values(x), float64_values(weight)
+    out = torch.zeros(xv.shape[0], xv.shape[1], wv.shape[1], dtype=torch.float64)
+    for t in range(xv.shape[0]):
+        for g in range(xv.shape[1]):
+            out[t, g] = wv[g] @ xv[t, g]
+    return out
+
+
+@pytest.mark.parametrize("case", [c.name for c in SPECS["grouped_linear"].cases])
+def test_grouped_linear_matches_float64(case):
+    check_against_oracle("grouped_linear", case, grouped_linear_float64)
+
+
+def test_two_groups_by_hand():
+    x = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])  # one token, two groups of K=2
+    weight = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], [[2.0, 0.0], [0.0, -1.0], [0.0, 0.0]]])
+    assert grouped_linear(x, weight).tolist() == [[[1.0, 2.0, 3.0], [6.0, -4.0, 0.0]]]
+
+
+def test_equals_the_grouped_gemm_on_group_major_rows_bitwise():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 4, 64, generator=gen).bfloat16()
+    weight = quantize(torch.randn(4, 24, 64, generator=gen) / 8, "fp8", 32)
+    rows = x.transpose(0, 1).reshape(28, 64)
+    want = grouped_gemm(rows, weight, torch.full((4,), 7, dtype=torch.int64)).view(4, 7, 24).transpose(0, 1)
+    got = grouped_linear(x, weight)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("x_shape,w_shape", [((3, 2, 64), (3, 16, 64)), ((3, 2, 64), (2, 16, 32)), ((6, 64), (2, 16, 64))])
+def test_mismatched_shapes_are_refused(x_shape, w_shape):
+    with pytest.raises(ValueError, match=r"grouped_linear expects x \[T, G, K\] and weight \[G, N, K\]"):
+        grouped_linear(torch.zeros(x_shape), torch.zeros(w_shape))
