@@ -5,7 +5,7 @@ import torch
 
 from deepinfer.hal.formats import token_format
 from deepinfer.hal.ops.kv_cache import cache_rows
-from deepinfer_backends.sm100.launch import compiled, require
+from deepinfer_backends.sm100.launch import compiled, float32_param, require
 
 
 def rms_norm(x, weight, eps, residual=None):
@@ -25,14 +25,14 @@ def rms_norm(x, weight, eps, residual=None):
     kernel = compiled("rms_norm", "rms_norm", dim, float(eps), tl_dtype(x.dtype), residual_dtype, threads=threads)
     if residual is None:
         if flat.shape[0]:
-            kernel(flat, weight.float().contiguous(), out)
+            kernel(flat, float32_param(weight), out)
         return out.reshape(x.shape)
     if residual.shape != x.shape:
         raise ValueError(f"{op}: residual must match x {tuple(x.shape)}, got {tuple(residual.shape)}")
     residual_flat = residual.reshape(-1, dim).contiguous()
     residual_out = torch.empty_like(residual_flat)
     if flat.shape[0]:
-        kernel(flat, residual_flat, weight.float().contiguous(), out, residual_out)
+        kernel(flat, residual_flat, float32_param(weight), out, residual_out)
     return out.reshape(x.shape), residual_out.reshape(x.shape)
 
 
@@ -72,6 +72,6 @@ def kv_norm_rope_store(x, weight, eps, positions, cos_sin, cache, slots, fmt):
     if x.shape[0]:
         kernel = compiled("kv_norm_rope_store", "kv_norm_rope_store", dim, rope_dim, float(eps), fmt,
                           "bfloat16" if x.dtype == torch.bfloat16 else "float32")
-        kernel(x.contiguous(), weight.float().contiguous(), positions.contiguous(), cos_sin.float().contiguous(),
+        kernel(x.contiguous(), float32_param(weight), positions.contiguous(), cos_sin.float().contiguous(),
                slots.contiguous(), rows.view(torch.bfloat16) if fmt == "bf16" else rows, y)
     return y

@@ -111,10 +111,16 @@ class Attention(nn.Module):
 
     def _store_rows(self, ctx: ForwardContext, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's compressed key position and cache row; ``-1`` where the token closes no
-        group of ``ratio`` (``compress_tokens`` emits at ``(p + 1) % ratio == 0``)."""
+        group of ``ratio`` (``compress_tokens`` emits at ``(p + 1) % ratio == 0``). A decode step
+        reads the rows from its sequences' key layout (a closing token is its sequence's last key)."""
         index = (ctx.positions + 1) // self.ratio - 1
         closes = (ctx.positions + 1) % self.ratio == 0
-        slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token, index.masked_fill(~closes, -1))
+        index = index.masked_fill(~closes, -1)
+        if ctx.decode:
+            table = self._rows_of_token(ctx, cache)
+            slots = table.gather(1, index.remainder(table.shape[1])[:, None])[:, 0].long()
+        else:
+            slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token, index)
         return (index * self.ratio).clamp(min=0), slots
 
     def swa_keys(self, latent: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache: LayerCache,
@@ -135,11 +141,8 @@ class Attention(nn.Module):
     def _lay_out_compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
         counts = ctx.context_lens // self.ratio
         if ctx.decode:
-            per_seq = ctx.block_tables.shape[1] * cache.tokens_per_block
-            index = torch.arange(per_seq, device=counts.device).expand(ctx.num_seqs, per_seq)
-            seq = torch.arange(ctx.num_seqs, device=counts.device)[:, None].expand_as(index)
-            index = index.masked_fill(index >= counts[:, None], -1)
-            return cache.compressed_slots(ctx.block_tables, seq, index).reshape(-1), seq[:, 0] * per_seq
+            rows = cache.sequence_rows(ctx.block_tables, counts)
+            return rows.reshape(-1), torch.arange(ctx.num_seqs, device=counts.device) * rows.shape[1]
         total = sum(n // self.ratio for n in ctx.context_lens_host)
         seq = torch.repeat_interleave(torch.arange(ctx.num_seqs, device=counts.device), counts, output_size=total)
         first = torch.cat((counts.new_zeros(1), counts.cumsum(0)[:-1]))
@@ -231,7 +234,7 @@ class Attention(nn.Module):
                            lambda: self._swa_decode_indices(ctx, visible))
         extra = {}
         if selected is not None:
-            table = ctx.derived(("compressed_rows_of_token", self.ratio), lambda: self._rows_of_token(ctx, cache))
+            table = self._rows_of_token(ctx, cache)
             rows = table.gather(1, selected.long().remainder(table.shape[1]))
             extra = dict(extra_cache=cache.compressed, extra_indices=rows.view(batch, s_q, -1),
                          extra_format=cfg.compressed_cache_format)
@@ -242,10 +245,13 @@ class Attention(nn.Module):
 
     def _rows_of_token(self, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
         """int32 ``[T, keys + 1]``: each decode token's sequence's compressed key rows in order
-        (``-1`` past its count), and a last ``-1`` column, which offset ``-1`` reaches modulo the width."""
-        key_slots, _ = self._compressed_keys(ctx, cache)
-        rows = key_slots.view(ctx.num_seqs, -1).to(torch.int32)
-        return torch.cat((rows, rows.new_full((ctx.num_seqs, 1), -1)), dim=1)[ctx.seq_of_token]
+        (``-1`` past its count), and a last ``-1`` column, which offset ``-1`` reaches modulo the
+        width. Computed once per context and ratio."""
+        def lay_out():
+            key_slots, _ = self._compressed_keys(ctx, cache)
+            rows = key_slots.view(ctx.num_seqs, -1).to(torch.int32)
+            return torch.cat((rows, rows.new_full((ctx.num_seqs, 1), -1)), dim=1)[ctx.seq_of_token]
+        return ctx.derived(("compressed_rows_of_token", self.ratio), lay_out)
 
     def _swa_decode_indices(self, ctx: ForwardContext, visible: torch.Tensor | None) -> torch.Tensor:
         """The ring rows each decode query attends to (a draft block sees its whole block too)."""

@@ -41,6 +41,19 @@ class LayerCache:
                              "allocate ceil(context_len / 128) blocks per sequence")
         return torch.where(valid, rows, torch.full_like(rows, -1))
 
+    def sequence_rows(self, block_tables: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``[B, width * tokens_per_block]``: each sequence's compressed tokens' flat rows in order,
+        ``-1`` from its ``counts[b]``-th on (the rows :meth:`compressed_slots` gives for every index)."""
+        per_block = self.tokens_per_block
+        batch, width = block_tables.shape
+        within = torch.arange(per_block, device=block_tables.device)
+        rows = (block_tables[:, :, None] * per_block + within).reshape(batch, width * per_block)
+        counted = torch.arange(width * per_block, device=block_tables.device) < counts[:, None]
+        if value_checks() and bool((counted & (rows < 0)).any()):
+            raise ValueError("a compressed token falls in a block the block table does not hold; "
+                             "allocate ceil(context_len / 128) blocks per sequence")
+        return torch.where(counted, rows, -1)
+
 
 @dataclass
 class ModelCaches:

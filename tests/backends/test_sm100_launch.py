@@ -1,0 +1,44 @@
+"""sm100's float32 copies of parameters (``launch.float32_param``), on CPU tensors."""
+import torch
+from torch import nn
+
+from deepinfer_backends.sm100 import launch
+
+
+def test_a_bf16_weight_is_converted_once_and_again_after_it_changes():
+    weight = nn.Parameter(torch.tensor([1.5, -2.25, 3.0]).bfloat16(), requires_grad=False)
+    first = launch.float32_param(weight)
+    assert first.dtype == torch.float32 and first.tolist() == [1.5, -2.25, 3.0]
+    assert launch.float32_param(weight) is first
+    with torch.no_grad():
+        weight.copy_(torch.tensor([4.0, 5.0, 6.0]))  # in place: the version counter moves
+    second = launch.float32_param(weight)
+    assert second is not first and second.tolist() == [4.0, 5.0, 6.0]
+    weight.data = torch.tensor([7.0, 8.0, 9.0]).bfloat16()  # new data: another address
+    assert launch.float32_param(weight).tolist() == [7.0, 8.0, 9.0]
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def test_float32_weights_pass_through_and_other_tensors_are_converted_every_call():
+    plain = torch.randn(4)
+    assert launch.float32_param(plain) is plain
+    a, b = _param(torch.ones(4).bfloat16()), _param(torch.full((4,), 2.0).bfloat16())
+    assert launch.float32_param(a).tolist() == [1.0] * 4 and launch.float32_param(b).tolist() == [2.0] * 4
+    strided = torch.arange(8.0)[::2]
+    assert launch.float32_param(strided).is_contiguous() and launch.float32_param(strided).tolist() == [0, 2, 4, 6]
+    temporary = torch.ones(3).bfloat16()
+    assert launch.float32_param(temporary) is not launch.float32_param(temporary)
+    assert all(entry[0] is not temporary for entry in launch._FLOAT32_COPIES.values())
+
+
+def test_the_copies_are_bounded(monkeypatch):
+    monkeypatch.setattr(launch, "FLOAT32_COPIES", 3)
+    monkeypatch.setattr(launch, "_FLOAT32_COPIES", type(launch._FLOAT32_COPIES)())
+    weights = [_param(torch.full((2,), float(i)).bfloat16()) for i in range(5)]
+    for w in weights:
+        launch.float32_param(w)
+    assert len(launch._FLOAT32_COPIES) == 3
+    assert [entry[0] for entry in launch._FLOAT32_COPIES.values()] == weights[2:]
