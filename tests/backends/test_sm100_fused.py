@@ -106,7 +106,7 @@ def test_rope_kernel_writes_out_in_place_in_the_interpreter():
 SCHEDULE = """
 import torch
 from deepinfer.hal.ops.grouped_gemm import tile_bounds
-from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
+from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
 
 # by hand: sizes 3, 0, 5 in tiles of 2 rows -> expert 0 rows 0-2 (2 tiles), expert 2 rows 3-8 (3 tiles), rest unused
 got = tile_schedule(torch.tensor([3, 0, 5]), 8, 2)
