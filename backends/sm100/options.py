@@ -23,7 +23,8 @@ class KernelOptions:
     stream short of the memory bandwidth; the TileLang GEMM above), ``tilelang`` (always the
     TileLang GEMM) or ``cublas`` (always cuBLAS). Block-scaled weights always take the TileLang
     kernel, and so does every row count in batch-invariant mode (cuBLAS picks its kernel by
-    shape); ``cublas`` is refused there."""
+    shape); ``cublas`` is refused there. ``grouped_linear`` follows the choice: cuBLAS's strided
+    batched GEMM at every row count unless ``tilelang``."""
     tcgen05: bool = False
     """The Blackwell tcgen05/TMEM variants of the bf16 grouped GEMM and of sparse MLA decode
     (``kernels/experimental/``: compiled for sm_100a, never run on hardware). They need a
