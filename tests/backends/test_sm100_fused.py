@@ -28,16 +28,22 @@ for op in sys.argv[1:]:
 """
 
 
+def interpreted(script: str, *args: str) -> str:
+    """The standard output of ``script`` (with ``args``) run by Python under Triton's interpreter;
+    fails the test with its error output when it fails."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_match_the_reference_in_the_interpreter():
     from deepinfer.hal.spec import SPECS
     import deepinfer.hal.ops  # noqa: F401
 
-    done = subprocess.run([sys.executable, "-c", CHECK, *OPS], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
     expected = [f"{op} {case.name} ok" for op in OPS for case in SPECS[op].cases]
-    assert done.stdout.splitlines() == expected
+    assert interpreted(CHECK, *OPS).splitlines() == expected
 
 
 CAST = """
@@ -65,10 +71,7 @@ print("mxfp4 cast ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_mxfp4_cast_kernel_gives_the_reference_bits_in_the_interpreter():
-    done = subprocess.run([sys.executable, "-c", CAST], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[0] == "mxfp4 cast ok"
+    assert interpreted(CAST).split("\n")[0] == "mxfp4 cast ok"
 
 
 ROPE_OUT = """
@@ -97,10 +100,7 @@ print("rope out ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_rope_kernel_writes_out_in_place_in_the_interpreter():
-    done = subprocess.run([sys.executable, "-c", ROPE_OUT], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[0] == "rope out ok"
+    assert interpreted(ROPE_OUT).split("\n")[0] == "rope out ok"
 
 
 SCHEDULE = """
@@ -123,7 +123,4 @@ print("tile schedule ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_tile_schedule_kernel_gives_the_reference_tiles_in_the_interpreter():
-    done = subprocess.run([sys.executable, "-c", SCHEDULE], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[0] == "tile schedule ok"
+    assert interpreted(SCHEDULE).split("\n")[0] == "tile schedule ok"

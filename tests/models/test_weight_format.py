@@ -10,6 +10,7 @@ from safetensors import safe_open
 from deepinfer import LLM, SamplingParams
 from deepinfer.config.schema import ConfigError, ModelConfig
 from deepinfer.hal.formats import Quantized, quantize
+from deepinfer.hal.ops.grouped_gemm import values
 from deepinfer.models.deepseek_v41.loader import load_checkpoint
 from deepinfer.models.deepseek_v41.names import storage_format
 from deepinfer.models.deepseek_v41.weights import hold_quantized, load_pretrained, official_state_dict, save_pretrained
@@ -17,10 +18,6 @@ from tests.models.tiny_model import SequenceRunner, tiny_model
 
 EXPECTED_FORMATS = {"mxfp4": {"fp8": "fp8", "mxfp4": "mxfp4"}, "fp8": {"fp8": "fp8", "mxfp4": "fp8"}}
 """weight_format -> (the name's storage format -> the format it is held in)."""
-
-
-def _dense(value):
-    return value.dequantize() if isinstance(value, Quantized) else value.float()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +46,7 @@ def test_held_weights_keep_the_plain_values_in_the_checkpoint_formats(plain, wei
             quantized += 1
         else:
             assert isinstance(value, torch.Tensor), name
-        assert torch.equal(_dense(value), want[name].float()), name
+        assert torch.equal(values(value), want[name].float()), name
     assert quantized == sum(storage_format(n) in ("fp8", "mxfp4") for n in want)
 
 
@@ -66,7 +63,7 @@ def test_a_checkpoint_loads_quantized_and_computes_the_plain_logits(plain, saved
     model = load_pretrained(saved, plain.ops, weight_format=weight_format, max_model_len=1024)
     loaded, want = official_state_dict(model), official_state_dict(plain)
     for name, value in loaded.items():
-        assert torch.equal(_dense(value), want[name].float()), name
+        assert torch.equal(values(value), want[name].float()), name
     tokens = [5, 17, 3, 99, 42, 7, 250, 11, 64, 1]
     torch.testing.assert_close(SequenceRunner(model, 1, 16).step({0: tokens}, all_logits=True),
                                SequenceRunner(plain, 1, 16).step({0: tokens}, all_logits=True), rtol=0, atol=0)
