@@ -1,7 +1,8 @@
 """The grouped GEMM kernels side by side on one GPU, on the MoE shapes of ``bench_ops.py`` and a
 few tile variants. bf16 (``--formats bf16``, the default): the portable kernel
-(``kernels/grouped_gemm.py``, TileLang's automatic pipeline) and the warp-specialised one with
-hand-placed barriers (``kernels/grouped_gemm_ws.py``). Block-scaled (``--formats fp8:mxfp4`` and
+(``kernels/grouped_gemm.py``, TileLang's automatic pipeline), the warp-specialised one with
+hand-placed barriers (``kernels/grouped_gemm_ws.py``) and the Triton kernel for few rows per expert
+(``fused/grouped_gemm_skinny.py``). Block-scaled (``--formats fp8:mxfp4`` and
 so on, x format first): the decode-then-wgmma kernel (``kernels/grouped_gemm_quant.py``) and the
 warp-specialised one whose decoder warpgroup feeds a bf16 ring (``kernels/grouped_gemm_quant_ws.py``),
 the one for few rows per expert that decodes into ``mma.sync`` registers (``kernels/grouped_gemm_quant_skinny.py``),
@@ -49,6 +50,12 @@ POINTS = [  # (label, experts, rows, n, k): bench_ops's MoE points (384 experts,
     ("EP1 T=256 w13", 384, 256 * TOP, 2 * INTERMEDIATE, HIDDEN),
     ("EP8 T=256 w2", 48, 256 * TOP // 8, HIDDEN, INTERMEDIATE),
     ("dense 8192^3", 1, 8192, 8192, 8192),
+    ("small b1 w1", 16, TOP, INTERMEDIATE, HIDDEN),  # model=small's decode: 16 experts, w1 (w3) and w2 apart
+    ("small b1 w2", 16, TOP, HIDDEN, INTERMEDIATE),
+    ("small b16 w1", 16, 16 * TOP, INTERMEDIATE, HIDDEN),
+    ("small b16 w2", 16, 16 * TOP, HIDDEN, INTERMEDIATE),
+    ("small b64 w1", 16, 64 * TOP, INTERMEDIATE, HIDDEN),
+    ("small b64 w2", 16, 64 * TOP, HIDDEN, INTERMEDIATE),
 ]
 WS_VARIANTS = {  # name -> tiles of grouped_gemm_bf16_ws
     "ws 128x256 s4": {"block_m": 128, "block_n": 256, "num_stages": 4},
@@ -149,11 +156,19 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
             return y
         return call
 
+    def skinny(x, w, sizes):
+        from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
+
+        y = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_skinny(x, w, tile_schedule(sizes, rows, BLOCK_T), y)
+        return y
+
     portable = gemm.gemm_tiles(rows, experts, n, k)
     ws_bf16 = {"block_m": portable["block_m"], "block_n": 256, "num_stages": gemm.WS_STAGES}
     if formats == ("bf16", "bf16"):
         table = {f"portable {portable['block_m']}x{portable['block_n']}":
                  launcher("grouped_gemm", "grouped_gemm_bf16", portable)}
+        table["triton skinny"] = skinny
         for name, tiles in WS_VARIANTS.items():
             table[name] = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", tiles)
             for alias, module in EXTRA_WS_MODULES.items():

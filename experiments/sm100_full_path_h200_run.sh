@@ -3,10 +3,11 @@
 # reference on the GPU (the parity grid, no fallback), the weight_format parity of model=small
 # (experiments/weight_format_parity.py), the block-scaled grouped GEMM's compute-bound points against the
 # dense FP8 rate of torch._scaled_mm (experiments/bench_ops.py), the decode linears against cuBLAS
-# (experiments/linear_skinny.py), then experiments/bench_engine.py for sm100 alone with no fallback (so an
+# (experiments/linear_skinny.py), the bf16 grouped GEMM kernels at model=small's decode shapes (GEMM_POINTS, labels of
+# experiments/grouped_gemm_kernels.py), then experiments/bench_engine.py for sm100 alone with no fallback (so an
 # op sm100 lacks fails the run). PARITY_OPS (a pytest -k expression) narrows the parity stage, PARITY_TIMEOUT
 # (seconds, default 240) bounds it. Logs and results go to $OUT.
-#   bash experiments/sm100_full_path_h200_run.sh [parity] [weights] [fp8] [linear] [bench] [bench arguments...]
+#   bash experiments/sm100_full_path_h200_run.sh [parity] [weights] [fp8] [linear] [gemm] [bench] [bench arguments...]
 set -u
 export TILELANG_CACHE_DIR=/tmp/tlcache
 out=${OUT:-/tmp/out}
@@ -15,7 +16,7 @@ start=$(date +%s)
 TILELANG=1 source experiments/device_setup.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/card.txt"
 stages=""
-while [[ $# -gt 0 && $1 =~ ^(parity|weights|fp8|linear|bench)$ ]]; do stages="$stages $1"; shift; done
+while [[ $# -gt 0 && $1 =~ ^(parity|weights|fp8|linear|gemm|bench)$ ]]; do stages="$stages $1"; shift; done
 if [[ $stages == *parity* ]]; then
   python3 -m deepinfer_backends.sm100.fused.tile_schedule 2>&1 | tail -5
   ops="moe_gate or ep_dispatch or ep_combine or compress_tokens or indexer_topk or swa_ or sample or speculative_accept"
@@ -41,6 +42,13 @@ if [[ $stages == *linear* ]]; then
   timeout 200 python3 experiments/linear_skinny.py --out "$out" 2>&1 | grep -v "TileLang\|_warn_once" \
     | tee "$out/linear_skinny.log" | tail -32
   echo "linear done at $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *gemm* ]]; then
+  python3 -m deepinfer_backends.sm100.fused.grouped_gemm_skinny 2>&1 | tail -5
+  timeout 200 python3 experiments/grouped_gemm_kernels.py --out "$out" --only ${GEMM_POINTS:-small "EP8 T=256"} \
+    --kernels "triton skinny" "ws 64x256 s4" 2>&1 | grep -v "TileLang\|_warn_once" | tee "$out/grouped_gemm.log" \
+    | tail -24
+  echo "gemm done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *bench* ]]; then
   timeout $(( ${BENCH_UNTIL:-590} - ($(date +%s) - start) )) python3 experiments/bench_engine.py --tag h200_full_path \

@@ -23,12 +23,12 @@ def ep_combine(y, handle):
     out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
     if not tokens or not hidden:
         return out.zero_()
-    pairs = handle.pair_index
-    row_of_pair = torch.empty(tokens * handle.top_k, dtype=torch.int64, device=y.device)
-    row_of_pair[pairs] = handle.expert_order  # every pair of a one-rank dispatch has a row
-    routed = handle.routed
+    row_of_pair = getattr(handle, "row_of_pair", None)
+    if row_of_pair is None:  # a handle of another backend's dispatch
+        row_of_pair = torch.empty(tokens * handle.top_k, dtype=torch.int64, device=y.device)
+        row_of_pair[handle.pair_index] = handle.expert_order  # every pair of a one-rank dispatch has a row
+    routed = handle.routed.contiguous().view(torch.int8) if handle.routed is not None else row_of_pair
     ep_combine_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
-        y.contiguous(), row_of_pair, handle.pair_weights.float().contiguous(),
-        routed.to(torch.int8) if routed is not None else row_of_pair, out, hidden, TOP_K=handle.top_k,
-        HAS_ROUTED=routed is not None, BLOCK=BLOCK_HIDDEN, num_warps=4)
+        y.contiguous(), row_of_pair, handle.pair_weights.float().contiguous(), routed, out, hidden,
+        TOP_K=handle.top_k, HAS_ROUTED=handle.routed is not None, BLOCK=BLOCK_HIDDEN, num_warps=4)
     return out

@@ -1,6 +1,7 @@
 """sm100 GEMM wrappers (HAL ``grouped_gemm`` and ``linear``): bf16 operands on the TMA + wgmma
-kernels, block-scaled FP8 / MXFP4 operands on the decode-to-bf16 kernels (each warp-specialised on
-Hopper, and for few rows per expert the register-decode ``mma.sync`` kernel); bf16 ``linear`` is the
+kernels (for few rows per expert a Triton kernel that streams the weights), block-scaled FP8 /
+MXFP4 operands on the decode-to-bf16 kernels (each warp-specialised on Hopper, and for few rows
+per expert the register-decode ``mma.sync`` kernel); bf16 ``linear`` is cuBLAS for few rows or the
 portable grouped GEMM with one expert. Tiles are picked from the shape, or fixed in the
 batch-invariant mode."""
 from __future__ import annotations
@@ -25,7 +26,9 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
     a Quantized weight (``"fp8"`` / ``"mxfp4"``) beside a bf16 or ``"fp8"`` x (float32 result, see
     :func:`_grouped_gemm_quant`). ``group_sizes`` must sum to ``M`` (not checked on the device:
     that would cost a host sync). ``batch_invariant`` fixes the tiles (:data:`INVARIANT_TILES`);
-    there is never a split over K. ``options.tcgen05`` picks the Blackwell variant of the bf16 kernel."""
+    there is never a split over K. ``options.tcgen05`` picks the Blackwell variant of the bf16 kernel.
+    Otherwise bf16 operands with at most :data:`SKINNY_BF16_ROWS_PER_EXPERT` rows per expert on
+    average take :mod:`.fused.grouped_gemm_skinny`."""
     op = "grouped_gemm"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05)
@@ -38,9 +41,12 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
         raise ValueError(f"group_sizes must be int64 [{weight.shape[0]}], got {group_sizes.dtype} "
                          f"{tuple(group_sizes.shape)}")
     require(x.shape[1] % 8 == 0, op, f"K={x.shape[1]} must be a multiple of 8 (16-byte rows for TMA)")
+    x, weight = x.contiguous(), weight.contiguous()
+    few_rows = x.shape[0] <= SKINNY_BF16_ROWS_PER_EXPERT * weight.shape[0]
+    if few_rows and not batch_invariant and not options.tcgen05:
+        return _grouped_gemm_skinny(x, weight, group_sizes)
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
 
-    x, weight = x.contiguous(), weight.contiguous()
     module, factory, tiles = bf16_kernel(x.shape[0], *weight.shape, toolchain.device_arch(x.device.index or 0),
                                          batch_invariant, tcgen05=options.tcgen05)
     y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
@@ -48,6 +54,24 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
         schedule = tile_schedule(group_sizes.to(x.device), x.shape[0], tiles["block_m"])
         kernel = compiled(module, factory, *weight.shape, **tiles)
         kernel(x, weight, schedule[0], schedule[1], schedule[2], y)
+    return y
+
+
+SKINNY_BF16_ROWS_PER_EXPERT = 4
+"""Rows per expert (on average) up to which bf16 ``grouped_gemm`` takes the Triton kernel for few
+rows: at model=small's batch-1 decode (6 rows over 16 experts) it streams the weights faster than
+the warp-specialised kernel's 64-row tiles, at 6 rows per expert level with or behind it
+(``experiments/results/grouped_gemm_skinny_h200.csv``)."""
+
+
+def _grouped_gemm_skinny(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """bf16 ``grouped_gemm`` by the Triton kernel for few rows per expert (:mod:`.fused.grouped_gemm_skinny`)."""
+    from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
+    from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
+
+    y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        grouped_gemm_skinny(x, weight, tile_schedule(group_sizes.to(x.device), x.shape[0], BLOCK_T), y)
     return y
 
 

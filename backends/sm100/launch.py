@@ -46,34 +46,40 @@ def compile_kernel(module: str, factory: str, args, kwargs: dict, arch: str):
     return tilelang.compile(jit.get_tir(*args, **kwargs), target=toolchain.target(arch), pass_configs=jit.pass_configs)
 
 
-_FLOAT32_COPIES: OrderedDict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = OrderedDict()
-FLOAT32_COPIES = 4096
-"""Most float32 copies of parameters :func:`float32_param` keeps (the least recently used go)."""
+_PARAM_COPIES: OrderedDict[tuple[int, str], tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = OrderedDict()
+PARAM_COPIES = 4096
+"""Most converted copies of parameters :func:`param_copy` keeps (the least recently used go)."""
+
+
+def param_copy(weight: torch.Tensor, kind: str, convert) -> torch.Tensor:
+    """``convert(weight)``, made once per ``nn.Parameter`` and ``kind`` while the parameter is
+    unchanged (a weight read by every call of its op in another form would otherwise cost a
+    conversion launch each time); other tensors are converted every call. The copy is keyed by
+    the parameter itself (held, so its id is never reused by another), its data address and its
+    version counter (new data or an in-place change converts again; a write through
+    ``weight.data``, which bypasses the counter, is not seen). Nothing is kept while a CUDA graph
+    is being captured (a copy made there holds no values until the graph replays)."""
+    if not isinstance(weight, torch.nn.Parameter):
+        return convert(weight)
+    key, state = (id(weight), kind), (weight.data_ptr(), weight._version)
+    entry = _PARAM_COPIES.get(key)
+    if entry is not None and entry[0] is weight and entry[1] == state:
+        _PARAM_COPIES.move_to_end(key)
+        return entry[2]
+    converted = convert(weight)
+    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _PARAM_COPIES[key] = (weight, state, converted)
+        while len(_PARAM_COPIES) > PARAM_COPIES:
+            _PARAM_COPIES.popitem(last=False)
+    return converted
 
 
 def float32_param(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` as a contiguous float32 tensor; an ``nn.Parameter`` is converted once while it
-    is unchanged (a norm's bf16 weight is read by every call of its op, and converting it each time
-    costs a launch; other tensors are converted every call). The copy is keyed by the parameter
-    itself (held, so its id is never reused by another), its data address and its version counter
-    (new data or an in-place change converts again; a write through ``weight.data``, which
-    bypasses the counter, is not seen). Nothing is kept while a CUDA graph is being captured (a
-    copy made there holds no values until the graph replays)."""
+    """``weight`` as a contiguous float32 tensor, converted once per parameter (:func:`param_copy`):
+    a norm's bf16 weight is read by every call of its op."""
     if weight.dtype == torch.float32 and weight.is_contiguous():
         return weight
-    if not isinstance(weight, torch.nn.Parameter):
-        return weight.float().contiguous()
-    state = (weight.data_ptr(), weight._version)
-    entry = _FLOAT32_COPIES.get(id(weight))
-    if entry is not None and entry[0] is weight and entry[1] == state:
-        _FLOAT32_COPIES.move_to_end(id(weight))
-        return entry[2]
-    converted = weight.float().contiguous()
-    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _FLOAT32_COPIES[id(weight)] = (weight, state, converted)
-        while len(_FLOAT32_COPIES) > FLOAT32_COPIES:
-            _FLOAT32_COPIES.popitem(last=False)
-    return converted
+    return param_copy(weight, "float32", lambda w: w.detach().float().contiguous())
 
 
 def require(condition: bool, op: str, message: str) -> None:

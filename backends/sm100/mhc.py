@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_backends.sm100.launch import on_device, require
+from deepinfer_backends.sm100.launch import TRITON_INTERPRETED, float32_param, on_device, param_copy, require
 
 MAX_STREAMS = 16
 
@@ -21,17 +21,17 @@ def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
                           ("base", base, (hc * (2 + hc),))))
     if sinkhorn_iters < 0:
         raise ValueError(f"mhc_mixes: sinkhorn_iters must be >= 0, got {sinkhorn_iters}")
-    from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_TOKENS, mhc_mixes_kernel
+    from deepinfer_backends.sm100.fused.mhc_mixes import FINISH_TOKENS, FINISH_WARPS, mhc_mixes_kernel
 
     pre = torch.empty(tokens, hc, dtype=torch.float32, device=residual.device)
     post = torch.empty_like(pre)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=residual.device)
     if tokens:
         dots, squares, splits, rows = _partials(residual, fn)
-        mhc_mixes_kernel[(-(-tokens // BLOCK_TOKENS),)](
-            dots, squares, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, tokens,
+        mhc_mixes_kernel[(-(-tokens // FINISH_TOKENS),)](
+            dots, squares, float32_param(scale), float32_param(base), pre, post, comb, tokens,
             hc * hidden, float(norm_eps), float(hc_eps), SPLITS=splits, HC=hc, ROWS=rows, ITERS=int(sinkhorn_iters),
-            BLOCK=BLOCK_TOKENS, num_warps=4)
+            BLOCK=FINISH_TOKENS, num_warps=FINISH_WARPS)
     return pre, post, comb
 
 
@@ -39,14 +39,15 @@ def mhc_head(residual, fn, scale, base, norm_eps, hc_eps):
     """HAL ``mhc_head`` for a CUDA ``residual [T, hc, H]``; float32 ``[T, hc]``."""
     tokens, hc, hidden = _streams("mhc_head", residual)
     _shapes("mhc_head", (("fn", fn, (hc, hc * hidden)), ("scale", scale, (1,)), ("base", base, (hc,))))
-    from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_TOKENS, mhc_head_kernel
+    from deepinfer_backends.sm100.fused.mhc_mixes import FINISH_TOKENS, FINISH_WARPS, mhc_head_kernel
 
     weights = torch.empty(tokens, hc, dtype=torch.float32, device=residual.device)
     if tokens:
         dots, squares, splits, rows = _partials(residual, fn)
-        mhc_head_kernel[(-(-tokens // BLOCK_TOKENS),)](
-            dots, squares, scale.float().contiguous(), base.float().contiguous(), weights, tokens, hc * hidden,
-            float(norm_eps), float(hc_eps), SPLITS=splits, HC=hc, ROWS=rows, BLOCK=BLOCK_TOKENS, num_warps=4)
+        mhc_head_kernel[(-(-tokens // FINISH_TOKENS),)](
+            dots, squares, float32_param(scale), float32_param(base), weights, tokens, hc * hidden,
+            float(norm_eps), float(hc_eps), SPLITS=splits, HC=hc, ROWS=rows, BLOCK=FINISH_TOKENS,
+            num_warps=FINISH_WARPS)
     return weights
 
 
@@ -81,7 +82,7 @@ def _partials(residual, fn):
     """The float32 partial dot products ``[splits, T, rows]`` (rows of ``fn`` padded to a power
     of two, at least 16) and sums of squares ``[splits, T]`` of the flattened residual."""
     import triton
-    from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_K, BLOCK_TOKENS, SPLIT, mhc_mix_partials
+    from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_K, BLOCK_TOKENS, SPLIT, bf16_parts, mhc_mix_partials
 
     flat = residual.reshape(residual.shape[0], -1)
     if flat.stride(-1) != 1:
@@ -89,11 +90,13 @@ def _partials(residual, fn):
     tokens, width = flat.shape
     rows = max(16, triton.next_power_of_2(fn.shape[0]))
     splits = -(-width // SPLIT)
+    parts = 3 if flat.dtype == torch.bfloat16 else 1
+    weights = param_copy(fn, "mhc_bf16_parts", bf16_parts) if parts == 3 else float32_param(fn)
     dots = torch.empty(splits, tokens, rows, dtype=torch.float32, device=residual.device)
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=residual.device)
     mhc_mix_partials[(-(-tokens // BLOCK_TOKENS), splits)](
-        flat, fn.float().contiguous(), dots, squares, tokens, width, fn.shape[0], flat.stride(0), ROWS=rows,
-        BLOCK=BLOCK_TOKENS, SPLIT=SPLIT, BLOCK_K=BLOCK_K, num_warps=4)
+        flat, weights, dots, squares, tokens, width, fn.shape[0], flat.stride(0), ROWS=rows, BLOCK=BLOCK_TOKENS,
+        SPLIT=SPLIT, BLOCK_K=BLOCK_K, PARTS=parts, UPCAST=TRITON_INTERPRETED, num_warps=4)
     return dots, squares, splits, rows
 
 

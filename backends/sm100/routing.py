@@ -3,6 +3,8 @@
 ranks is left to the fallback."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -47,6 +49,14 @@ def moe_gate(logits, bias, top_k, routed_scale):
     return weights, ids
 
 
+@dataclass(eq=False)
+class OneRankDispatch(DispatchHandle):
+    """The handle of a one-rank dispatch, with ``row_of_pair`` (int64 ``[T * k]``): each pair's
+    expanded row, the inverse of ``pair_index``, written by the placing kernel for ``ep_combine``."""
+
+    row_of_pair: torch.Tensor | None = None
+
+
 def ep_dispatch(x, topk_ids, topk_weights, num_experts, group=None):
     """HAL ``ep_dispatch`` on one rank (``group`` None or of size 1) for CUDA ``x [T, H]`` (float32,
     bf16 or fp16): ``(expanded [T * k, H], group_sizes int64 [E], handle)`` exactly as the
@@ -73,8 +83,8 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group=None):
     pair_weights = torch.empty(pairs, dtype=torch.float32, device=device)
     routed = torch.empty(pairs, dtype=torch.int8, device=device)
     expert_order = torch.empty(pairs, dtype=torch.int64, device=device)
-    handle = DispatchHandle(pair_index, pair_weights, None, None, expert_order, num_tokens, top_k, group,
-                            routed=routed.view(torch.bool))
+    handle = OneRankDispatch(pair_index, pair_weights, None, None, expert_order, num_tokens, top_k, group,
+                             routed=routed.view(torch.bool), row_of_pair=torch.empty_like(expert_order))
     if not pairs:
         return expanded, group_sizes.zero_(), handle
     if hidden and x.stride(1) != 1:
@@ -93,8 +103,8 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group=None):
         SCAN_BINS=kernels.SCAN_BINS, num_warps=4)
     split_cols = kernels.split_columns(hidden, blocks)
     kernels.dispatch_place_kernel[(blocks, max(1, triton.cdiv(hidden, split_cols)))](
-        x, topk_ids, topk_weights, starts, totals, expanded, pair_index, pair_weights, routed, expert_order, pairs,
-        top_k, num_experts, hidden, x.stride(0), split_cols, BLOCK_PAIRS=block, ROWS=rows, BINS=bins,
-        BLOCK_H=kernels.BLOCK_H, num_warps=4)
+        x, topk_ids, topk_weights, starts, totals, expanded, pair_index, pair_weights, routed, expert_order,
+        handle.row_of_pair, pairs, top_k, num_experts, hidden, x.stride(0), split_cols, BLOCK_PAIRS=block, ROWS=rows,
+        BINS=bins, BLOCK_H=kernels.BLOCK_H, num_warps=4)
     return expanded, group_sizes, handle
 

@@ -40,7 +40,11 @@ class PendingEmissions:
     def collect(self) -> list[Emission]:
         if self._fetch is None:
             return []
-        return _emissions(self.chunks, self._fetch().numpy(), self._top)
+        result = self._fetch().numpy()
+        if result.ndim == 1:  # the tokens alone: no draft verified, no log-probability asked for
+            zeros = np.zeros(result.shape[0])
+            result = np.stack((result.astype(np.float64), zeros, zeros, np.full_like(zeros, np.nan)))
+        return _emissions(self.chunks, result, self._top)
 
 
 @dataclass
@@ -113,12 +117,19 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
     index = moved[10 * count + 2 * n + verify_rows.size:]
     if slots is not None:
         start = torch.where(chained > 0, slots.length[slot], start)
-        drafts = torch.where(drafts >= 0, drafts, slots.drafts[slot, column])
+        if verify:
+            drafts = torch.where(drafts >= 0, drafts, slots.drafts[slot, column])
     positions = start + offset
     vocab = logits.shape[-1]
     filters = any(p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1) for p in params)
     fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions, filters=filters)
     tokens = fresh
+    if not verify:  # one row per chunk, its final one
+        if slots is not None:
+            slots.last.index_copy_(0, chunk_slot, tokens)
+            slots.length.index_copy_(0, chunk_slot, positions)
+        if all(p.logprobs is None for p in params):
+            return PendingEmissions(chunks, runtime.start_download(tokens), 0)
     accepted = torch.zeros(count, dtype=torch.bool, device=device)
     exact = torch.zeros(count, dtype=torch.float64, device=device)
     if verify:
@@ -127,7 +138,7 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
         tokens = tokens.index_put((index,), torch.where(ok, drafts[index], again))
         accepted = accepted.index_put((index,), ok)
         exact = exact.index_put((index,), acceptance_probability(target[index], draft_logprobs))
-    if slots is not None:
+    if slots is not None and verify:
         flags = torch.cat((accepted, accepted.new_zeros(1)))[chunk_verify]
         final = chunk_first + flags.long().cumprod(dim=1).sum(dim=1)
         slots.last.index_copy_(0, chunk_slot, tokens[final])

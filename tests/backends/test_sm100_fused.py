@@ -124,3 +124,56 @@ print("tile schedule ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_tile_schedule_kernel_gives_the_reference_tiles_in_the_interpreter():
     assert interpreted(SCHEDULE).split("\n")[0] == "tile schedule ok"
+
+
+SKINNY = """
+import torch
+from deepinfer.hal.ops.grouped_gemm import grouped_gemm
+from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
+from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
+
+gen = torch.Generator().manual_seed(0)
+# float32 operands: the interpreter's tl.dot mishandles bf16 (the GPU parity grid runs bf16).
+# An empty expert, one spanning two tiles, K past a whole K step, N past a whole column block.
+for sizes, n, k in [([2, 0, 1, 3], 48, 64), ([0, 19, 1], 40, 136), ([1], 16, 16)]:
+    sizes = torch.tensor(sizes)
+    rows = int(sizes.sum())
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(len(sizes), n, k, generator=gen)
+    y = torch.full((rows, n), float("nan"))
+    grouped_gemm_skinny(x, w, tile_schedule(sizes, rows, BLOCK_T), y)
+    want = grouped_gemm(x.double(), w.double(), sizes)
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (sizes, n, k)
+print("skinny ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_skinny_grouped_gemm_matches_the_float64_product_in_the_interpreter():
+    assert interpreted(SKINNY).split("\n")[0] == "skinny ok"
+
+
+PARTIALS = """
+import torch
+from deepinfer_backends.sm100.fused.mhc_mixes import bf16_parts
+from deepinfer_backends.sm100.mhc import _partials
+
+gen = torch.Generator().manual_seed(0)
+fn = torch.randn(24, 4 * 300, generator=gen) * torch.exp2(torch.randint(-8, 8, (24, 1), generator=gen).float())
+parts = bf16_parts(fn)
+assert parts.dtype == torch.bfloat16 and torch.equal(parts.double().sum(0), fn.double())  # exact: 3 x 8 bits
+residual = torch.randn(7, 4, 300, generator=gen).to(torch.bfloat16)
+dots, squares, splits, rows = _partials(residual, torch.nn.Parameter(fn, requires_grad=False))
+flat = residual.reshape(7, -1).double()
+want = flat @ fn.double().T
+got = dots.double().sum(0)[:, :24]
+error = ((got - want).abs() / (flat.abs() @ fn.double().abs().T)).max().item()
+assert error < 2 ** -23, error  # float32 accumulation; with two parts about 2 ** -22, one 2 ** -12
+assert torch.allclose(squares.double().sum(0), (flat ** 2).sum(1), rtol=1e-6)
+print("partials ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_mix_partials_of_a_bf16_residual_keep_float32_precision_in_the_interpreter():
+    assert interpreted(PARTIALS).split("\n")[0] == "partials ok"

@@ -1,4 +1,4 @@
-"""sm100's float32 copies of parameters (``launch.float32_param``), on CPU tensors."""
+"""sm100's converted copies of parameters (``launch.param_copy``, ``launch.float32_param``), on CPU tensors."""
 import torch
 from torch import nn
 
@@ -31,14 +31,22 @@ def test_float32_weights_pass_through_and_other_tensors_are_converted_every_call
     assert launch.float32_param(strided).is_contiguous() and launch.float32_param(strided).tolist() == [0, 2, 4, 6]
     temporary = torch.ones(3).bfloat16()
     assert launch.float32_param(temporary) is not launch.float32_param(temporary)
-    assert all(entry[0] is not temporary for entry in launch._FLOAT32_COPIES.values())
+    assert all(entry[0] is not temporary for entry in launch._PARAM_COPIES.values())
 
 
 def test_the_copies_are_bounded(monkeypatch):
-    monkeypatch.setattr(launch, "FLOAT32_COPIES", 3)
-    monkeypatch.setattr(launch, "_FLOAT32_COPIES", type(launch._FLOAT32_COPIES)())
+    monkeypatch.setattr(launch, "PARAM_COPIES", 3)
+    monkeypatch.setattr(launch, "_PARAM_COPIES", type(launch._PARAM_COPIES)())
     weights = [_param(torch.full((2,), float(i)).bfloat16()) for i in range(5)]
     for w in weights:
         launch.float32_param(w)
-    assert len(launch._FLOAT32_COPIES) == 3
-    assert [entry[0] for entry in launch._FLOAT32_COPIES.values()] == weights[2:]
+    assert len(launch._PARAM_COPIES) == 3
+    assert [entry[0] for entry in launch._PARAM_COPIES.values()] == weights[2:]
+
+
+def test_each_kind_of_copy_is_kept_apart():
+    weight = _param(torch.tensor([1.0, 2.0]))
+    doubled = launch.param_copy(weight, "doubled", lambda w: w * 2)
+    negated = launch.param_copy(weight, "negated", lambda w: -w)
+    assert doubled.tolist() == [2.0, 4.0] and negated.tolist() == [-1.0, -2.0]
+    assert launch.param_copy(weight, "doubled", lambda w: w * 3) is doubled

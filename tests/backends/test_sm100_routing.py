@@ -33,6 +33,7 @@ def check(op, name, inputs, tol_dtype=torch.float32):
     if op == "ep_dispatch" and inputs["topk_ids"].numel():
         (rows, _, handle), (want_rows, _, want_handle) = got, want
         assert handle.routed.dtype == torch.bool and handle.expert_order.dtype == torch.int64
+        assert torch.equal(handle.row_of_pair[handle.pair_index], torch.arange(handle.pair_index.numel()))
         y = (rows.float() * 1.5 - 0.25).to(rows.dtype)
         combined = ep_combine.ep_combine(y, handle)
         expected = all_to_all.ep_combine((want_rows.float() * 1.5 - 0.25).to(rows.dtype), want_handle)
@@ -143,8 +144,8 @@ def _kernels():
             topk_ids="*i64", counts="*i32", pairs="i32", num_experts="i32"), dict(BLOCK_PAIRS=block, BINS=bins)
         yield f"dispatch_place_kernel[{bins},{block}]", ep_dispatch.dispatch_place_kernel, dict(
             x="*bf16", topk_ids="*i64", topk_weights="*fp32", starts="*i32", totals="*i32", expanded="*bf16",
-            pair_index="*i64", pair_weights="*fp32", routed="*i8", expert_order="*i64", pairs="i32", top_k="i32",
-            num_experts="i32", hidden="i32", x_stride="i32", split_cols="i32"), \
+            pair_index="*i64", pair_weights="*fp32", routed="*i8", expert_order="*i64", row_of_pair="*i64", pairs="i32",
+            top_k="i32", num_experts="i32", hidden="i32", x_stride="i32", split_cols="i32"), \
             dict(BLOCK_PAIRS=block, ROWS=ep_dispatch.place_rows(bins), BINS=bins, BLOCK_H=ep_dispatch.BLOCK_H)
     for bins in (512, 1024):
         yield f"dispatch_scan_kernel[{bins}]", ep_dispatch.dispatch_scan_kernel, dict(

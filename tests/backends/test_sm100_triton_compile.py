@@ -11,19 +11,21 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _kernels():
-    from deepinfer_backends.sm100.fused import (ep_combine, kv_load, mhc_mixes, mhc_streams, mxfp4_cast, rope, swiglu,
-                                                tile_schedule)
+    from deepinfer_backends.sm100.fused import (ep_combine, grouped_gemm_skinny, kv_load, mhc_mixes, mhc_streams,
+                                                mxfp4_cast, rope, swiglu, tile_schedule)
 
-    yield "mhc_mix_partials", mhc_mixes.mhc_mix_partials, dict(
-        x="*bf16", fn="*fp32", dots="*fp32", squares="*fp32", tokens="i32", width="i32", rows="i32", x_stride="i64"), \
-        dict(ROWS=32, BLOCK=mhc_mixes.BLOCK_TOKENS, SPLIT=mhc_mixes.SPLIT, BLOCK_K=mhc_mixes.BLOCK_K)
+    for x, fn, parts in (("*bf16", "*bf16", 3), ("*fp32", "*fp32", 1)):
+        yield f"mhc_mix_partials[{parts} parts]", mhc_mixes.mhc_mix_partials, dict(
+            x=x, fn=fn, dots="*fp32", squares="*fp32", tokens="i32", width="i32", rows="i32", x_stride="i64"), \
+            dict(ROWS=32, BLOCK=mhc_mixes.BLOCK_TOKENS, SPLIT=mhc_mixes.SPLIT, BLOCK_K=mhc_mixes.BLOCK_K, PARTS=parts,
+                 UPCAST=False)
     gates = dict(dots="*fp32", squares="*fp32", scale="*fp32", base="*fp32")
     scalars = dict(tokens="i32", width="i32", norm_eps="fp32", hc_eps="fp32")
     yield "mhc_mixes_kernel", mhc_mixes.mhc_mixes_kernel, {**gates, "pre": "*fp32", "post": "*fp32", "comb": "*fp32",
                                                          **scalars}, \
-        dict(SPLITS=32, HC=4, ROWS=32, ITERS=20, BLOCK=mhc_mixes.BLOCK_TOKENS)
+        dict(SPLITS=64, HC=4, ROWS=32, ITERS=20, BLOCK=mhc_mixes.FINISH_TOKENS)
     yield "mhc_head_kernel", mhc_mixes.mhc_head_kernel, {**gates, "weights": "*fp32", **scalars}, \
-        dict(SPLITS=32, HC=4, ROWS=16, BLOCK=mhc_mixes.BLOCK_TOKENS)
+        dict(SPLITS=64, HC=4, ROWS=16, BLOCK=mhc_mixes.FINISH_TOKENS)
     yield "mhc_pre_kernel", mhc_streams.mhc_pre_kernel, dict(residual="*bf16", pre="*fp32", out="*bf16", hidden="i32"), \
         dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
     yield "mhc_post_kernel", mhc_streams.mhc_post_kernel, dict(y="*bf16", residual="*bf16", post="*fp32", comb="*fp32",
@@ -48,6 +50,11 @@ def _kernels():
         dict(DIM=128, BLOCK_ROWS=mxfp4_cast.BLOCK_ROWS)
     yield "swiglu_kernel", swiglu.swiglu_kernel, dict(gate="*fp32", up="*fp32", out="*bf16", count="i64", limit="fp32"), \
         dict(CLAMP=True, BLOCK=swiglu.BLOCK)
+    for width in (16, 64):
+        yield f"grouped_gemm_skinny_kernel[{width} columns]", grouped_gemm_skinny.grouped_gemm_skinny_kernel, dict(
+            x="*bf16", w="*bf16", y="*bf16", schedule="*i32", tiles="i32", experts="i32", n="i32", k="i32"), \
+            dict(BLOCK_T=grouped_gemm_skinny.BLOCK_T, BLOCK_N=width, BLOCK_K=grouped_gemm_skinny.BLOCK_K,
+                 NUM_STAGES=grouped_gemm_skinny.NUM_STAGES)
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

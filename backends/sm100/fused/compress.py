@@ -28,7 +28,7 @@ def _member(values, ring, positions, state_slots, chunk_start, t, channels, insi
     from_ring = tl.where((member < start) & (slot >= 0) & (slot < num_slots), inside, False)
     call_row = tl.maximum(t - back, 0)
     return tl.where(in_call, tl.load(values + call_row * dim + channels, mask=tl.where(in_call, inside, False),
-                                     other=0.0),
+                                     other=0.0).to(tl.float32),
                     tl.load(ring + entry, mask=from_ring, other=0.0))
 
 
@@ -43,7 +43,8 @@ def compress_pool_kernel(latent, score, state, positions, state_slots, chunk_sta
     channels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = channels < dim
     if RATIO == 1:
-        tl.store(out + t * dim + channels, tl.load(latent + t * dim + channels, mask=inside), mask=inside)
+        tl.store(out + t * dim + channels, tl.load(latent + t * dim + channels, mask=inside).to(tl.float32),
+                 mask=inside)
         if tl.program_id(1) == 0:
             tl.store(emit + t, 1)
     else:
@@ -86,8 +87,9 @@ def compress_store_kernel(latent, score, state, positions, state_slots, tokens, 
     latest = (later_slot != slot) | (floor_mod(later_position, ring_length) != floor_mod(position, ring_length))
     keep = tl.where((slot >= 0) & (slot < num_slots) & latest, channels < dim, False)
     entry = (slot * ring_length + floor_mod(position, ring_length)) * 2 * dim + channels
-    tl.store(state + entry, tl.load(score + t * dim + channels, mask=keep, other=0.0), mask=keep)
-    tl.store(state + entry + dim, tl.load(latent + t * dim + channels, mask=keep, other=0.0), mask=keep)
+    tl.store(state + entry, tl.load(score + t * dim + channels, mask=keep, other=0.0).to(tl.float32), mask=keep)
+    tl.store(state + entry + dim, tl.load(latent + t * dim + channels, mask=keep, other=0.0).to(tl.float32),
+             mask=keep)
 
 
 def main() -> None:

@@ -85,11 +85,12 @@ def dispatch_scan_kernel(counts, starts, totals, group_sizes, blocks, num_expert
 
 @triton.jit
 def dispatch_place_kernel(x, topk_ids, topk_weights, starts, totals, expanded, pair_index, pair_weights, routed,
-                          expert_order, pairs, top_k, num_experts, hidden, x_stride, split_cols,
+                          expert_order, row_of_pair, pairs, top_k, num_experts, hidden, x_stride, split_cols,
                           BLOCK_PAIRS: tl.constexpr, ROWS: tl.constexpr, BINS: tl.constexpr, BLOCK_H: tl.constexpr):
     """Pairs of block ``pid0`` go to their sorted rows ``r``: ``expanded[r, cols] = x[pair // top_k,
     cols]`` for the columns of split ``pid1`` (``split_cols`` wide); split 0 also writes
-    ``pair_index[r]``, ``pair_weights[r]`` (float32), ``routed[r]`` (int8) and ``expert_order[r] = r``."""
+    ``pair_index[r]``, ``pair_weights[r]`` (float32), ``routed[r]`` (int8), ``expert_order[r] = r``
+    and ``row_of_pair[pair] = r``."""
     block, split = tl.program_id(0), tl.program_id(1)
     bins = tl.arange(0, BINS)
     sizes = tl.load(totals + bins)
@@ -113,6 +114,7 @@ def dispatch_place_kernel(x, topk_ids, topk_weights, starts, totals, expanded, p
             tl.store(pair_weights + row, weight, mask=live)
             tl.store(routed + row, is_routed.to(tl.int8), mask=live)
             tl.store(expert_order + row, row, mask=live)
+            tl.store(row_of_pair + pair, row, mask=live)
         source = x + (pair // top_k).to(tl.int64)[:, None] * x_stride
         target = expanded + row[:, None] * hidden
         for col in range(col_start, col_end, BLOCK_H):

@@ -1,29 +1,54 @@
-"""The mHC mixes in two Triton kernels, float32 throughout (the dot products on tensor cores as
-three TF32 products, ``tf32x3``, which keeps about float32's precision).
+"""The mHC mixes in two Triton kernels, float32 throughout.
 
 :func:`mhc_mix_partials`: each program takes ``BLOCK_TOKENS`` tokens and one ``SPLIT``-wide
 slice of the flattened residual, and writes that slice's dot products with every row of ``fn``
-and its sum of squares. :func:`mhc_mixes_kernel` (or :func:`mhc_head_kernel`) adds the slices up
-in order, normalises by the RMS, and computes the gates and the stream-mixing matrix through its
-softmax and every Sinkhorn iteration, in registers. Tiles and slices are fixed by the widths
-alone, so each token's arithmetic does not depend on the batch."""
+and its sum of squares. A bf16 residual meets ``fn`` split into three bf16 parts
+(``hi + mid + lo``, which hold a float32's 24 bits): each part's products with the bf16 values
+are exact in float32, and the three go into one float32 accumulator, so bf16 tensor cores give
+float32's precision. A float32 residual meets ``fn`` itself, as three TF32 products (``tf32x3``).
+:func:`mhc_mixes_kernel` (or :func:`mhc_head_kernel`) adds the slices up in order, normalises by
+the RMS, and computes the gates and the stream-mixing matrix through its softmax and every
+Sinkhorn iteration, in registers. Tiles and slices are fixed by the widths alone, so each
+token's arithmetic does not depend on the batch."""
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-BLOCK_TOKENS = 32
-SPLIT = 512
+BLOCK_TOKENS = 64
+SPLIT = 256
 BLOCK_K = 64
+FINISH_TOKENS = 4
+FINISH_WARPS = 1
+"""Tiles of the two kernels, the same at every token count (so each token's arithmetic is): the
+partials take ``BLOCK_TOKENS`` tokens and a ``SPLIT``-wide slice a program (64 tokens, about 3x
+faster than 32 at 8192 tokens; 256 columns, the shortest decode), the finishing kernels
+``FINISH_TOKENS`` tokens with ``FINISH_WARPS`` warps (their Sinkhorn loop is latency-bound:
+one warp on a few tokens is the fastest at 1 and at 8192 tokens). Measured side by side in
+``experiments/results/mhc_mixes_tiles_h200.csv``."""
+
+
+def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[3, rows, width]`` whose sum is float32 ``fn [rows, width]``: each part the bf16
+    rounding of what the earlier ones leave."""
+    parts, rest = [], fn.detach().float()
+    for _ in range(3):
+        part = rest.to(torch.bfloat16)
+        parts.append(part)
+        rest = rest - part.float()
+    return torch.stack(parts).contiguous()
 
 
 @triton.jit
-def mhc_mix_partials(x, fn, dots, squares, tokens, width, rows, x_stride,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+def mhc_mix_partials(x, fn, dots, squares, tokens, width, rows, x_stride, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr):
     """Tokens ``[BLOCK * pid0, BLOCK * (pid0 + 1))`` of ``x [tokens, width]`` (row stride
-    ``x_stride``, bf16 or float32), columns ``[SPLIT * pid1, SPLIT * (pid1 + 1))``:
-    ``dots[pid1, token, r] = x[token, cols] . fn[r, cols]`` for the ``rows`` rows of ``fn``
-    (float32 ``[rows, width]``, padded to ``ROWS``) and ``squares[pid1, token]``."""
+    ``x_stride``), columns ``[SPLIT * pid1, SPLIT * (pid1 + 1))``: ``dots[pid1, token, r] =
+    x[token, cols] . fn[r, cols]`` for the ``rows`` rows of ``fn`` (padded to ``ROWS``) and
+    ``squares[pid1, token]``. ``PARTS`` 3: bf16 ``x`` and ``fn`` the bf16 parts ``[3, rows,
+    width]`` of :func:`bf16_parts`; 1: float32 ``x`` and ``fn [rows, width]``. ``UPCAST`` feeds
+    the bf16 parts to ``tl.dot`` as float32 (the same exact products; for Triton's interpreter)."""
     split = tl.program_id(1)
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = token < tokens
@@ -34,10 +59,18 @@ def mhc_mix_partials(x, fn, dots, squares, tokens, width, rows, x_stride,
         col = split * SPLIT + start + tl.arange(0, BLOCK_K)
         inside = col < width
         a = tl.load(x + token[:, None].to(tl.int64) * x_stride + col[None, :], mask=live[:, None] & inside[None, :],
-                    other=0.0).to(tl.float32)
-        b = tl.load(fn + row[None, :] * width + col[:, None], mask=(row[None, :] < rows) & inside[:, None], other=0.0)
-        dot = tl.dot(a, b, dot, input_precision="tf32x3")
-        square += tl.sum(a * a, axis=1)
+                    other=0.0)
+        wide = a.to(tl.float32)
+        square += tl.sum(wide * wide, axis=1)
+        for part in tl.static_range(PARTS):
+            b = tl.load(fn + part * rows * width + row[:, None] * width + col[None, :],
+                        mask=(row[:, None] < rows) & inside[None, :], other=0.0)
+            if PARTS == 1:
+                dot = tl.dot(wide, tl.trans(b), dot, input_precision="tf32x3")
+            elif UPCAST:
+                dot = tl.dot(wide, tl.trans(b.to(tl.float32)), dot, input_precision="ieee")
+            else:
+                dot = tl.dot(a, tl.trans(b), dot)
     slot = split * tokens + token
     tl.store(dots + slot[:, None].to(tl.int64) * ROWS + row[None, :], dot, mask=live[:, None])
     tl.store(squares + slot, square, mask=live)

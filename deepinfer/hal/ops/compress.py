@@ -12,12 +12,16 @@ from deepinfer.hal.spec import OpCase, OpSpec, register
 from deepinfer.hal.value_checks import value_checks
 
 
+LATENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def compress_tokens(latent: torch.Tensor, score: torch.Tensor | None, positions: torch.Tensor,
                     state_slots: torch.Tensor, chunk_start: torch.Tensor, state: torch.Tensor | None,
                     ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress tokens ``ratio`` to one; returns ``(out float32 [T, D], emit bool [T])``.
 
-    ``latent``, ``score``: float32 ``[T, D]``; ``positions``, ``state_slots``, ``chunk_start``:
+    ``latent``, ``score``: float32 or bf16 ``[T, D]`` (read as float32; the projections'
+    output, cast by no launch of its own); ``positions``, ``state_slots``, ``chunk_start``:
     int64 ``[T]`` (absolute position, the sequence's state slot, the first position of the
     sequence in this call); the tokens of one sequence are contiguous and ascending.
     ``ratio == 1``: ``out = latent``, all emit (``score`` and ``state`` may be None).
@@ -30,8 +34,9 @@ def compress_tokens(latent: torch.Tensor, score: torch.Tensor | None, positions:
     Rows that do not emit are zero."""
     check_compress_tokens(latent, positions, state_slots, chunk_start, ratio)
     if ratio == 1:
-        return latent.clone(), torch.ones_like(positions, dtype=torch.bool)
+        return latent.float().clone(), torch.ones_like(positions, dtype=torch.bool)
     check_compress_state(latent, score, state_slots, state, ratio)
+    latent, score = latent.float(), score.float()
     emit = (positions + 1) % ratio == 0
     member_scores, member_latents = _group_members(emit, latent, score, positions, state_slots, chunk_start,
                                                    state, ratio)
@@ -74,8 +79,8 @@ def _store(state, score, latent, positions, state_slots) -> None:
 def check_compress_tokens(latent, positions, state_slots, chunk_start, ratio) -> None:
     if not isinstance(ratio, int) or ratio < 1:
         raise ValueError(f"ratio must be an int >= 1, got {ratio!r}")
-    if latent.dtype != torch.float32 or latent.ndim != 2:
-        raise ValueError(f"latent must be float32 [T, D], got {latent.dtype} {tuple(latent.shape)}")
+    if latent.dtype not in LATENT_DTYPES or latent.ndim != 2:
+        raise ValueError(f"latent must be float32 or bf16 [T, D], got {latent.dtype} {tuple(latent.shape)}")
     tokens = latent.shape[0]
     for name, value in (("positions", positions), ("state_slots", state_slots), ("chunk_start", chunk_start)):
         if value.dtype != torch.int64 or tuple(value.shape) != (tokens,):
@@ -86,9 +91,9 @@ def check_compress_tokens(latent, positions, state_slots, chunk_start, ratio) ->
 
 
 def check_compress_state(latent, score, state_slots, state, ratio) -> None:
-    if score is None or score.shape != latent.shape or score.dtype != torch.float32:
+    if score is None or score.shape != latent.shape or score.dtype not in LATENT_DTYPES:
         seen = None if score is None else f"{score.dtype} {tuple(score.shape)}"
-        raise ValueError(f"ratio {ratio} needs score float32 {tuple(latent.shape)}, got {seen}")
+        raise ValueError(f"ratio {ratio} needs score float32 or bf16 {tuple(latent.shape)}, got {seen}")
     if (state is None or state.dtype != torch.float32 or state.ndim != 4
             or tuple(state.shape[2:]) != (2, latent.shape[1]) or state.shape[1] < ratio):
         seen = None if state is None else f"{state.dtype} {tuple(state.shape)}"
@@ -109,17 +114,18 @@ def check_contiguous(call_rows, in_call, member_positions, positions, state_slot
                          "chunk_start; a group member's row does not hold the expected position and slot")
 
 
-def _case(sequences, dim, ratio, num_slots=0, ring_length=0):
-    """``sequences``: (state slot, first position in this call, token count) per sequence."""
+def _case(sequences, dim, ratio, num_slots=0, ring_length=0, dtype=torch.float32):
+    """``sequences``: (state slot, first position in this call, token count) per sequence;
+    ``dtype``: of latent and score."""
     def make(gen: torch.Generator, device: torch.device):
         positions = torch.cat([torch.arange(first, first + count) for _, first, count in sequences])
         slots = torch.cat([torch.full((count,), slot) for slot, _, count in sequences])
         starts = torch.cat([torch.full((count,), first) for _, first, count in sequences])
         tokens = positions.numel()
-        args = {"latent": torch.randn(tokens, dim, generator=gen), "score": None, "positions": positions,
+        args = {"latent": torch.randn(tokens, dim, generator=gen).to(dtype), "score": None, "positions": positions,
                 "state_slots": slots, "chunk_start": starts, "state": None, "ratio": ratio}
         if ratio > 1:
-            args["score"] = 2 * torch.randn(tokens, dim, generator=gen)
+            args["score"] = (2 * torch.randn(tokens, dim, generator=gen)).to(dtype)
             args["state"] = torch.randn(num_slots, ring_length, 2, dim, generator=gen)
         return {name: value.to(device) if isinstance(value, torch.Tensor) else value
                 for name, value in args.items()}
@@ -136,6 +142,9 @@ register(OpSpec(
         OpCase("c2_prefill_straddle", _case([(2, 3, 6), (0, 0, 5)], 64, 2, num_slots=3, ring_length=7)),
         OpCase("c2_decode", _case([(1, 5, 1), (0, 8, 1), (3, 1, 1)], 64, 2, num_slots=4, ring_length=7)),
         OpCase("ratio4_chunk", _case([(1, 2, 8)], 32, 4, num_slots=2, ring_length=6)),
+        OpCase("c2_bf16_inputs", _case([(2, 3, 6), (0, 0, 5)], 64, 2, num_slots=3, ring_length=7,
+                                       dtype=torch.bfloat16)),
+        OpCase("c1_bf16_inputs", _case([(0, 3, 5)], 64, ratio=1, dtype=torch.bfloat16)),
         OpCase("v41_c2_prefill", _case([(0, 7, 32), (5, 0, 32)], 512, 2, num_slots=8, ring_length=7), "real"),
         OpCase("v41_c2_decode", _case([(slot, 3 + slot, 1) for slot in range(64)], 512, 2, num_slots=64,
                                       ring_length=7), "real"),

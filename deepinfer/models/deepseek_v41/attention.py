@@ -41,7 +41,9 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Lightning-style indexer: index queries from ``q_a``, index keys from pre-RoPE compressed KV."""
+    """Lightning-style indexer: index queries from ``q_a``, index keys from pre-RoPE compressed KV.
+    ``weight_scale`` (float32 ``[1]``) scales the head weights: a tensor with a dimension, so its
+    product with the projection's output is computed and kept in float32, in one launch."""
 
     def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype):
         super().__init__()
@@ -50,6 +52,7 @@ class Indexer(nn.Module):
         self.wk = Linear(ATTENTION_DIM, INDEX_HEAD_DIM, ops, dtype)
         self.k_norm = RMSNorm(INDEX_HEAD_DIM, cfg.rms_norm_eps, ops, dtype)
         self.weights_proj = Linear(cfg.hidden_size, self.heads, ops, dtype)
+        self.register_buffer("weight_scale", torch.full((1,), (self.heads * INDEX_HEAD_DIM) ** -0.5), persistent=False)
 
 
 class Attention(nn.Module):
@@ -95,12 +98,13 @@ class Attention(nn.Module):
         return self._project_out(out)
 
     def _store_compressed(self, source, ctx, cache, cos_sin) -> None:
+        """Compress ``source``'s tokens and store the keys of the groups they close (every token
+        gets a key row; the rows of tokens that close no group are not stored)."""
         ops, comp = self.ops, self.compressor
-        latent = comp.wkv(source).float()
-        score = comp.wgate(source).float() if comp.wgate is not None else None
-        packed, _ = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
-                                        ctx.chunk_start_of_token, cache.compress_state, self.ratio)
-        keys = packed.to(latent.dtype)  # every row: the ones that do not close a group are not stored
+        latent = comp.wkv(source)  # compress_tokens reads it (and the score) as float32
+        score = comp.wgate(source) if comp.wgate is not None else None
+        keys, _ = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
+                                      ctx.chunk_start_of_token, cache.compress_state, self.ratio)
         key_pos, slots = ctx.derived(("compressed_store", self.ratio), lambda: self._store_rows(ctx, cache))
         ops.kv_norm_rope_store(keys, comp.norm.weight, comp.norm.eps, key_pos, cos_sin, cache.compressed, slots,
                                self.cfg.compressed_cache_format)
@@ -113,15 +117,18 @@ class Attention(nn.Module):
         """Each token's compressed key position and cache row; ``-1`` where the token closes no
         group of ``ratio`` (``compress_tokens`` emits at ``(p + 1) % ratio == 0``). A decode step
         reads the rows from its sequences' key layout (a closing token is its sequence's last key)."""
-        index = (ctx.positions + 1) // self.ratio - 1
-        closes = (ctx.positions + 1) % self.ratio == 0
-        index = index.masked_fill(~closes, -1)
+        index = self._visible(ctx) - 1
+        if self.ratio > 1:
+            index = index.masked_fill_(ctx.positions.remainder(self.ratio) != self.ratio - 1, -1)
+        key_pos = (index * self.ratio).clamp_(min=0) if self.ratio > 1 else index
         if ctx.decode:
             table = self._rows_of_token(ctx, cache)
-            slots = table.gather(1, index.remainder(table.shape[1])[:, None])[:, 0].long()
-        else:
-            slots = cache.compressed_slots(ctx.block_tables, ctx.seq_of_token, index)
-        return (index * self.ratio).clamp(min=0), slots
+            return key_pos, table.gather(1, index.remainder(table.shape[1])[:, None])[:, 0].long()
+        return key_pos, cache.compressed_slots(ctx.block_tables, ctx.seq_of_token, index)
+
+    def _visible(self, ctx: ForwardContext) -> torch.Tensor:
+        """How many compressed keys each token sees, ``(p + 1) // ratio``; once per context and ratio."""
+        return ctx.derived(("compressed_visible", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
 
     def swa_keys(self, latent: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache: LayerCache,
                  slots: torch.Tensor) -> torch.Tensor:
@@ -133,16 +140,22 @@ class Attention(nn.Module):
     def _compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
         """Flat cache rows of every sequence's compressed tokens (``-1``: none), and each
         sequence's first row among them. A decode step lays each sequence out in full
-        (``block table width x tokens per block`` rows, the ones past its count ``-1``), so no
-        shape depends on the lengths; other steps pack the lengths the host knows. Computed once
-        per context and ratio."""
+        (``block table width x tokens per block`` rows and one more, the ones past its count
+        ``-1``: :meth:`_decode_rows`), so no shape depends on the lengths, and has no first rows
+        (None); other steps pack the lengths the host knows. Computed once per context and ratio."""
         return ctx.derived(("compressed_keys", self.ratio), lambda: self._lay_out_compressed_keys(ctx, cache))
 
+    def _decode_rows(self, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
+        """int64 ``[B, keys + 1]``: each decode sequence's compressed key rows in order, ``-1`` past
+        its count and in a last column, which offset ``-1`` reaches modulo the width. Computed
+        once per context and ratio."""
+        return ctx.derived(("decode_rows", self.ratio), lambda: cache.sequence_rows(
+            ctx.block_tables, ctx.context_lens // self.ratio, spare=1))
+
     def _lay_out_compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
-        counts = ctx.context_lens // self.ratio
         if ctx.decode:
-            rows = cache.sequence_rows(ctx.block_tables, counts)
-            return rows.reshape(-1), torch.arange(ctx.num_seqs, device=counts.device) * rows.shape[1]
+            return self._decode_rows(ctx, cache).reshape(-1), None
+        counts = ctx.context_lens // self.ratio
         total = sum(n // self.ratio for n in ctx.context_lens_host)
         seq = torch.repeat_interleave(torch.arange(ctx.num_seqs, device=counts.device), counts, output_size=total)
         first = torch.cat((counts.new_zeros(1), counts.cumsum(0)[:-1]))
@@ -161,10 +174,10 @@ class Attention(nn.Module):
             visible = (ctx.positions + 1) // self.ratio
             return torch.where(offsets < visible[:, None], offsets, -1).to(torch.int32)
         q = rope_tail(ops, idx.wq_b(q_a).view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
-        weights = idx.weights_proj(hidden).float().mul_((idx.heads * INDEX_HEAD_DIM) ** -0.5)
+        weights = idx.weights_proj(hidden) * idx.weight_scale  # float32, as the [1]-shaped scale
         key_slots, first = self._compressed_keys(ctx, cache)
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
-        visible = ctx.derived(("compressed_visible", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
+        visible = self._visible(ctx)
         if ctx.decode:
             keys = keys.view(ctx.num_seqs, -1, INDEX_HEAD_DIM)
             starts = ctx.derived(("zeros", visible.shape), lambda: torch.zeros_like(visible))
@@ -244,13 +257,11 @@ class Attention(nn.Module):
         return out.reshape(ctx.num_tokens, self.heads, ATTENTION_DIM)
 
     def _rows_of_token(self, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
-        """int32 ``[T, keys + 1]``: each decode token's sequence's compressed key rows in order
-        (``-1`` past its count), and a last ``-1`` column, which offset ``-1`` reaches modulo the
-        width. Computed once per context and ratio."""
+        """int32 ``[T, keys + 1]``: :meth:`_decode_rows` of each decode token's sequence. Computed
+        once per context and ratio."""
         def lay_out():
-            key_slots, _ = self._compressed_keys(ctx, cache)
-            rows = key_slots.view(ctx.num_seqs, -1).to(torch.int32)
-            return torch.cat((rows, rows.new_full((ctx.num_seqs, 1), -1)), dim=1)[ctx.seq_of_token]
+            rows = self._decode_rows(ctx, cache).to(torch.int32)
+            return rows if ctx.decode_query_len == 1 else rows[ctx.seq_of_token]
         return ctx.derived(("compressed_rows_of_token", self.ratio), lay_out)
 
     def _swa_decode_indices(self, ctx: ForwardContext, visible: torch.Tensor | None) -> torch.Tensor:

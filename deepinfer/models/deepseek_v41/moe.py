@@ -73,9 +73,9 @@ class MoE(nn.Module):
         return self.apply_experts(x, *self.route(x))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights float32 [T, k], expert ids int64 [T, k])`` of the gate."""
-        logits = self.ops.linear(x, self.gate.weight).float()
-        return self.ops.moe_gate(logits, self.gate.bias, self.top_k, self.routed_scale)
+        """``(weights float32 [T, k], expert ids int64 [T, k])`` of the gate (``moe_gate`` reads the
+        logits in float32)."""
+        return self.ops.moe_gate(self.ops.linear(x, self.gate.weight), self.gate.bias, self.top_k, self.routed_scale)
 
     def apply_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts (weighted by ``weights``) plus the shared expert."""

@@ -1,0 +1,94 @@
+"""The bf16 grouped GEMM for few rows per expert in one Triton kernel: each program takes one
+tile of at most ``BLOCK_T`` rows of one expert (from the device tile schedule) and ``BLOCK_N``
+of its output columns, and streams that slice of the expert's weight through shared memory in
+``BLOCK_K`` steps, float32 accumulation, a bf16 store.
+
+With a handful of rows an expert (decode) the GEMM reads each routed expert's weight once and
+is bound by memory: many narrow column blocks keep every SM streaming, where the tensor-core
+kernels' 64-row tiles leave most SMs idle. The tiles depend on the shapes and on the row count
+(the tile schedule), so the kernel serves the default mode, not the batch-invariant one."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 16
+BLOCK_K = 128
+NUM_STAGES = 4
+TARGET_PROGRAMS = 2 * 132
+"""Working programs aimed at (two per SM of an H200): the column block narrows until the tiles
+that can hold rows (one an expert, at most one a row) fill that many."""
+
+
+@triton.jit
+def grouped_gemm_skinny_kernel(x, w, y, schedule, tiles, experts, n, k,
+                               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               NUM_STAGES: tl.constexpr):
+    """Tile ``pid1`` of ``schedule int32 [3, tiles]`` (expert, first row, end row; expert
+    ``experts`` marks an unused tile), columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))``:
+    ``y[rows, cols] = x[rows] @ w[expert, cols].T`` for ``x [M, k]``, ``w [experts, n, k]``."""
+    tile = tl.program_id(1)
+    expert = tl.load(schedule + tile)
+    if expert < experts:
+        first = tl.load(schedule + tiles + tile)
+        end = tl.load(schedule + 2 * tiles + tile)
+        row = first + tl.arange(0, BLOCK_T)
+        live = row < end
+        col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = col < n
+        depth = tl.arange(0, BLOCK_K)
+        x_rows = x + row[:, None].to(tl.int64) * k
+        w_rows = w + (expert.to(tl.int64) * n + col[:, None]) * k
+        acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+        for start in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
+            kk = start + depth
+            within = kk < k
+            a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
+            b = tl.load(w_rows + kk[None, :], mask=inside[:, None] & within[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+        tl.store(y + row[:, None].to(tl.int64) * n + col[None, :], acc.to(y.dtype.element_ty),
+                 mask=live[:, None] & inside[None, :])
+
+
+def block_n(rows: int, experts: int, n: int) -> int:
+    """The column block: 64, halved (down to 16) while the tiles that can hold rows times the
+    column blocks stay below :data:`TARGET_PROGRAMS`."""
+    width = 64
+    while width > 16 and min(rows, experts) * -(-n // width) < TARGET_PROGRAMS:
+        width //= 2
+    return width
+
+
+def grouped_gemm_skinny(x: torch.Tensor, weight: torch.Tensor, schedule: torch.Tensor, y: torch.Tensor) -> None:
+    """Launch :func:`grouped_gemm_skinny_kernel` into ``y [M, n]`` for contiguous bf16 ``x [M, k]``,
+    ``weight [experts, n, k]`` and a tile schedule of :data:`BLOCK_T` rows."""
+    experts, n, k = weight.shape
+    tiles = schedule.shape[1]
+    width = block_n(x.shape[0], experts, n)
+    grouped_gemm_skinny_kernel[(-(-n // width), tiles)](
+        x, weight, y, schedule, tiles, experts, n, k, BLOCK_T=BLOCK_T, BLOCK_N=width, BLOCK_K=BLOCK_K,
+        NUM_STAGES=NUM_STAGES, num_warps=4)
+
+
+def main() -> None:
+    """Check the kernel against the float64 grouped product, rounded to bf16, on this GPU."""
+    from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, n, k, rows in ((16, 2048, 4096, 6), (16, 4096, 2048, 96), (8, 200, 72, 13), (1, 512, 256, 3)):
+        sizes = torch.multinomial(torch.ones(experts), rows, replacement=True, generator=gen).bincount(
+            minlength=experts)
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(experts, n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+        want = torch.cat([x[s:e].double() @ w[i].double().T for i, (s, e) in
+                          enumerate(zip(sizes.cumsum(0) - sizes, sizes.cumsum(0)))])
+        y = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_skinny(x.cuda(), w.cuda(), tile_schedule(sizes.cuda(), rows, BLOCK_T), y)
+        error = (y.cpu().double() - want).abs().max().item()
+        assert error <= 2 ** -7 * want.abs().max().item(), f"{experts} experts, {n}x{k}, {rows} rows: error {error}"
+        print(f"grouped_gemm_skinny: {experts} experts, {n}x{k}, {rows} rows: max error {error:.2e}: ok")
+
+
+if __name__ == "__main__":
+    main()
