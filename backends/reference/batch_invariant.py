@@ -24,7 +24,9 @@ import torch
 
 from deepinfer.hal.formats import Quantized
 from deepinfer.hal.ops import indexer, mla
+from deepinfer.hal.ops.activation import swiglu
 from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm, grouped_gemm_tiled, linear, result_dtype
+from deepinfer.hal.ops.grouped_swiglu import check_grouped_swiglu
 from deepinfer.hal.spec import SPECS
 
 ROW_TILE = 32
@@ -44,6 +46,7 @@ ROW_TILED = {
     "mhc_mixes": ("residual",),
     "mhc_pre": ("residual", "pre"),
     "mhc_post": ("y", "residual", "post", "comb"),
+    "mhc_post_pre": ("y", "residual", "post", "comb", "pre"),
     "mhc_head": ("residual",),
     "moe_gate": ("logits",),
     "sample": ("logits", "temperature", "top_p", "top_k", "seeds", "positions"),
@@ -118,6 +121,14 @@ def grouped_gemm(x: Rows, weight: Rows, group_sizes: torch.Tensor) -> torch.Tens
     return out.to(result_dtype(x, weight))
 
 
+def grouped_swiglu(x: Rows, w1: Rows, w3: Rows, group_sizes: torch.Tensor, limit: float | None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`~deepinfer.hal.ops.grouped_swiglu.grouped_swiglu` on :func:`grouped_gemm`'s tiles
+    (the activation is per element)."""
+    check_grouped_swiglu(x, w1, w3, limit)
+    return swiglu(grouped_gemm(x, w1, group_sizes), grouped_gemm(x, w3, group_sizes), limit, dtype)
+
+
 def mla_sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
                        scale: float, main_keys: int | None = None):
     """:func:`~deepinfer.hal.ops.mla.mla_sparse_prefill`: keys gathered per tile of query rows,
@@ -162,7 +173,7 @@ def _shared_key_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
     return torch.cat(columns, dim=1)
 
 
-CUSTOM = {"grouped_gemm": grouped_gemm, "mla_sparse_prefill": mla_sparse_prefill,
+CUSTOM = {"grouped_gemm": grouped_gemm, "grouped_swiglu": grouped_swiglu, "mla_sparse_prefill": mla_sparse_prefill,
           "mla_sparse_decode": mla_sparse_decode, "indexer_logits": indexer_logits}
 """Ops with their own tiling (expert segments, attention on gathered keys, key columns)."""
 

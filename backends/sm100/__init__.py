@@ -16,10 +16,10 @@ from deepinfer.hal.backend import Backend, Capabilities
 from deepinfer_backends.sm100.options import KernelOptions
 
 IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "ep_combine", "ep_dispatch", "grouped_gemm",
-               "grouped_linear", "indexer_logits", "indexer_topk", "kv_load", "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes",
-               "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample",
-               "speculative_accept", "swa_decode_indices", "swa_history_slots", "swa_prefill_indices",
-               "swa_ring_slots", "swiglu")
+               "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk", "kv_load", "kv_norm_rope_store",
+               "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre", "mhc_pre", "mla_sparse_decode",
+               "mla_sparse_prefill", "moe_gate", "rms_norm", "sample", "speculative_accept", "swa_decode_indices",
+               "swa_history_slots", "swa_prefill_indices", "swa_ring_slots", "swiglu")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
     "kv_cast": "training rounds keys through a cache format with kv_cast; inference stores them with "
@@ -32,13 +32,14 @@ INVARIANT = {
                     "over the whole K, in order (no split-K)",
     "linear": "the grouped GEMM kernel with one expert, same fixed tiles (never cuBLAS)",
     "grouped_linear": "the grouped GEMM kernel on the group-major rows, same fixed tiles (never cuBLAS)",
+    "grouped_swiglu": "the two grouped GEMMs with the fixed tiles, then the SwiGLU per element",
     "mla_sparse_decode": "split-KV off: one CTA per query row walks its key lists block by block, in order",
     "mla_sparse_prefill": "the decode kernel on a bf16 key buffer, in decode's key blocks, split-KV off",
     "rms_norm": "one CTA per row, a reduction tree fixed by the row width",
     "indexer_logits": "one CTA per (token, 128-key tile): a wgmma over the head dim, the head sum in a fixed order",
     "kv_norm_rope_store": "one CTA per token: a reduction tree and a quantization fixed by the row width",
-    "mhc_mixes": "dot products and squares in fixed 32-token tiles and 512-wide slices of the width, the slices "
-                 "added in order; gates and Sinkhorn per token",
+    "mhc_mixes": "dot products and squares in fixed 64-token tiles and 256-wide slices of the width, the slices "
+                 "added in order; gates and Sinkhorn per token, in tiles fixed for every token count",
     "mhc_head": "the mhc_mixes partials, then per-token gates",
     "apply_rope": "per element: products and sums with the token's table row",
     "ep_combine": "per token: the routed slots are summed in slot order",
@@ -46,6 +47,7 @@ INVARIANT = {
     "swiglu": "per element",
     "mhc_pre": "one program per (token, column block), the streams added in order",
     "mhc_post": "one program per (token, column block), the streams added in order",
+    "mhc_post_pre": "mhc_post, then per (token, column) the stored streams added in order",
     "moe_gate": "one program per token: its scores and top-k from its own logits row",
     "ep_dispatch": "a stable counting sort: a pair's slot is fixed by the keys before it, in pair order; one rank",
     "compress_tokens": "per (token, channel): the group's softmax over its own members, in member order",
@@ -60,9 +62,11 @@ INVARIANT = {
 }
 """Ops in the batch-invariant table (``engine.batch_invariant=true``), with the reason each row's
 arithmetic does not depend on the batch. Ops not listed go to the fallback (or are refused)."""
-KERNEL_CHOICE = ("grouped_gemm", "grouped_linear", "linear", "mla_sparse_decode", "mla_sparse_prefill")
+KERNEL_CHOICE = ("grouped_gemm", "grouped_linear", "grouped_swiglu", "linear", "mla_sparse_decode",
+                 "mla_sparse_prefill")
 """Ops whose kernel ``backend.options`` (:class:`~deepinfer_backends.sm100.options.KernelOptions`) picks."""
 _INVARIANT_ARGS = {"grouped_gemm": {"batch_invariant": True}, "grouped_linear": {"batch_invariant": True},
+                   "grouped_swiglu": {"batch_invariant": True},
                    "linear": {"batch_invariant": True},
                    "mla_sparse_decode": {"split_kv": False},
                    "mla_sparse_prefill": {"split_kv": False, "batch_invariant": True}}

@@ -59,9 +59,9 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
 
 SKINNY_BF16_ROWS_PER_EXPERT = 4
 """Rows per expert (on average) up to which bf16 ``grouped_gemm`` takes the Triton kernel for few
-rows: at model=small's batch-1 decode (6 rows over 16 experts) it streams the weights faster than
-the warp-specialised kernel's 64-row tiles, at 6 rows per expert level with or behind it
-(``experiments/results/grouped_gemm_skinny_h200.csv``)."""
+rows, which streams the weights through many narrow column blocks; above it the warp-specialised
+kernel's 64-row tiles keep up or lead (``experiments/grouped_gemm_kernels.py``, the ``small``
+points; ``experiments/results/grouped_gemm_skinny_h200.csv``)."""
 
 
 def _grouped_gemm_skinny(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 ``mhc_mixes`` and ``mhc_head``: the flattened residual's dot products with ``fn`` and its sum of
 squares in fixed slices of the width, then one kernel that adds the slices up, normalises and
 computes the gates (and the whole Sinkhorn normalisation). ``mhc_pre`` and ``mhc_post``: one pass
-over the streams each. Every token's arithmetic is fixed by the widths alone (batch-invariant)."""
+over the streams each; ``mhc_post_pre`` both in one. Every token's arithmetic is fixed by the widths alone (batch-invariant)."""
 from __future__ import annotations
 
 import torch
@@ -76,6 +76,23 @@ def mhc_post(y, residual, post, comb):
             y.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, hidden,
             HC=hc, BLOCK=BLOCK_HIDDEN, num_warps=4)
     return out
+
+
+def mhc_post_pre(y, residual, post, comb, pre):
+    """HAL ``mhc_post_pre``: the new residual ``[T, hc, H]`` and the next sublayer's input ``[T, H]``
+    (read from it with ``pre``), both in ``residual.dtype``, in one pass."""
+    tokens, hc, hidden = _streams("mhc_post_pre", residual)
+    _shapes("mhc_post_pre", (("y", y, (tokens, hidden)), ("post", post, (tokens, hc)),
+                             ("comb", comb, (tokens, hc, hc)), ("pre", pre, (tokens, hc))))
+    from deepinfer_backends.sm100.fused.mhc_streams import BLOCK_HIDDEN, mhc_post_pre_kernel
+
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    x = torch.empty(tokens, hidden, dtype=residual.dtype, device=residual.device)
+    if tokens:
+        mhc_post_pre_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
+            y.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(),
+            pre.float().contiguous(), out, x, hidden, HC=hc, BLOCK=BLOCK_HIDDEN, num_warps=4)
+    return out, x
 
 
 def _partials(residual, fn):

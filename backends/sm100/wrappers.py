@@ -12,9 +12,10 @@ from deepinfer_backends.sm100.compress import compress_tokens
 from deepinfer_backends.sm100.ep_combine import ep_combine
 from deepinfer_backends.sm100.gemm import INVARIANT_TILES, gemm_tiles, grouped_gemm, linear
 from deepinfer_backends.sm100.grouped_linear import grouped_linear
+from deepinfer_backends.sm100.grouped_swiglu import grouped_swiglu
 from deepinfer_backends.sm100.kv_load import kv_load
 from deepinfer_backends.sm100.launch import compiled
-from deepinfer_backends.sm100.mhc import mhc_head, mhc_mixes, mhc_post, mhc_pre
+from deepinfer_backends.sm100.mhc import mhc_head, mhc_mixes, mhc_post, mhc_post_pre, mhc_pre
 from deepinfer_backends.sm100.norm import KV_STORE_FORMATS, kv_norm_rope_store, rms_norm
 from deepinfer_backends.sm100.rope import apply_rope
 from deepinfer_backends.sm100.routing import ep_dispatch, moe_gate
@@ -27,7 +28,7 @@ from deepinfer_backends.sm100.indexer_topk import indexer_topk
 
 __all__ = ["HEAD_BLOCK", "INVARIANT_TILES", "KV_STORE_FORMATS", "UnsupportedInput", "align_lists", "apply_rope",
            "apply_token_bitmask", "compiled", "compress_tokens", "ep_combine", "ep_dispatch", "gemm_tiles",
-           "grouped_gemm", "grouped_linear", "indexer_logits", "indexer_topk", "kv_load", "kv_norm_rope_store", "linear", "mhc_head",
-           "mhc_mixes", "mhc_post", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm",
-           "sample", "speculative_accept", "split_count", "swa_decode_indices", "swa_history_slots",
-           "swa_prefill_indices", "swa_ring_slots", "swiglu"]
+           "grouped_gemm", "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk", "kv_load",
+           "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre", "mhc_pre",
+           "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample", "speculative_accept",
+           "split_count", "swa_decode_indices", "swa_history_slots", "swa_prefill_indices", "swa_ring_slots", "swiglu"]

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-OPS = ("mhc_mixes", "mhc_head", "mhc_pre", "mhc_post", "apply_rope", "ep_combine", "kv_load", "swiglu")
+OPS = ("mhc_mixes", "mhc_head", "mhc_pre", "mhc_post", "mhc_post_pre", "apply_rope", "ep_combine", "kv_load",
+       "swiglu")
 
 CHECK = """
 import sys
@@ -128,6 +129,7 @@ def test_tile_schedule_kernel_gives_the_reference_tiles_in_the_interpreter():
 
 SKINNY = """
 import torch
+from deepinfer.hal.ops.activation import swiglu
 from deepinfer.hal.ops.grouped_gemm import grouped_gemm
 from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
 from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
@@ -144,12 +146,18 @@ for sizes, n, k in [([2, 0, 1, 3], 48, 64), ([0, 19, 1], 40, 136), ([1], 16, 16)
     grouped_gemm_skinny(x, w, tile_schedule(sizes, rows, BLOCK_T), y)
     want = grouped_gemm(x.double(), w.double(), sizes)
     assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (sizes, n, k)
+    up = torch.randn(len(sizes), n, k, generator=gen)
+    for limit in (None, 2.0):  # the gated variant: SwiGLU of the gate (w) and up products
+        gated = torch.full((rows, n), float("nan"))
+        grouped_gemm_skinny(x, w, tile_schedule(sizes, rows, BLOCK_T), gated, up=up, limit=limit)
+        want = swiglu(grouped_gemm(x.double(), w.double(), sizes), grouped_gemm(x.double(), up.double(), sizes), limit)
+        assert torch.allclose(gated.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (sizes, limit)
 print("skinny ok")
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_skinny_grouped_gemm_matches_the_float64_product_in_the_interpreter():
+def test_skinny_grouped_gemm_and_its_swiglu_match_float64_in_the_interpreter():
     assert interpreted(SKINNY).split("\n")[0] == "skinny ok"
 
 

@@ -31,6 +31,9 @@ def _kernels():
     yield "mhc_post_kernel", mhc_streams.mhc_post_kernel, dict(y="*bf16", residual="*bf16", post="*fp32", comb="*fp32",
                                                               out="*bf16", hidden="i32"), \
         dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
+    yield "mhc_post_pre_kernel", mhc_streams.mhc_post_pre_kernel, dict(
+        y="*bf16", residual="*bf16", post="*fp32", comb="*fp32", pre="*fp32", out="*bf16", x="*bf16", hidden="i32"), \
+        dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
     yield "rope_kernel", rope.rope_kernel, dict(x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32",
                                                 heads="i32", dim="i32", x_row_stride="i32", out_row_stride="i32", table_stride="i32",
                                                 sign="fp32"), \
@@ -50,11 +53,13 @@ def _kernels():
         dict(DIM=128, BLOCK_ROWS=mxfp4_cast.BLOCK_ROWS)
     yield "swiglu_kernel", swiglu.swiglu_kernel, dict(gate="*fp32", up="*fp32", out="*bf16", count="i64", limit="fp32"), \
         dict(CLAMP=True, BLOCK=swiglu.BLOCK)
-    for width in (16, 64):
-        yield f"grouped_gemm_skinny_kernel[{width} columns]", grouped_gemm_skinny.grouped_gemm_skinny_kernel, dict(
-            x="*bf16", w="*bf16", y="*bf16", schedule="*i32", tiles="i32", experts="i32", n="i32", k="i32"), \
+    for width, gated in ((16, False), (64, False), (32, True)):
+        yield f"grouped_gemm_skinny_kernel[{width} columns, gated {gated}]", \
+            grouped_gemm_skinny.grouped_gemm_skinny_kernel, dict(
+                x="*bf16", w="*bf16", w_up="*bf16", y="*bf16", schedule="*i32", tiles="i32", experts="i32", n="i32",
+                k="i32", limit="fp32"), \
             dict(BLOCK_T=grouped_gemm_skinny.BLOCK_T, BLOCK_N=width, BLOCK_K=grouped_gemm_skinny.BLOCK_K,
-                 NUM_STAGES=grouped_gemm_skinny.NUM_STAGES)
+                 NUM_STAGES=grouped_gemm_skinny.NUM_STAGES, GATED=gated, CLAMP=gated)
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from deepinfer.hal.ops.mhc import mhc_mixes, mhc_post, mhc_pre, sinkhorn
+from deepinfer.hal.ops.mhc import mhc_mixes, mhc_post, mhc_post_pre, mhc_pre, sinkhorn
 from deepinfer.hal.spec import SPECS
 from tests.hal.oracle import check_against_oracle
 
@@ -70,8 +70,13 @@ def mhc_head_float64(residual, fn, scale, base, norm_eps, hc_eps):
     return torch.tensor(weights, dtype=torch.float64)
 
 
-ORACLES = {"mhc_mixes": mhc_mixes_float64, "mhc_pre": mhc_pre_float64,
-           "mhc_post": mhc_post_float64, "mhc_head": mhc_head_float64}
+def mhc_post_pre_float64(y, residual, post, comb, pre):
+    new = mhc_post_float64(y, residual, post, comb)
+    return new, mhc_pre_float64(new, pre)
+
+
+ORACLES = {"mhc_mixes": mhc_mixes_float64, "mhc_pre": mhc_pre_float64, "mhc_post": mhc_post_float64,
+           "mhc_post_pre": mhc_post_pre_float64, "mhc_head": mhc_head_float64}
 
 
 @pytest.mark.parametrize("op, case", [(op, c.name) for op in ORACLES for c in SPECS[op].cases])
@@ -95,6 +100,19 @@ def test_post_mixes_from_stream_m_into_stream_n_by_hand():
     out = mhc_post(y=torch.tensor([[1.0]]), residual=torch.tensor([[[2.0], [3.0]]]),
                    post=torch.tensor([[0.5, 1.0]]), comb=torch.tensor([[[0.5, 0.5], [0.25, 0.75]]]))
     assert out.tolist() == [[[2.25], [4.25]]]
+
+
+def test_post_pre_reads_the_next_input_from_the_stored_trunk():
+    # the new streams 2.25 and 4.25 (as in the test above), read with pre [1, 2]: 10.75. In bf16 the
+    # input is read from the stored (rounded) trunk: 1/3 is kept as 0.333984375, and 3 x that rounds to 1
+    new, x = mhc_post_pre(y=torch.tensor([[1.0]]), residual=torch.tensor([[[2.0], [3.0]]]),
+                          post=torch.tensor([[0.5, 1.0]]), comb=torch.tensor([[[0.5, 0.5], [0.25, 0.75]]]),
+                          pre=torch.tensor([[1.0, 2.0]]))
+    assert new.tolist() == [[[2.25], [4.25]]] and x.tolist() == [[10.75]]
+    third = torch.tensor([[[1.0 / 3.0]]], dtype=torch.bfloat16)
+    new, x = mhc_post_pre(y=torch.zeros(1, 1, dtype=torch.bfloat16), residual=third, post=torch.zeros(1, 1),
+                          comb=torch.ones(1, 1, 1), pre=torch.tensor([[3.0]]))
+    assert new.item() == 0.333984375 and x.item() == 1.0
 
 
 def test_pre_by_hand():

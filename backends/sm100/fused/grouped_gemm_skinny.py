@@ -1,7 +1,8 @@
 """The bf16 grouped GEMM for few rows per expert in one Triton kernel: each program takes one
 tile of at most ``BLOCK_T`` rows of one expert (from the device tile schedule) and ``BLOCK_N``
 of its output columns, and streams that slice of the expert's weight through shared memory in
-``BLOCK_K`` steps, float32 accumulation, a bf16 store.
+``BLOCK_K`` steps, float32 accumulation, a bf16 store. The gated variant streams the gate and up
+weights side by side and stores their SwiGLU (``grouped_swiglu``).
 
 With a handful of rows an expert (decode) the GEMM reads each routed expert's weight once and
 is bound by memory: many narrow column blocks keep every SM streaming, where the tensor-core
@@ -22,12 +23,15 @@ that can hold rows (one an expert, at most one a row) fill that many."""
 
 
 @triton.jit
-def grouped_gemm_skinny_kernel(x, w, y, schedule, tiles, experts, n, k,
+def grouped_gemm_skinny_kernel(x, w, w_up, y, schedule, tiles, experts, n, k, limit,
                                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               NUM_STAGES: tl.constexpr):
+                               NUM_STAGES: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr):
     """Tile ``pid1`` of ``schedule int32 [3, tiles]`` (expert, first row, end row; expert
     ``experts`` marks an unused tile), columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))``:
-    ``y[rows, cols] = x[rows] @ w[expert, cols].T`` for ``x [M, k]``, ``w [experts, n, k]``."""
+    ``y[rows, cols] = x[rows] @ w[expert, cols].T`` for ``x [M, k]``, ``w [experts, n, k]``.
+    With ``GATED``, ``y = swiglu(gate, up)`` of the products with ``w`` (gate) and ``w_up`` (up),
+    each rounded to ``x``'s dtype first, as a grouped GEMM would store it (``min(gate, limit)`` and
+    ``clamp(up, -limit, limit)`` with ``CLAMP``; float32 math)."""
     tile = tl.program_id(1)
     expert = tl.load(schedule + tile)
     if expert < experts:
@@ -39,14 +43,25 @@ def grouped_gemm_skinny_kernel(x, w, y, schedule, tiles, experts, n, k,
         inside = col < n
         depth = tl.arange(0, BLOCK_K)
         x_rows = x + row[:, None].to(tl.int64) * k
-        w_rows = w + (expert.to(tl.int64) * n + col[:, None]) * k
+        w_offsets = (expert.to(tl.int64) * n + col[:, None]) * k
         acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
         for start in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
             kk = start + depth
             within = kk < k
             a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
-            b = tl.load(w_rows + kk[None, :], mask=inside[:, None] & within[None, :], other=0.0)
+            b = tl.load(w + w_offsets + kk[None, :], mask=inside[:, None] & within[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc)
+            if GATED:
+                c = tl.load(w_up + w_offsets + kk[None, :], mask=inside[:, None] & within[None, :], other=0.0)
+                up = tl.dot(a, tl.trans(c), up)
+        if GATED:
+            gate = acc.to(x.dtype.element_ty).to(tl.float32)
+            up = up.to(x.dtype.element_ty).to(tl.float32)
+            if CLAMP:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            acc = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(y + row[:, None].to(tl.int64) * n + col[None, :], acc.to(y.dtype.element_ty),
                  mask=live[:, None] & inside[None, :])
 
@@ -60,19 +75,23 @@ def block_n(rows: int, experts: int, n: int) -> int:
     return width
 
 
-def grouped_gemm_skinny(x: torch.Tensor, weight: torch.Tensor, schedule: torch.Tensor, y: torch.Tensor) -> None:
+def grouped_gemm_skinny(x: torch.Tensor, weight: torch.Tensor, schedule: torch.Tensor, y: torch.Tensor,
+                        up: torch.Tensor | None = None, limit: float | None = None) -> None:
     """Launch :func:`grouped_gemm_skinny_kernel` into ``y [M, n]`` for contiguous bf16 ``x [M, k]``,
-    ``weight [experts, n, k]`` and a tile schedule of :data:`BLOCK_T` rows."""
+    ``weight [experts, n, k]`` and a tile schedule of :data:`BLOCK_T` rows; with ``up`` (a weight
+    like ``weight``) ``y`` is the SwiGLU of the two products (``limit``: its clamp, None for none)."""
     experts, n, k = weight.shape
     tiles = schedule.shape[1]
     width = block_n(x.shape[0], experts, n)
     grouped_gemm_skinny_kernel[(-(-n // width), tiles)](
-        x, weight, y, schedule, tiles, experts, n, k, BLOCK_T=BLOCK_T, BLOCK_N=width, BLOCK_K=BLOCK_K,
-        NUM_STAGES=NUM_STAGES, num_warps=4)
+        x, weight, weight if up is None else up, y, schedule, tiles, experts, n, k, float(limit or 0.0),
+        BLOCK_T=BLOCK_T, BLOCK_N=width, BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES, GATED=up is not None,
+        CLAMP=limit is not None, num_warps=4)
 
 
 def main() -> None:
-    """Check the kernel against the float64 grouped product, rounded to bf16, on this GPU."""
+    """Check the kernel against the float64 grouped product, and its SwiGLU variant against the
+    reference op, on this GPU."""
     from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
 
     gen = torch.Generator().manual_seed(0)
@@ -88,6 +107,9 @@ def main() -> None:
         error = (y.cpu().double() - want).abs().max().item()
         assert error <= 2 ** -7 * want.abs().max().item(), f"{experts} experts, {n}x{k}, {rows} rows: error {error}"
         print(f"grouped_gemm_skinny: {experts} experts, {n}x{k}, {rows} rows: max error {error:.2e}: ok")
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("grouped_swiglu")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,10 @@ BLOCK_K = 64
 FINISH_TOKENS = 4
 FINISH_WARPS = 1
 """Tiles of the two kernels, the same at every token count (so each token's arithmetic is): the
-partials take ``BLOCK_TOKENS`` tokens and a ``SPLIT``-wide slice a program (64 tokens, about 3x
-faster than 32 at 8192 tokens; 256 columns, the shortest decode), the finishing kernels
-``FINISH_TOKENS`` tokens with ``FINISH_WARPS`` warps (their Sinkhorn loop is latency-bound:
-one warp on a few tokens is the fastest at 1 and at 8192 tokens). Measured side by side in
-``experiments/results/mhc_mixes_tiles_h200.csv``."""
+partials take ``BLOCK_TOKENS`` tokens and a ``SPLIT``-wide slice a program, the finishing kernels
+``FINISH_TOKENS`` tokens with ``FINISH_WARPS`` warps (their Sinkhorn loop is latency-bound, so
+one warp on a few tokens). Chosen side by side with ``experiments/mhc_mixes_tiles.py`` at one and
+at 8192 tokens (``experiments/results/mhc_mixes_tiles_h200.csv``)."""
 
 
 def bf16_parts(fn: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The mHC stream reads and writes of a sublayer in one Triton kernel each, float32 math in
-the reference's order, one program per (token, ``BLOCK_HIDDEN`` columns)."""
+"""The mHC stream reads and writes of a sublayer in one Triton kernel each (and the write of one
+sublayer with the read of the next in one), float32 math in the reference's order, one program
+per (token, ``BLOCK_HIDDEN`` columns)."""
 from __future__ import annotations
 
 import triton
@@ -39,12 +40,35 @@ def mhc_post_kernel(y, residual, post, comb, out, hidden, HC: tl.constexpr, BLOC
     tl.store(out + (t * HC + n[:, None]) * hidden + h[None, :], total.to(out.dtype.element_ty), mask=inside[None, :])
 
 
+@triton.jit
+def mhc_post_pre_kernel(y, residual, post, comb, pre, out, x, hidden, HC: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`mhc_post_kernel` into ``out``, then ``x[t, h] = sum_n pre[t, n] * out[t, n, h]`` of
+    the stored (rounded) ``out`` values, the streams added in order as :func:`mhc_pre_kernel`
+    does, stored in ``x``'s dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = h < hidden
+    n = tl.arange(0, HC)
+    written = tl.load(y + t * hidden + h, mask=inside, other=0.0).to(tl.float32)
+    carried = tl.zeros((HC, BLOCK), tl.float32)
+    for m in tl.static_range(HC):
+        stream = tl.load(residual + (t * HC + m) * hidden + h, mask=inside, other=0.0).to(tl.float32)
+        carried += tl.load(comb + (t * HC + m) * HC + n)[:, None] * stream[None, :]
+    stored = (tl.load(post + t * HC + n)[:, None] * written[None, :] + carried).to(out.dtype.element_ty)
+    tl.store(out + (t * HC + n[:, None]) * hidden + h[None, :], stored, mask=inside[None, :])
+    total = tl.zeros((BLOCK,), tl.float32)
+    for m in tl.static_range(HC):
+        stream = tl.sum(tl.where(n[:, None] == m, stored.to(tl.float32), 0.0), axis=0)
+        total += tl.load(pre + t * HC + m) * stream
+    tl.store(x + t * hidden + h, total.to(x.dtype.element_ty), mask=inside)
+
+
 def main() -> None:
     """Check the mHC stream kernels against the OpSpec reference and tolerance on this GPU
     (:mod:`deepinfer_backends.sm100.selfcheck`)."""
     from deepinfer_backends.sm100.selfcheck import run
 
-    run("mhc_pre", "mhc_post")
+    run("mhc_pre", "mhc_post", "mhc_post_pre")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from deepinfer.hal.ops import (  # noqa: F401
     compress,
     grouped_gemm,
     grouped_linear,
+    grouped_swiglu,
     indexer,
     kv_cache,
     kv_norm_rope_store,

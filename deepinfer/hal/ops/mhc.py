@@ -64,6 +64,18 @@ def mhc_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
     return (written + carried).to(residual.dtype)
 
 
+def mhc_post_pre(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mhc_post`, then :func:`mhc_pre` of its result with ``pre``: ``(new residual [T, hc,
+    H], next sublayer input [T, H])``, both in ``residual.dtype``.
+
+    Under shifted hyper-connections the next sublayer reads the new trunk with this sublayer's
+    ``pre`` mix, known before this one's output; a backend can then write the trunk and read it
+    for the next sublayer in one pass (the input is the weighted sum of the stored, rounded trunk)."""
+    new = mhc_post(y, residual, post, comb)
+    return new, mhc_pre(new, pre)
+
+
 def mhc_head(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_eps: float, hc_eps: float) -> torch.Tensor:
     """Stream weights ``[T, hc]`` float32 of the final HC head (non-shifted models only).
@@ -130,12 +142,15 @@ def _pre_case(tokens: int, hc: int, hidden: int, dtype=torch.float32):
     return make
 
 
-def _post_case(tokens: int, hc: int, hidden: int, dtype=torch.float32):
+def _post_case(tokens: int, hc: int, hidden: int, dtype=torch.float32, with_pre: bool = False):
     def make(gen: torch.Generator, device: torch.device):
-        return {"y": torch.randn(tokens, hidden, generator=gen).to(device, dtype),
+        args = {"y": torch.randn(tokens, hidden, generator=gen).to(device, dtype),
                 "residual": _residual(gen, tokens, hc, hidden, dtype, device),
                 "post": (2 * torch.rand(tokens, hc, generator=gen)).to(device),
                 "comb": sinkhorn(torch.randn(tokens, hc, hc, generator=gen), 1e-6, 20).to(device)}
+        if with_pre:
+            args["pre"] = torch.rand(tokens, hc, generator=gen).to(device)
+        return args
     return make
 
 
@@ -176,6 +191,21 @@ register(OpSpec(
         OpCase("tiny_bf16", _post_case(4, 4, 16, torch.bfloat16), dtype=torch.bfloat16),
         OpCase("wide_bf16", _post_case(3, 4, 1100, torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_hidden", _post_case(8, 4, 4096), size="real"),
+    ),
+))
+
+register(OpSpec(
+    name="mhc_post_pre",
+    summary="mHC residual update, then the next sublayer's input read from it with a given pre mix",
+    reference=mhc_post_pre,
+    cases=(
+        OpCase("tiny_hc4", _post_case(5, 4, 16, with_pre=True)),
+        OpCase("tiny_hc2", _post_case(3, 2, 8, with_pre=True)),
+        OpCase("tiny_bf16", _post_case(4, 4, 16, torch.bfloat16, with_pre=True), dtype=torch.bfloat16),
+        OpCase("wide_bf16", _post_case(3, 4, 1100, torch.bfloat16, with_pre=True), dtype=torch.bfloat16),
+        OpCase("v41_hidden", _post_case(8, 4, 4096, with_pre=True), size="real"),
+        OpCase("v41_hidden_bf16", _post_case(8, 4, 4096, torch.bfloat16, with_pre=True), size="real",
+               dtype=torch.bfloat16),
     ),
 ))
 

@@ -30,24 +30,28 @@ class Block(nn.Module):
                        cfg.moe_intermediate_size, cfg.shared_width, cfg.routed_scaling_factor,
                        cfg.swiglu_limit, ops, dtype)
 
-    def forward(self, residual, pre, ctx, cache, cos_sin, yoco):
-        """Returns ``(trunk, pre mix for the next sublayer)``; ``yoco`` carries the shared hidden."""
+    def forward(self, residual, pre, ctx, cache, cos_sin, yoco, x=None):
+        """Returns ``(trunk, pre mix for the next sublayer, its input)`` (:meth:`run`); ``yoco``
+        carries the shared hidden."""
         def attention(x):
             hidden = self.attn_norm(x)
             if yoco.starts_here and yoco.shared_hidden is None:
                 yoco.shared_hidden, yoco.shared_ctx = hidden, ctx
             return self.attn(hidden, ctx, cache, cos_sin, kv_source=yoco.shared_hidden, kv_ctx=yoco.shared_ctx)
 
-        return self.run(residual, pre, attention, lambda x: self.ffn(self.ffn_norm(x)))
+        return self.run(residual, pre, attention, lambda h: self.ffn(self.ffn_norm(h)), x)
 
-    def run(self, residual, pre, attention, ffn):
+    def run(self, residual, pre, attention, ffn, x=None):
         """The hyper-connection wiring around two sublayer callables (``[T, H] -> [T, H]``, fed the
         un-normed mixed input): ``attention`` (which applies ``attn_norm`` itself) and ``ffn``.
-        Returns ``(trunk, pre mix for the next sublayer)``; shared by inference and training."""
-        residual, attn_pre = self.hc_attn.run(residual, pre, attention)
+        Returns ``(trunk, pre mix for the next sublayer, the next sublayer's input)``: under
+        shifted HC (``pre`` given) the input comes with the trunk (``x`` is this layer's, when the
+        previous layer gave it), else the mix and the input are None. Shared by inference and
+        training."""
+        residual, attn_pre, x = self.hc_attn.run(residual, pre, attention, x)
         next_pre = attn_pre if pre is not None else None
-        residual, ffn_pre = self.hc_ffn.run(residual, next_pre, ffn)
-        return residual, (ffn_pre if pre is not None else None)
+        residual, ffn_pre, x = self.hc_ffn.run(residual, next_pre, ffn, x)
+        return residual, (ffn_pre if pre is not None else None), x
 
 
 class YocoState:

@@ -25,14 +25,23 @@ class HyperConnection(nn.Module):
         return self.ops.mhc_mixes(residual, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps,
                                   self.sinkhorn_iters)
 
-    def run(self, residual: torch.Tensor, input_pre: torch.Tensor | None, sublayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply ``sublayer`` on the trunk; returns ``(new trunk, this sublayer's pre mix)``.
+    def run(self, residual: torch.Tensor, input_pre: torch.Tensor | None, sublayer,
+            x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Apply ``sublayer`` on the trunk; returns ``(new trunk, this sublayer's pre mix, next
+        sublayer's input)``.
 
-        Shifted HC reads the sublayer input with ``input_pre`` (the previous sublayer's pre mix);
-        with ``input_pre=None`` (non-shifted) it uses its own."""
+        Shifted HC reads the sublayer input with ``input_pre`` (the previous sublayer's pre mix):
+        ``x`` when the previous sublayer gave it, else read here; the next sublayer reads the new
+        trunk with this sublayer's pre mix, so that input comes with the new trunk
+        (``mhc_post_pre``). With ``input_pre=None`` (non-shifted) the sublayer reads with its own
+        pre mix and the next input is None."""
         pre, post, comb = self.mixes(residual)
-        x = self.ops.mhc_pre(residual, pre if input_pre is None else input_pre)
-        return self.ops.mhc_post(sublayer(x), residual, post, comb), pre
+        if input_pre is None:
+            return self.ops.mhc_post(sublayer(self.ops.mhc_pre(residual, pre)), residual, post, comb), pre, None
+        if x is None:
+            x = self.ops.mhc_pre(residual, input_pre)
+        residual, next_x = self.ops.mhc_post_pre(sublayer(x), residual, post, comb, pre)
+        return residual, pre, next_x
 
 
 def first_stream_mix(tokens: int, streams: int, device: torch.device) -> torch.Tensor:

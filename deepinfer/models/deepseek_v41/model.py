@@ -96,25 +96,25 @@ class DeepseekV41ForCausalLM(nn.Module):
         x = self.embed(ctx.input_ids)
         residual = x.unsqueeze(1).expand(-1, streams, -1).contiguous()
         pre = first_stream_mix(ctx.num_tokens, streams, x.device) if self.cfg.hc_shifted else None
+        x = x if self.cfg.hc_shifted else None  # the first mix reads stream 0: the embedding itself
         yoco, features = YocoState(), []
         for i, (layer, cache) in enumerate(zip(self.layers, caches.layers)):
             yoco.starts_here = i == self.cfg.n_prefill_layers
             if yoco.starts_here and (ctx.replay_start is not None or ctx.replay_compact):
-                ctx, keep = enter_consumer_half(layer, residual, pre, ctx, yoco)
-                residual, pre, features = keep(residual), keep(pre), [keep(f) for f in features]
+                ctx, keep = enter_consumer_half(layer, residual, pre, ctx, yoco, x)
+                residual, pre, x, features = keep(residual), keep(pre), keep(x), [keep(f) for f in features]
             if ctx.write_draft_cache and i in self.cfg.dspark_target_layer_ids:
                 features.append(residual.mean(dim=1))
             cos_sin = self.rope_compressed if layer.ratio else self.rope_swa
-            residual, pre = layer(residual, pre, ctx, cache, cos_sin, yoco)
+            residual, pre, x = layer(residual, pre, ctx, cache, cos_sin, yoco, x)
         if ctx.write_draft_cache:
             self._write_draft_main_keys(torch.cat(features, dim=-1), ctx, caches)
-        residual = residual[ctx.logits_indices]
-        if pre is None:
-            pre = self.hc_head.weights(residual)
+        if x is None:
+            residual = residual[ctx.logits_indices]
+            x = self.ops.mhc_pre(residual, self.hc_head.weights(residual))
         else:
-            pre = pre[ctx.logits_indices]
-        hidden = self.norm(self.ops.mhc_pre(residual, pre))
-        return self.head(hidden).float()
+            x = x[ctx.logits_indices]
+        return self.head(self.norm(x)).float()
 
     def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
         """Store every draft layer's main keys (from the mean-over-streams target features) in its
@@ -139,7 +139,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         residual = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         yoco = YocoState()
         for block, cache in zip(self.mtp, caches.draft_layers):
-            residual, _ = block(residual, None, ctx, cache, self.rope_swa, yoco)
+            residual, _, _ = block(residual, None, ctx, cache, self.rope_swa, yoco)
         last = self.mtp[-1]
         hidden = self.ops.mhc_pre(residual, last.hc_head.weights(residual))
         return self.head(last.norm(hidden)).float(), hidden

@@ -82,8 +82,8 @@ class MoE(nn.Module):
         ops = self.ops
         rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
         experts = self.experts
-        hidden = ops.swiglu(ops.grouped_gemm(rows, experts.operand("w1"), group_sizes),
-                            ops.grouped_gemm(rows, experts.operand("w3"), group_sizes), self.limit, x.dtype)
+        hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
+                                    x.dtype)
         routed = ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle)
         shared = self.shared_experts
         return routed.to(x.dtype) + shared.w2(ops.swiglu(shared.w1(x), shared.w3(x), self.limit))

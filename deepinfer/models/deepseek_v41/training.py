@@ -122,6 +122,7 @@ class TrainingForward(nn.Module):
         x = model.embed(ids.reshape(-1))
         residual = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = first_stream_mix(x.shape[0], cfg.hc_mult, x.device) if cfg.hc_shifted else None
+        x = x if cfg.hc_shifted else None  # the first mix reads stream 0: the embedding itself
         shared, features, expert_ids = None, [], []
         for i, layer in enumerate(model.layers):
             if i in cfg.dspark_target_layer_ids:
@@ -136,9 +137,10 @@ class TrainingForward(nn.Module):
                     shared = hidden
                 return self._attention(layer.attn, hidden, shared, positions, batch, cos_sin)
 
-            residual, pre = layer.run(residual, pre, attention, self._ffn(layer, expert_ids))
-        pre = pre if pre is not None else model.hc_head.weights(residual)
-        logits = model.head(model.norm(model.ops.mhc_pre(residual, pre))).float()
+            residual, pre, x = layer.run(residual, pre, attention, self._ffn(layer, expert_ids), x)
+        if x is None:
+            x = model.ops.mhc_pre(residual, model.hc_head.weights(residual))
+        logits = model.head(model.norm(x)).float()
         feats = torch.cat(features, dim=-1).view(batch, length, -1) if features else logits.new_zeros(batch, length, 0)
         return TargetPass(logits.view(batch, length, -1), feats, expert_ids)
 
@@ -216,7 +218,7 @@ class TrainingForward(nn.Module):
             def attention(h, layer=layer, main=main):
                 return self._draft_attention(layer.attn, layer.attn_norm(h), main, visible, positions, block)
 
-            residual, _ = layer.run(residual, None, attention, lambda h, layer=layer: layer.ffn(layer.ffn_norm(h)))
+            residual, _, _ = layer.run(residual, None, attention, lambda h, layer=layer: layer.ffn(layer.ffn_norm(h)))
         last = model.mtp[-1]
         hidden = model.ops.mhc_pre(residual, last.hc_head.weights(residual))
         logits = model.head(last.norm(hidden)).float()

@@ -1,0 +1,47 @@
+"""sm100 ``grouped_swiglu``: the gate and up weights streamed side by side by the Triton kernel
+for few rows per expert, the SwiGLU applied before the store (one tile schedule, one launch);
+otherwise the two grouped GEMMs and the SwiGLU kernel, as the composition the op stands for."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.formats import Quantized
+from deepinfer.hal.ops.grouped_swiglu import check_grouped_swiglu
+from deepinfer_backends.sm100.activation import swiglu
+from deepinfer_backends.sm100.gemm import SKINNY_BF16_ROWS_PER_EXPERT, grouped_gemm
+from deepinfer_backends.sm100.launch import cuda_bf16
+from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
+
+
+def grouped_swiglu(x, w1, w3, group_sizes: torch.Tensor, limit, dtype=None, batch_invariant: bool = False,
+                   options: KernelOptions = DEFAULT) -> torch.Tensor:
+    """HAL ``grouped_swiglu``. bf16 operands with at most :data:`SKINNY_BF16_ROWS_PER_EXPERT` rows
+    per expert on average (outside the batch-invariant mode and ``options.tcgen05``) take the gated
+    :mod:`.fused.grouped_gemm_skinny` kernel; everything else :func:`grouped_gemm` twice and
+    :func:`swiglu`, with the same ``batch_invariant`` and ``options``."""
+    check_grouped_swiglu(x, w1, w3, limit)
+    plain = not any(isinstance(t, Quantized) for t in (x, w1, w3))
+    if plain and not batch_invariant and not options.tcgen05 and x.dim() == 2 and w1.dim() == 3 \
+            and x.shape[0] <= SKINNY_BF16_ROWS_PER_EXPERT * w1.shape[0]:
+        for name, t in (("x", x), ("w1", w1), ("w3", w3)):
+            cuda_bf16("grouped_swiglu", name, t)
+        return _fused(x, w1, w3, group_sizes, limit, dtype or x.dtype)
+    gate = grouped_gemm(x, w1, group_sizes, batch_invariant=batch_invariant, options=options)
+    up = grouped_gemm(x, w3, group_sizes, batch_invariant=batch_invariant, options=options)
+    return swiglu(gate, up, limit, dtype)
+
+
+def _fused(x, w1, w3, group_sizes, limit, dtype) -> torch.Tensor:
+    from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
+    from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
+
+    if w1.shape[2] != x.shape[1] or group_sizes.dtype != torch.int64 or tuple(group_sizes.shape) != (w1.shape[0],):
+        raise ValueError(f"grouped_swiglu expects x [M, K], weights [E, N, K] and int64 group_sizes [E]; got x "
+                         f"{tuple(x.shape)}, w1 {tuple(w1.shape)}, group_sizes {group_sizes.dtype} "
+                         f"{tuple(group_sizes.shape)}")
+    x, w1, w3 = x.contiguous(), w1.contiguous(), w3.contiguous()
+    y = torch.empty(x.shape[0], w1.shape[1], dtype=dtype, device=x.device)
+    if x.shape[0]:
+        grouped_gemm_skinny(x, w1, tile_schedule(group_sizes.to(x.device), x.shape[0], BLOCK_T), y, up=w3,
+                            limit=limit)
+    return y
