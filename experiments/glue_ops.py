@@ -1,5 +1,6 @@
 """The torch calls of one engine step that run outside every HAL op (the model's glue: casts,
-index arithmetic, concatenations), by the line of deepinfer code that makes them. On a GPU each
+index arithmetic, concatenations), by the line of deepinfer code that makes them, and the HAL op
+calls of the step. On a GPU each
 is at least one kernel launch beside the ops' own, so this is the list to fuse away; it runs on
 any CPU.
 
@@ -40,10 +41,13 @@ class GlueCounter(TorchDispatchMode):
         super().__init__()
         self.inside = threading.local()
         self.counts: collections.Counter = collections.Counter()
+        self.op_calls: collections.Counter = collections.Counter()
 
-    def wrap(self, impl):
+    def wrap(self, name: str, impl):
         @functools.wraps(impl)
         def call(*args, **kwargs):
+            if not getattr(self.inside, "depth", 0):
+                self.op_calls[name] += 1
             self.inside.depth = getattr(self.inside, "depth", 0) + 1
             try:
                 return impl(*args, **kwargs)
@@ -85,7 +89,7 @@ def main() -> None:
     counter = GlueCounter()
     saved = dict(llm.ops._impls)
     for name, impl in saved.items():
-        llm.ops._impls[name] = counter.wrap(impl)
+        llm.ops._impls[name] = counter.wrap(name, impl)
     try:
         with counter:
             for _ in range(steps):
@@ -93,7 +97,11 @@ def main() -> None:
     finally:
         llm.ops._impls.update(saved)
     total = sum(counter.counts.values()) / steps
-    print(f"glue calls per {'prefill' if args.prefill else 'decode'} step (batch {args.batch}): {total:.0f}")
+    kind = "prefill" if args.prefill else "decode"
+    calls = sum(counter.op_calls.values()) / steps
+    print(f"HAL op calls per {kind} step (batch {args.batch}): {calls:.0f} "
+          f"({', '.join(f'{op} {n / steps:g}' for op, n in sorted(counter.op_calls.items()))})")
+    print(f"glue calls per {kind} step (batch {args.batch}): {total:.0f}")
     for (where, op), count in sorted(counter.counts.items(), key=lambda item: (item[0][0], item[0][1])):
         print(f"{count / steps:6.1f}  {op:40s} {where}")
 

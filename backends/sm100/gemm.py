@@ -12,7 +12,7 @@ import torch
 
 from deepinfer.hal.formats import Quantized
 from deepinfer_backends.sm100 import toolchain
-from deepinfer_backends.sm100.launch import compiled, cuda_bf16, require
+from deepinfer_backends.sm100.launch import compiled, cuda_bf16, on_device, require
 from deepinfer_backends.sm100.options import DEFAULT, SKINNY_ROWS, KernelOptions
 
 INVARIANT_TILES = {"block_m": 64, "block_n": 128, "threads": 128}
@@ -21,17 +21,19 @@ is then the same wgmma sequence over K, in order)."""
 
 
 def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = False,
-                 options: KernelOptions = DEFAULT) -> torch.Tensor:
+                 options: KernelOptions = DEFAULT, schedules: dict | None = None) -> torch.Tensor:
     """``y[seg e] = x[seg e] @ weight[e].T`` (HAL ``grouped_gemm``): bf16 operands (bf16 result), or
     a Quantized weight (``"fp8"`` / ``"mxfp4"``) beside a bf16 or ``"fp8"`` x (float32 result, see
     :func:`_grouped_gemm_quant`). ``group_sizes`` must sum to ``M`` (not checked on the device:
     that would cost a host sync). ``batch_invariant`` fixes the tiles (:data:`INVARIANT_TILES`);
     there is never a split over K. ``options.tcgen05`` picks the Blackwell variant of the bf16 kernel.
     Otherwise bf16 operands with at most :data:`SKINNY_BF16_ROWS_PER_EXPERT` rows per expert on
-    average take :mod:`.fused.grouped_gemm_skinny`."""
+    average take :mod:`.fused.grouped_gemm_skinny`. ``schedules`` (a dict, tile height -> tile
+    schedule) lets calls on the same rows and ``group_sizes`` share one schedule launch."""
     op = "grouped_gemm"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
-        return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05)
+        return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05,
+                                   schedules=schedules)
     cuda_bf16(op, "x", x)
     cuda_bf16(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -45,16 +47,34 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
     few_rows = x.shape[0] <= SKINNY_BF16_ROWS_PER_EXPERT * weight.shape[0]
     if few_rows and not batch_invariant and not options.tcgen05:
         return _grouped_gemm_skinny(x, weight, group_sizes)
-    from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
-
     module, factory, tiles = bf16_kernel(x.shape[0], *weight.shape, toolchain.device_arch(x.device.index or 0),
                                          batch_invariant, tcgen05=options.tcgen05)
     y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        schedule = tile_schedule(group_sizes.to(x.device), x.shape[0], tiles["block_m"])
+        schedule = shared_schedule(group_sizes, x.shape[0], tiles["block_m"], x.device, schedules)
         kernel = compiled(module, factory, *weight.shape, **tiles)
         kernel(x, weight, schedule[0], schedule[1], schedule[2], y)
     return y
+
+
+def shared_schedule(group_sizes: torch.Tensor, rows: int, tile_rows: int, device: torch.device,
+                    schedules: dict | None) -> torch.Tensor:
+    """The tile schedule of ``group_sizes`` over ``rows`` in tiles of ``tile_rows``, taken from
+    ``schedules`` (tile height -> schedule, filled here) when the caller shares one."""
+    if schedules is not None and tile_rows in schedules:
+        return schedules[tile_rows]
+    group_sizes = group_sizes.to(device)
+    if on_device(group_sizes) and group_sizes.shape[0]:
+        from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
+
+        schedule = tile_schedule(group_sizes, rows, tile_rows)
+    else:
+        from deepinfer.hal.ops.grouped_gemm import tile_bounds
+
+        schedule = torch.stack(tile_bounds(group_sizes, rows, tile_rows)).to(torch.int32)
+    if schedules is not None:
+        schedules[tile_rows] = schedule
+    return schedule
 
 
 SKINNY_BF16_ROWS_PER_EXPERT = 4
@@ -102,7 +122,7 @@ bytes for the whole K in shared memory)."""
 
 
 def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: bool,
-                        op: str = "grouped_gemm", tcgen05: bool = False) -> torch.Tensor:
+                        op: str = "grouped_gemm", tcgen05: bool = False, schedules: dict | None = None) -> torch.Tensor:
     """``grouped_gemm`` with block-scaled operands: bf16 or ``"fp8"`` x, ``"fp8"`` or ``"mxfp4"``
     weight, UE8M0 scales per 32 along K. Decoded exactly to bf16 in the kernel; float32 result,
     like the reference."""
@@ -125,7 +145,7 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
     rows, k = x_shape
     require(k % QUANT_BLOCK_K == 0, op, f"K={k} must be a multiple of {QUANT_BLOCK_K} for the block-scaled kernel")
     if k > QUANT_MAX_K:
-        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05)
+        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, {} if schedules is None else schedules)
     x_data, x_scale = (x.data, x.scale) if isinstance(x, Quantized) else (x, None)
     tensors = [t for t in (x_data, x_scale, weight.data, weight.scale) if t is not None]
     require(all(t.is_cuda for t in tensors), op,
@@ -134,11 +154,10 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
              "scales must be uint8 (UE8M0 bytes)")
     module, factory, tiles = quant_kernel(rows, *w_shape, toolchain.device_arch(x_data.device.index or 0),
                                           batch_invariant, weight.fmt, tcgen05)
-    from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
-
     y = torch.empty(rows, w_shape[1], dtype=torch.float32, device=x_data.device)
     if rows:
-        schedule = tile_schedule(group_sizes.to(x_data.device), rows, tiles.get("block_m") or tiles["block_t"])
+        schedule = shared_schedule(group_sizes, rows, tiles.get("block_m") or tiles["block_t"], x_data.device,
+                                   schedules)
         if module == "grouped_gemm_quant_skinny":
             run_quant_skinny(x_data.contiguous(), x_scale, weight.data.contiguous(), weight.scale.contiguous(),
                              schedule, y, weight.fmt, tiles)
@@ -155,10 +174,11 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
     return y
 
 
-def _split_k(x, weight, group_sizes: torch.Tensor, batch_invariant: bool, op: str, tcgen05: bool) -> torch.Tensor:
+def _split_k(x, weight, group_sizes: torch.Tensor, batch_invariant: bool, op: str, tcgen05: bool,
+             schedules: dict) -> torch.Tensor:
     """The block-scaled GEMM over K beyond :data:`QUANT_MAX_K`: K cut into equal pieces (whole
-    K blocks, at most that long each), their float32 products added in order. Each weight piece
-    is copied to a contiguous tensor per call."""
+    K blocks, at most that long each), their float32 products added in order (one tile schedule
+    for all). Each weight piece is copied to a contiguous tensor per call."""
     k = x.data.shape[-1] if isinstance(x, Quantized) else x.shape[-1]
     blocks = k // QUANT_BLOCK_K
     pieces = -(-k // QUANT_MAX_K)
@@ -166,7 +186,7 @@ def _split_k(x, weight, group_sizes: torch.Tensor, batch_invariant: bool, op: st
     for piece in range(pieces):
         first, last = blocks * piece // pieces * QUANT_BLOCK_K, blocks * (piece + 1) // pieces * QUANT_BLOCK_K
         part = _grouped_gemm_quant(_k_slice(x, first, last), _k_slice(weight, first, last), group_sizes,
-                                   batch_invariant, op, tcgen05)
+                                   batch_invariant, op, tcgen05, schedules)
         y = part if y is None else y.add_(part)
     return y
 

@@ -17,8 +17,8 @@ def grouped_swiglu(x, w1, w3, group_sizes: torch.Tensor, limit, dtype=None, batc
                    options: KernelOptions = DEFAULT) -> torch.Tensor:
     """HAL ``grouped_swiglu``. bf16 operands with at most :data:`SKINNY_BF16_ROWS_PER_EXPERT` rows
     per expert on average (outside the batch-invariant mode and ``options.tcgen05``) take the gated
-    :mod:`.fused.grouped_gemm_skinny` kernel; everything else :func:`grouped_gemm` twice and
-    :func:`swiglu`, with the same ``batch_invariant`` and ``options``."""
+    :mod:`.fused.grouped_gemm_skinny` kernel; everything else :func:`grouped_gemm` twice (one tile
+    schedule for both) and :func:`swiglu`, with the same ``batch_invariant`` and ``options``."""
     check_grouped_swiglu(x, w1, w3, limit)
     plain = not any(isinstance(t, Quantized) for t in (x, w1, w3))
     if plain and not batch_invariant and not options.tcgen05 and x.dim() == 2 and w1.dim() == 3 \
@@ -26,8 +26,9 @@ def grouped_swiglu(x, w1, w3, group_sizes: torch.Tensor, limit, dtype=None, batc
         for name, t in (("x", x), ("w1", w1), ("w3", w3)):
             cuda_bf16("grouped_swiglu", name, t)
         return _fused(x, w1, w3, group_sizes, limit, dtype or x.dtype)
-    gate = grouped_gemm(x, w1, group_sizes, batch_invariant=batch_invariant, options=options)
-    up = grouped_gemm(x, w3, group_sizes, batch_invariant=batch_invariant, options=options)
+    schedules: dict = {}  # the two GEMMs tile the same rows alike: one schedule launch
+    gate = grouped_gemm(x, w1, group_sizes, batch_invariant=batch_invariant, options=options, schedules=schedules)
+    up = grouped_gemm(x, w3, group_sizes, batch_invariant=batch_invariant, options=options, schedules=schedules)
     return swiglu(gate, up, limit, dtype)
 
 

@@ -1,4 +1,5 @@
-"""sm100's converted copies of parameters (``launch.param_copy``, ``launch.float32_param``), on CPU tensors."""
+"""sm100's launch helpers on CPU tensors: converted copies of parameters (``launch.param_copy``,
+``launch.float32_param``) and shared tile schedules (``gemm.shared_schedule``)."""
 import torch
 from torch import nn
 
@@ -50,3 +51,16 @@ def test_each_kind_of_copy_is_kept_apart():
     negated = launch.param_copy(weight, "negated", lambda w: -w)
     assert doubled.tolist() == [2.0, 4.0] and negated.tolist() == [-1.0, -2.0]
     assert launch.param_copy(weight, "doubled", lambda w: w * 3) is doubled
+
+
+def test_calls_sharing_a_schedule_dict_share_one_tile_schedule():
+    from deepinfer.hal.ops.grouped_gemm import tile_bounds
+    from deepinfer_backends.sm100.gemm import shared_schedule
+
+    sizes = torch.tensor([3, 0, 5])
+    schedules = {}
+    first = shared_schedule(sizes, 8, 2, torch.device("cpu"), schedules)
+    assert first.tolist() == torch.stack(tile_bounds(sizes, 8, 2)).tolist()
+    assert shared_schedule(sizes, 8, 2, torch.device("cpu"), schedules) is first
+    assert shared_schedule(sizes, 8, 4, torch.device("cpu"), schedules) is not first  # another tile height
+    assert shared_schedule(sizes, 8, 2, torch.device("cpu"), None) is not first
