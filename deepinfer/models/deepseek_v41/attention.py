@@ -170,9 +170,10 @@ class Attention(nn.Module):
         ops, idx = self.ops, self.indexer
         topk = self.cfg.index_topk
         if not ctx.decode and self._windows_fit_topk(ctx):
-            offsets = torch.arange(topk, device=ctx.positions.device)
-            visible = (ctx.positions + 1) // self.ratio
-            return torch.where(offsets < visible[:, None], offsets, -1).to(torch.int32)
+            def whole_windows():
+                offsets = torch.arange(topk, device=ctx.positions.device, dtype=torch.int32)
+                return torch.where(offsets < self._visible(ctx)[:, None], offsets, -1)
+            return ctx.derived(("whole_compressed_windows", self.ratio, topk), whole_windows)
         q = rope_tail(ops, idx.wq_b(q_a).view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
         weights = idx.weights_proj(hidden) * idx.weight_scale  # float32, as the [1]-shaped scale
         key_slots, first = self._compressed_keys(ctx, cache)
@@ -212,29 +213,38 @@ class Attention(nn.Module):
 
     def _attend_prefill(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
         ops, cfg = self.ops, self.cfg
-        window, ring, fmt = cfg.sliding_window, cfg.swa_ring_size, cfg.swa_cache_format
-        history_slots = ops.swa_history_slots(ctx.state_slots, ctx.chunk_start, window, ring)
-        history = ops.kv_load(cache.swa_ring, history_slots.flatten(), fmt)
-        seq = ctx.seq_of_token
-        # Only the ring's recent tokens are stored, after the history is read (they may overwrite it).
-        recent = ctx.positions >= (ctx.context_lens[seq] - ring)
-        slots = ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring).masked_fill(~recent, -1)
-        chunk = self.swa_keys(kv_latent, ctx.positions, cos_sin, cache, slots)
-        history_offset = seq * (window - 1)
-        chunk_offset = history.shape[0] + ctx.query_start[seq]
-        indices = ops.swa_prefill_indices(ctx.positions, ctx.chunk_start_of_token, history_offset,
-                                          chunk_offset, window, visible)
+        history_slots, slots, indices = ctx.derived(
+            ("swa_prefill", cfg.sliding_window, cfg.swa_ring_size, visible is not None),
+            lambda: self._swa_prefill_layout(ctx, visible))
+        history = ops.kv_load(cache.swa_ring, history_slots, cfg.swa_cache_format)
+        chunk = self.swa_keys(kv_latent, ctx.positions, cos_sin, cache, slots)  # after the history is read
         buffers, main_keys = [history, chunk], None
         if selected is not None:
             key_slots, first = self._compressed_keys(ctx, cache)
             buffers.append(ops.kv_load(cache.compressed, key_slots, cfg.compressed_cache_format))
-            base = history.shape[0] + chunk.shape[0] + first[seq]
-            shifted = torch.where(selected >= 0, selected + base.unsqueeze(1).to(selected.dtype), selected)
+            base = ctx.derived(("compressed_base", self.ratio), lambda: (
+                history.shape[0] + chunk.shape[0] + first[ctx.seq_of_token]).unsqueeze(1).to(selected.dtype))
+            shifted = torch.where(selected >= 0, selected + base, selected)
             main_keys = indices.shape[1]
             indices = torch.cat((indices, shifted.to(indices.dtype)), dim=1)
         out, _ = ops.mla_sparse_prefill(q, torch.cat(buffers).to(q.dtype), indices, self.attn_sink, self.scale,
                                         main_keys=main_keys)
         return out
+
+    def _swa_prefill_layout(self, ctx: ForwardContext, visible: torch.Tensor | None):
+        """The SWA side of a prefill step, the same in every layer: the flat ring rows of each
+        sequence's history, each token's ring slot (``-1``: not stored; only the ring's recent
+        tokens are, and after the history is read, which they may overwrite) and each token's
+        window as indices into ``[history; chunk]``. Computed once per context."""
+        ops, cfg = self.ops, self.cfg
+        window, ring = cfg.sliding_window, cfg.swa_ring_size
+        history_slots = ops.swa_history_slots(ctx.state_slots, ctx.chunk_start, window, ring).flatten()
+        seq = ctx.seq_of_token
+        recent = ctx.positions >= (ctx.context_lens[seq] - ring)
+        slots = ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring).masked_fill(~recent, -1)
+        indices = ops.swa_prefill_indices(ctx.positions, ctx.chunk_start_of_token, seq * (window - 1),
+                                          history_slots.shape[0] + ctx.query_start[seq], window, visible)
+        return history_slots, slots, indices
 
     def _attend_decode(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
         ops, cfg = self.ops, self.cfg
