@@ -103,8 +103,11 @@ class Sm100Backend(Backend):
             "linear: cuBLAS below 128 rows by default (backend.options.linear_kernel), the TileLang GEMM above, "
             "for block-scaled weights and in batch-invariant mode; grouped_linear: cuBLAS's strided batched GEMM "
             "on bf16 operands where they lie, else the grouped GEMM on group-major copies",
-            "mHC (mixes, head, pre, post): Triton kernels, float32 math; the mixes' dot products in fixed slices "
-            "of the width, then the gates and every Sinkhorn iteration in one kernel",
+            "mHC (mixes, head, pre, post, post_pre): Triton kernels, float32 math; the mixes' dot products in fixed "
+            "slices of the width (a bf16 residual against fn's three bf16 parts), then the gates and every Sinkhorn "
+            "iteration in one kernel",
+            "grouped_gemm and grouped_swiglu with at most 4 rows per expert: a Triton kernel that streams the "
+            "weights (the gate and up weights side by side for grouped_swiglu)",
             "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "
             "measured bitwise end to end on an H200 with the reference fallback for the other ops",
         ),
