@@ -46,7 +46,7 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
     x, weight = x.contiguous(), weight.contiguous()
     few_rows = x.shape[0] <= SKINNY_BF16_ROWS_PER_EXPERT * weight.shape[0]
     if few_rows and not batch_invariant and not options.tcgen05:
-        return _grouped_gemm_skinny(x, weight, group_sizes)
+        return grouped_gemm_few_rows(x, weight, group_sizes)
     module, factory, tiles = bf16_kernel(x.shape[0], *weight.shape, toolchain.device_arch(x.device.index or 0),
                                          batch_invariant, tcgen05=options.tcgen05)
     y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
@@ -84,14 +84,18 @@ kernel's 64-row tiles keep up or lead (``experiments/grouped_gemm_kernels.py``, 
 points; ``experiments/results/grouped_gemm_skinny_h200.csv``)."""
 
 
-def _grouped_gemm_skinny(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """bf16 ``grouped_gemm`` by the Triton kernel for few rows per expert (:mod:`.fused.grouped_gemm_skinny`)."""
+def grouped_gemm_few_rows(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
+                          up: torch.Tensor | None = None, limit: float | None = None,
+                          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """bf16 ``grouped_gemm`` of contiguous operands by the Triton kernel for few rows per expert
+    (:mod:`.fused.grouped_gemm_skinny`); with ``up`` the SwiGLU of the products with ``weight``
+    (gate) and ``up`` (``grouped_swiglu``), in ``dtype`` (default ``x.dtype``)."""
     from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
-    from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
 
-    y = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], weight.shape[1], dtype=dtype or x.dtype, device=x.device)
     if x.shape[0]:
-        grouped_gemm_skinny(x, weight, tile_schedule(group_sizes.to(x.device), x.shape[0], BLOCK_T), y)
+        grouped_gemm_skinny(x, weight, shared_schedule(group_sizes, x.shape[0], BLOCK_T, x.device, None), y, up=up,
+                            limit=limit)
     return y
 
 

@@ -8,7 +8,7 @@ import torch
 from deepinfer.hal.formats import Quantized
 from deepinfer.hal.ops.grouped_swiglu import check_grouped_swiglu
 from deepinfer_backends.sm100.activation import swiglu
-from deepinfer_backends.sm100.gemm import SKINNY_BF16_ROWS_PER_EXPERT, grouped_gemm
+from deepinfer_backends.sm100.gemm import SKINNY_BF16_ROWS_PER_EXPERT, grouped_gemm, grouped_gemm_few_rows
 from deepinfer_backends.sm100.launch import cuda_bf16
 from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
 
@@ -25,24 +25,13 @@ def grouped_swiglu(x, w1, w3, group_sizes: torch.Tensor, limit, dtype=None, batc
             and x.shape[0] <= SKINNY_BF16_ROWS_PER_EXPERT * w1.shape[0]:
         for name, t in (("x", x), ("w1", w1), ("w3", w3)):
             cuda_bf16("grouped_swiglu", name, t)
-        return _fused(x, w1, w3, group_sizes, limit, dtype or x.dtype)
+        if w1.shape[2] != x.shape[1] or group_sizes.dtype != torch.int64 or tuple(group_sizes.shape) != (w1.shape[0],):
+            raise ValueError(f"grouped_swiglu expects x [M, K], weights [E, N, K] and int64 group_sizes [E]; got x "
+                             f"{tuple(x.shape)}, w1 {tuple(w1.shape)}, group_sizes {group_sizes.dtype} "
+                             f"{tuple(group_sizes.shape)}")
+        return grouped_gemm_few_rows(x.contiguous(), w1.contiguous(), group_sizes, up=w3.contiguous(), limit=limit,
+                                     dtype=dtype)
     schedules: dict = {}  # the two GEMMs tile the same rows alike: one schedule launch
     gate = grouped_gemm(x, w1, group_sizes, batch_invariant=batch_invariant, options=options, schedules=schedules)
     up = grouped_gemm(x, w3, group_sizes, batch_invariant=batch_invariant, options=options, schedules=schedules)
     return swiglu(gate, up, limit, dtype)
-
-
-def _fused(x, w1, w3, group_sizes, limit, dtype) -> torch.Tensor:
-    from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
-    from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
-
-    if w1.shape[2] != x.shape[1] or group_sizes.dtype != torch.int64 or tuple(group_sizes.shape) != (w1.shape[0],):
-        raise ValueError(f"grouped_swiglu expects x [M, K], weights [E, N, K] and int64 group_sizes [E]; got x "
-                         f"{tuple(x.shape)}, w1 {tuple(w1.shape)}, group_sizes {group_sizes.dtype} "
-                         f"{tuple(group_sizes.shape)}")
-    x, w1, w3 = x.contiguous(), w1.contiguous(), w3.contiguous()
-    y = torch.empty(x.shape[0], w1.shape[1], dtype=dtype, device=x.device)
-    if x.shape[0]:
-        grouped_gemm_skinny(x, w1, tile_schedule(group_sizes.to(x.device), x.shape[0], BLOCK_T), y, up=w3,
-                            limit=limit)
-    return y

@@ -66,32 +66,30 @@ def mhc_pre(residual, pre):
 
 def mhc_post(y, residual, post, comb):
     """HAL ``mhc_post``: the new residual ``[T, hc, H]`` in ``residual.dtype``."""
-    tokens, hc, hidden = _streams("mhc_post", residual)
-    _shapes("mhc_post", (("y", y, (tokens, hidden)), ("post", post, (tokens, hc)), ("comb", comb, (tokens, hc, hc))))
-    from deepinfer_backends.sm100.fused.mhc_streams import BLOCK_HIDDEN, mhc_post_kernel
-
-    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    if tokens:
-        mhc_post_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
-            y.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, hidden,
-            HC=hc, BLOCK=BLOCK_HIDDEN, num_warps=4)
-    return out
+    return _post("mhc_post", y, residual, post, comb)[0]
 
 
 def mhc_post_pre(y, residual, post, comb, pre):
     """HAL ``mhc_post_pre``: the new residual ``[T, hc, H]`` and the next sublayer's input ``[T, H]``
     (read from it with ``pre``), both in ``residual.dtype``, in one pass."""
-    tokens, hc, hidden = _streams("mhc_post_pre", residual)
-    _shapes("mhc_post_pre", (("y", y, (tokens, hidden)), ("post", post, (tokens, hc)),
-                             ("comb", comb, (tokens, hc, hc)), ("pre", pre, (tokens, hc))))
-    from deepinfer_backends.sm100.fused.mhc_streams import BLOCK_HIDDEN, mhc_post_pre_kernel
+    return _post("mhc_post_pre", y, residual, post, comb, pre)
+
+
+def _post(op, y, residual, post, comb, pre=None):
+    """``(new residual, next input or None)`` by :func:`~.fused.mhc_streams.mhc_post_kernel`; the
+    next input is read from the new residual with ``pre`` when it is given."""
+    tokens, hc, hidden = _streams(op, residual)
+    _shapes(op, (("y", y, (tokens, hidden)), ("post", post, (tokens, hc)), ("comb", comb, (tokens, hc, hc)))
+            + ((("pre", pre, (tokens, hc)),) if pre is not None else ()))
+    from deepinfer_backends.sm100.fused.mhc_streams import BLOCK_HIDDEN, mhc_post_kernel
 
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    x = torch.empty(tokens, hidden, dtype=residual.dtype, device=residual.device)
+    x = None if pre is None else torch.empty(tokens, hidden, dtype=residual.dtype, device=residual.device)
     if tokens:
-        mhc_post_pre_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
-            y.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(),
-            pre.float().contiguous(), out, x, hidden, HC=hc, BLOCK=BLOCK_HIDDEN, num_warps=4)
+        post, comb = post.float().contiguous(), comb.float().contiguous()
+        mhc_post_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
+            y.contiguous(), residual.contiguous(), post, comb, post if pre is None else pre.float().contiguous(), out,
+            out if x is None else x, hidden, HC=hc, BLOCK=BLOCK_HIDDEN, READ_NEXT=pre is not None, num_warps=4)
     return out, x
 
 

@@ -28,12 +28,10 @@ def _kernels():
         dict(SPLITS=64, HC=4, ROWS=16, BLOCK=mhc_mixes.FINISH_TOKENS)
     yield "mhc_pre_kernel", mhc_streams.mhc_pre_kernel, dict(residual="*bf16", pre="*fp32", out="*bf16", hidden="i32"), \
         dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
-    yield "mhc_post_kernel", mhc_streams.mhc_post_kernel, dict(y="*bf16", residual="*bf16", post="*fp32", comb="*fp32",
-                                                              out="*bf16", hidden="i32"), \
-        dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
-    yield "mhc_post_pre_kernel", mhc_streams.mhc_post_pre_kernel, dict(
-        y="*bf16", residual="*bf16", post="*fp32", comb="*fp32", pre="*fp32", out="*bf16", x="*bf16", hidden="i32"), \
-        dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
+    for read_next in (False, True):
+        yield f"mhc_post_kernel[read next {read_next}]", mhc_streams.mhc_post_kernel, dict(
+            y="*bf16", residual="*bf16", post="*fp32", comb="*fp32", pre="*fp32", out="*bf16", x="*bf16",
+            hidden="i32"), dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN, READ_NEXT=read_next)
     yield "rope_kernel", rope.rope_kernel, dict(x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32",
                                                 heads="i32", dim="i32", x_row_stride="i32", out_row_stride="i32", table_stride="i32",
                                                 sign="fp32"), \

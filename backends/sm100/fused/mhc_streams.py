@@ -24,27 +24,12 @@ def mhc_pre_kernel(residual, pre, out, hidden, HC: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def mhc_post_kernel(y, residual, post, comb, out, hidden, HC: tl.constexpr, BLOCK: tl.constexpr):
+def mhc_post_kernel(y, residual, post, comb, pre, out, x, hidden, HC: tl.constexpr, BLOCK: tl.constexpr,
+                    READ_NEXT: tl.constexpr):
     """``out[t, n, h] = post[t, n] * y[t, h] + sum_m comb[t, m, n] * residual[t, m, h]`` (all
-    contiguous; ``post``, ``comb`` float32), stored in ``out``'s dtype."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = h < hidden
-    n = tl.arange(0, HC)
-    written = tl.load(y + t * hidden + h, mask=inside, other=0.0).to(tl.float32)
-    carried = tl.zeros((HC, BLOCK), tl.float32)
-    for m in tl.static_range(HC):
-        stream = tl.load(residual + (t * HC + m) * hidden + h, mask=inside, other=0.0).to(tl.float32)
-        carried += tl.load(comb + (t * HC + m) * HC + n)[:, None] * stream[None, :]
-    total = tl.load(post + t * HC + n)[:, None] * written[None, :] + carried
-    tl.store(out + (t * HC + n[:, None]) * hidden + h[None, :], total.to(out.dtype.element_ty), mask=inside[None, :])
-
-
-@triton.jit
-def mhc_post_pre_kernel(y, residual, post, comb, pre, out, x, hidden, HC: tl.constexpr, BLOCK: tl.constexpr):
-    """:func:`mhc_post_kernel` into ``out``, then ``x[t, h] = sum_n pre[t, n] * out[t, n, h]`` of
-    the stored (rounded) ``out`` values, the streams added in order as :func:`mhc_pre_kernel`
-    does, stored in ``x``'s dtype."""
+    contiguous; ``post``, ``comb`` float32), stored in ``out``'s dtype. With ``READ_NEXT`` also
+    ``x[t, h] = sum_n pre[t, n] * out[t, n, h]`` of the stored (rounded) ``out`` values, the
+    streams added in order as :func:`mhc_pre_kernel` does, stored in ``x``'s dtype."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = h < hidden
@@ -56,11 +41,12 @@ def mhc_post_pre_kernel(y, residual, post, comb, pre, out, x, hidden, HC: tl.con
         carried += tl.load(comb + (t * HC + m) * HC + n)[:, None] * stream[None, :]
     stored = (tl.load(post + t * HC + n)[:, None] * written[None, :] + carried).to(out.dtype.element_ty)
     tl.store(out + (t * HC + n[:, None]) * hidden + h[None, :], stored, mask=inside[None, :])
-    total = tl.zeros((BLOCK,), tl.float32)
-    for m in tl.static_range(HC):
-        stream = tl.sum(tl.where(n[:, None] == m, stored.to(tl.float32), 0.0), axis=0)
-        total += tl.load(pre + t * HC + m) * stream
-    tl.store(x + t * hidden + h, total.to(x.dtype.element_ty), mask=inside)
+    if READ_NEXT:
+        total = tl.zeros((BLOCK,), tl.float32)
+        for m in tl.static_range(HC):
+            stream = tl.sum(tl.where(n[:, None] == m, stored.to(tl.float32), 0.0), axis=0)
+            total += tl.load(pre + t * HC + m) * stream
+        tl.store(x + t * hidden + h, total.to(x.dtype.element_ty), mask=inside)
 
 
 def main() -> None:
