@@ -156,19 +156,12 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
             return y
         return call
 
-    def skinny(x, w, sizes):
-        from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
-
-        y = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
-        grouped_gemm_skinny(x, w, tile_schedule(sizes, rows, BLOCK_T), y)
-        return y
-
     portable = gemm.gemm_tiles(rows, experts, n, k)
     ws_bf16 = {"block_m": portable["block_m"], "block_n": 256, "num_stages": gemm.WS_STAGES}
     if formats == ("bf16", "bf16"):
         table = {f"portable {portable['block_m']}x{portable['block_n']}":
                  launcher("grouped_gemm", "grouped_gemm_bf16", portable)}
-        table["triton skinny"] = skinny
+        table["triton skinny"] = gemm.grouped_gemm_few_rows
         for name, tiles in WS_VARIANTS.items():
             table[name] = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", tiles)
             for alias, module in EXTRA_WS_MODULES.items():
