@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from bench_ops import ceilings, write_csv
-from op_profile import is_op_range, labelled_ops, op_table, op_times
+from op_profile import host_syncs, idle_gaps, is_op_range, labelled_ops, op_table, op_times
 from deepinfer import LLM, SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -135,7 +135,8 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
 
 def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
     """The prefill of ``batch`` fresh ``prompt``-token requests under the profiler: GPU-busy
-    share, kernel count, the GPU time of each HAL op (:mod:`op_profile`) and the ``top``
+    share, kernel count, where the GPU waits (:func:`op_profile.idle_gaps`) and the host waits for
+    it (:func:`op_profile.host_syncs`), the GPU time of each HAL op (:mod:`op_profile`) and the ``top``
     kernels by total GPU time."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
@@ -157,7 +158,7 @@ def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
     gpu_us = sum(t for t, _ in totals.values())
     lines = [f"prefill trace, {batch} x {prompt} tokens: wall {1e3 * wall:.1f} ms (traced, ops labelled), kernels "
              f"{busy['gpu_kernels_per_step']:.0f}, GPU idle {busy['gpu_idle_pct']} %, "
-             f"kernel time {gpu_us / 1e3:.1f} ms", "by op:", op_table(op_times(prof)), "by kernel:"]
+             f"kernel time {gpu_us / 1e3:.1f} ms", idle_gaps(prof), host_syncs(prof), "by op:", op_table(op_times(prof)), "by kernel:"]
     for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.2f} ms {100 * us / gpu_us:5.1f} % x{count:<5d} {name[:110]}")
     return "\n".join(lines)

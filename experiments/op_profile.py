@@ -72,3 +72,57 @@ def op_table(totals: dict[str, list], top: int = 30) -> str:
     for label, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.2f} {100 * us / whole:5.1f}% {count:7d}  {label[:100]}")
     return "\n".join(lines)
+
+
+def idle_gaps(prof, shortest_us: float = 20.0, top: int = 8) -> str:
+    """Where the GPU waits in a profile taken under :func:`labelled_ops`: the time from the first
+    host event to the first kernel (the host preparing the step), the gaps between kernels of at
+    least ``shortest_us`` (their count and sum), and the ``top`` longest, each with the op or
+    kernel that ran before it and the one it waited for."""
+    device = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    host = [e.time_range.start for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    if not device or not host:
+        return "idle gaps: no events"
+    labels, end, gaps = {}, -float("inf"), []
+    ranges = [e for e in device if is_op_range(e)]
+    for e in ranges:
+        for k in device:
+            if not is_op_range(k) and e.time_range.start <= k.time_range.start < e.time_range.end:
+                labels.setdefault(id(k), e.name[len(PREFIX):])
+    kernels = [e for e in device if not is_op_range(e)]
+    before = None
+    for k in kernels:
+        if before is not None and k.time_range.start - end >= shortest_us:
+            gaps.append((k.time_range.start - end, before, labels.get(id(k), k.name[:40])))
+        if k.time_range.end >= end:
+            end, before = k.time_range.end, labels.get(id(k), k.name[:40])
+    lead = kernels[0].time_range.start - min(host)
+    lines = [f"idle gaps: {lead / 1e3:.2f} ms from the first host event to the first kernel; "
+             f"{len(gaps)} gaps of at least {shortest_us:.0f} us between kernels, {sum(g for g, _, _ in gaps) / 1e3:.2f} ms"]
+    for gap, after, waiting in sorted(gaps, key=lambda g: -g[0])[:top]:
+        lines.append(f"  {gap / 1e3:7.3f} ms after {after[:40]:<40} before {waiting[:40]}")
+    return "\n".join(lines)
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+         "aten::nonzero", "cudaMemcpy")
+"""Host events that wait for the GPU (``cudaMemcpy``: the synchronous copy, not ``cudaMemcpyAsync``)."""
+
+
+def host_syncs(prof) -> str:
+    """The host events of a profile taken under :func:`labelled_ops` that wait for the GPU
+    (:data:`SYNCS`), counted by the op whose host-side range holds them (or ``outside ops``)."""
+    host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name[len(PREFIX):]) for e in host if is_op_range(e))
+    starts = [start for start, _, _ in ranges]
+    counts: dict[str, int] = {}
+    for e in host:
+        if e.name not in SYNCS:
+            continue
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        label = ranges[i][2] if i >= 0 and e.time_range.start < ranges[i][1] else "outside ops"
+        key = f"{e.name} in {label}"
+        counts[key] = counts.get(key, 0) + 1
+    listed = ", ".join(f"{key} x{n}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"host syncs: {sum(counts.values())}" + (f" ({listed})" if listed else "")
