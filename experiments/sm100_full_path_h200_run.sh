@@ -3,7 +3,7 @@
 # reference on the GPU (the parity grid, no fallback), the weight_format parity of model=small
 # (experiments/weight_format_parity.py), the block-scaled grouped GEMM's compute-bound points against the
 # dense FP8 rate of torch._scaled_mm (experiments/bench_ops.py), the decode linears against cuBLAS
-# (experiments/linear_skinny.py), the bf16 grouped GEMM kernels at model=small's decode shapes (GEMM_POINTS, labels of
+# and stacked where they share their input, against the Triton kernel for few rows (experiments/linear_stacked.py), the bf16 grouped GEMM kernels at model=small's decode shapes (GEMM_POINTS, labels of
 # experiments/grouped_gemm_kernels.py), then experiments/bench_engine.py for sm100 alone with no fallback (so an
 # op sm100 lacks fails the run). PARITY_OPS (a pytest -k expression) narrows the parity stage, PARITY_TIMEOUT
 # (seconds, default 240) bounds it. Logs and results go to $OUT.
@@ -39,8 +39,9 @@ if [[ $stages == *fp8* ]]; then
   echo "fp8 done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *linear* ]]; then
-  timeout 200 python3 experiments/linear_skinny.py --out "$out" 2>&1 | grep -v "TileLang\|_warn_once" \
-    | tee "$out/linear_skinny.log" | tail -32
+  python3 -m deepinfer_backends.sm100.fused.linear_skinny 2>&1 | tail -5
+  timeout 200 python3 experiments/linear_stacked.py --out "$out" 2>&1 | grep -v "TileLang\|_warn_once" \
+    | tee "$out/linear_stacked.log" | tail -32
   echo "linear done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *gemm* ]]; then

@@ -40,6 +40,7 @@ KEY_TILE = 128
 
 ROW_TILED = {
     "linear": ("x",),
+    "stacked_linear": ("x",),
     "grouped_linear": ("x",),
     "rms_norm": ("x", "residual"),
     "kv_norm_rope_store": ("x", "positions", "slots"),

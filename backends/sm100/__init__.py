@@ -18,8 +18,8 @@ from deepinfer_backends.sm100.options import KernelOptions
 IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "ep_combine", "ep_dispatch", "grouped_gemm",
                "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk", "kv_load", "kv_norm_rope_store",
                "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre", "mhc_pre", "mla_sparse_decode",
-               "mla_sparse_prefill", "moe_gate", "rms_norm", "sample", "speculative_accept", "swa_decode_indices",
-               "swa_history_slots", "swa_prefill_indices", "swa_ring_slots", "swiglu")
+               "mla_sparse_prefill", "moe_gate", "rms_norm", "sample", "speculative_accept", "stacked_linear",
+               "swa_decode_indices", "swa_history_slots", "swa_prefill_indices", "swa_ring_slots", "swiglu")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
     "kv_cast": "training rounds keys through a cache format with kv_cast; inference stores them with "
@@ -31,6 +31,7 @@ INVARIANT = {
     "grouped_gemm": "fixed 64 x 128 tiles whatever the row count; each output element is one wgmma sequence "
                     "over the whole K, in order (no split-K)",
     "linear": "the grouped GEMM kernel with one expert, same fixed tiles (never cuBLAS)",
+    "stacked_linear": "linear once per weight (the grouped GEMM kernel with one expert, same fixed tiles)",
     "grouped_linear": "the grouped GEMM kernel on the group-major rows, same fixed tiles (never cuBLAS)",
     "grouped_swiglu": "the two grouped GEMMs with the fixed tiles, then the SwiGLU per element",
     "mla_sparse_decode": "split-KV off: one CTA per query row walks its key lists block by block, in order",
@@ -63,11 +64,11 @@ INVARIANT = {
 """Ops in the batch-invariant table (``engine.batch_invariant=true``), with the reason each row's
 arithmetic does not depend on the batch. Ops not listed go to the fallback (or are refused)."""
 KERNEL_CHOICE = ("grouped_gemm", "grouped_linear", "grouped_swiglu", "linear", "mla_sparse_decode",
-                 "mla_sparse_prefill")
+                 "mla_sparse_prefill", "stacked_linear")
 """Ops whose kernel ``backend.options`` (:class:`~deepinfer_backends.sm100.options.KernelOptions`) picks."""
 _INVARIANT_ARGS = {"grouped_gemm": {"batch_invariant": True}, "grouped_linear": {"batch_invariant": True},
                    "grouped_swiglu": {"batch_invariant": True},
-                   "linear": {"batch_invariant": True},
+                   "linear": {"batch_invariant": True}, "stacked_linear": {"batch_invariant": True},
                    "mla_sparse_decode": {"split_kv": False},
                    "mla_sparse_prefill": {"split_kv": False, "batch_invariant": True}}
 
@@ -100,12 +101,14 @@ class Sm100Backend(Backend):
             "before it on Hopper; no FP8 tensor-core GEMM yet",
             "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
             "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128 (beyond 8192 in pieces, added in order)",
-            "linear: cuBLAS below 128 rows by default (backend.options.linear_kernel), the TileLang GEMM above, "
+            "linear: the Triton kernel for few rows up to 16 rows, cuBLAS below 128 rows by default (backend.options.linear_kernel), the TileLang GEMM above, "
             "for block-scaled weights and in batch-invariant mode; grouped_linear: cuBLAS's strided batched GEMM "
             "on bf16 operands where they lie, else the grouped GEMM on group-major copies",
             "mHC (mixes, head, pre, post, post_pre): Triton kernels, float32 math; the mixes' dot products in fixed "
             "slices of the width (a bf16 residual against fn's three bf16 parts), then the gates and every Sinkhorn "
             "iteration in one kernel",
+            "stacked_linear (several linears of one input) with at most 16 bf16 rows: one Triton launch streams "
+            "every weight (linear_kernel=auto), each product its own contiguous tensor",
             "grouped_gemm and grouped_swiglu with at most 4 rows per expert: a Triton kernel that streams the "
             "weights (the gate and up weights side by side for grouped_swiglu)",
             "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "

@@ -303,9 +303,10 @@ def _operand_kind(operand) -> str:
 
 
 def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DEFAULT) -> torch.Tensor:
-    """HAL ``linear``, ``y[..., N] = x[..., K] @ weight[N, K].T``: the grouped GEMM kernel with
-    one expert (its tile schedule built once per row count, with no host sync), or cuBLAS for a
-    bf16 weight where ``options.linear_kernel`` picks it (:func:`linear_kernel`)."""
+    """HAL ``linear``, ``y[..., N] = x[..., K] @ weight[N, K].T``: the Triton kernel for few rows
+    where it serves (:func:`few_rows_linears`), else the grouped GEMM kernel with one expert (its
+    tile schedule built once per row count, with no host sync), or cuBLAS for a bf16 weight where
+    ``options.linear_kernel`` picks it (:func:`linear_kernel`)."""
     op = "linear"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _linear_quant(x, weight, batch_invariant)
@@ -315,6 +316,9 @@ def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DE
         raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    products = few_rows_linears(x, [weight], batch_invariant, options)
+    if products is not None:
+        return products[0]
     if linear_kernel(rows, options, batch_invariant) == "cublas":
         return torch.nn.functional.linear(x, weight)
     require(x.shape[-1] % 8 == 0, op, f"K={x.shape[-1]} must be a multiple of 8 (16-byte rows for TMA)")
@@ -327,6 +331,25 @@ def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DE
         kernel = compiled("grouped_gemm", "grouped_gemm_bf16", 1, *weight.shape, **tiles)
         kernel(flat, weight.unsqueeze(0), schedule[0], schedule[1], schedule[2], y)
     return y.reshape(*x.shape[:-1], n)
+
+
+def few_rows_linears(x, weights, batch_invariant: bool = False,
+                     options: KernelOptions = DEFAULT) -> tuple[torch.Tensor, ...] | None:
+    """``x`` through each of ``weights`` in one Triton launch (:mod:`.fused.linear_skinny`) under
+    ``options.linear_kernel=auto``, outside the batch-invariant mode, for bf16 CUDA ``x`` of at most
+    :data:`~.fused.linear_skinny.BLOCK_T` rows and bf16 CUDA weights whose widths the kernel's column
+    blocks divide (it beats cuBLAS there: ``experiments/results/linear_stacked_h200.csv``); None
+    where it does not serve."""
+    from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, linear_skinny, tiles_for
+
+    if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or x.dtype != torch.bfloat16:
+        return None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 0 < rows <= BLOCK_T or not all(on_device(w) and w.dtype == torch.bfloat16 for w in weights) \
+            or tiles_for([w.shape[0] for w in weights]) is None:
+        return None
+    products = linear_skinny(x.reshape(rows, x.shape[-1]).contiguous(), [w.contiguous() for w in weights])
+    return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 
 def linear_kernel(rows: int, options: KernelOptions = DEFAULT, batch_invariant: bool = False) -> str:

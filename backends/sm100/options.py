@@ -18,10 +18,11 @@ class KernelOptions:
     """Sparse MLA, decode and prefill: ``auto`` (the warp-specialised kernel on Hopper, the
     portable one elsewhere), ``warp_specialized`` (Hopper only), or ``portable`` (every arch)."""
     linear_kernel: str = "auto"
-    """Dense bf16 ``linear``: ``auto`` (cuBLAS, through ``torch.nn.functional.linear``, below
-    :data:`SKINNY_ROWS` rows, where the GEMM kernel's 64- and 128-row tiles leave the weight
-    stream short of the memory bandwidth; the TileLang GEMM above), ``tilelang`` (always the
-    TileLang GEMM) or ``cublas`` (always cuBLAS). Block-scaled weights always take the TileLang
+    """Dense bf16 ``linear`` and ``stacked_linear``: ``auto`` (up to 16 rows the Triton kernel for
+    few rows, one launch for every weight of a ``stacked_linear``; cuBLAS, through
+    ``torch.nn.functional.linear``, below :data:`SKINNY_ROWS` rows, where the GEMM kernel's 64- and
+    128-row tiles leave the weight stream short of the memory bandwidth; the TileLang GEMM above),
+    ``tilelang`` (always the TileLang GEMM) or ``cublas`` (always cuBLAS). Block-scaled weights always take the TileLang
     kernel, and so does every row count in batch-invariant mode (cuBLAS picks its kernel by
     shape); ``cublas`` is refused there. ``grouped_linear`` follows the choice: cuBLAS's strided
     batched GEMM at every row count unless ``tilelang``."""

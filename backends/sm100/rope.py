@@ -25,7 +25,7 @@ def apply_rope(x, positions, cos_sin, conjugate=False, out=None):
     dim, rope = x.shape[-1], cos_sin.shape[1]
     require(dim <= MAX_WIDTH, op, f"the last axis ({dim}) must be at most {MAX_WIDTH} wide")
     import triton
-    from deepinfer_backends.sm100.fused.rope import BLOCK_ROWS, rope_kernel
+    from deepinfer_backends.sm100.fused.rope import BLOCK_ROWS, HEAD_CHUNK, rope_kernel
 
     if _row_stride(x) is None:
         x = x.contiguous()
@@ -33,12 +33,14 @@ def apply_rope(x, positions, cos_sin, conjugate=False, out=None):
         x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // dim if dim else 0
     if rows:
-        table, block_d = cos_sin.float().contiguous(), triton.next_power_of_2(dim)
-        block_rows = max(BLOCK_ROWS, ROW_ELEMENTS // block_d)
+        table, half_block = cos_sin.float().contiguous(), triton.next_power_of_2(rope // 2)
+        block_rows = max(BLOCK_ROWS, ROW_ELEMENTS // triton.next_power_of_2(dim))
+        in_place = target.data_ptr() == x.data_ptr() and _row_stride(target) == _row_stride(x)
         rope_kernel[(-(-rows // block_rows),)](
-            x, positions.contiguous(), table, target, rows, rows // x.shape[0], dim, _row_stride(x),
-            _row_stride(target), table.stride(0), -1.0 if conjugate else 1.0, ROPE=rope, BLOCK_ROWS=block_rows,
-            BLOCK_D=block_d, num_warps=4)
+            x, positions.contiguous(), table, target, rows, rows // x.shape[0], _row_stride(x),
+            _row_stride(target), table.stride(0), -1.0 if conjugate else 1.0, HEAD=dim - rope, ROPE=rope,
+            HALF_BLOCK=half_block, COPY_HEAD=dim > rope and not in_place, BLOCK_ROWS=block_rows,
+            HEAD_CHUNK=HEAD_CHUNK, num_warps=4)
     return target if out is None or target is out else out.copy_(target)
 
 

@@ -20,6 +20,7 @@ from deepinfer_backends.sm100.norm import KV_STORE_FORMATS, kv_norm_rope_store, 
 from deepinfer_backends.sm100.rope import apply_rope
 from deepinfer_backends.sm100.routing import ep_dispatch, moe_gate
 from deepinfer_backends.sm100.sampling import sample, speculative_accept
+from deepinfer_backends.sm100.stacked_linear import stacked_linear
 from deepinfer_backends.sm100.swa_indices import (
     swa_decode_indices, swa_history_slots, swa_prefill_indices, swa_ring_slots,
 )
@@ -31,4 +32,5 @@ __all__ = ["HEAD_BLOCK", "INVARIANT_TILES", "KV_STORE_FORMATS", "UnsupportedInpu
            "grouped_gemm", "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk", "kv_load",
            "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre", "mhc_pre",
            "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample", "speculative_accept",
-           "split_count", "swa_decode_indices", "swa_history_slots", "swa_prefill_indices", "swa_ring_slots", "swiglu"]
+           "split_count", "stacked_linear", "swa_decode_indices", "swa_history_slots", "swa_prefill_indices",
+           "swa_ring_slots", "swiglu"]

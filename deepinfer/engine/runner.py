@@ -194,6 +194,6 @@ class ModelRunner:
             replay_compact=starts is not None and self.replay.mode == "compact", device=self.runtime.device,
             upload=self.runtime.upload)
         ctx.write_draft_cache = bool(self.k)
-        if any(t < 0 for c in chunks for t in c.token_ids):
+        if min((min(c.token_ids) for c in chunks if c.token_ids), default=0) < 0:
             ctx.input_ids = torch.where(ctx.input_ids < 0, self.slots.last[ctx.slot_of_token], ctx.input_ids)
         return ctx

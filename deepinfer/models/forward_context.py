@@ -118,7 +118,9 @@ class ForwardContext:
         if logits_rows is None:
             logits_rows = np.arange(len(seq_of_token)) if all_logits else ends - 1
         slots = np.asarray(state_slots, dtype=np.int64).reshape(num_seqs)
-        arrays = {"input_ids": [t for chunk in token_chunks for t in chunk], "positions": positions,
+        input_ids = np.concatenate([np.asarray(chunk, dtype=np.int64).reshape(-1) for chunk in token_chunks]) \
+            if num_seqs else np.zeros(0, dtype=np.int64)
+        arrays = {"input_ids": input_ids, "positions": positions,
                   "query_lens": lens, "context_lens": context_lens, "state_slots": slots, "block_tables": table,
                   "logits_indices": logits_rows, "seq_of_token": seq_of_token, "query_start": query_start,
                   "chunk_start": chunk_start, "chunk_start_of_token": chunk_start[seq_of_token],

@@ -67,6 +67,13 @@ class Linear(nn.Module):
         return self.ops.linear(x, self.operand()).to(x.dtype)
 
 
+def stacked(ops: OpTable, x: torch.Tensor, weights: list) -> tuple[torch.Tensor, ...]:
+    """``x`` through each of ``weights`` (:class:`Linear` modules or plain ``[N, K]`` tensors) in
+    one ``stacked_linear`` call, each product in ``x.dtype`` as :meth:`Linear.forward` gives it."""
+    operands = [w.operand() if isinstance(w, Linear) else w for w in weights]
+    return tuple(y.to(x.dtype) for y in ops.stacked_linear(x, operands))
+
+
 class RMSNorm(nn.Module):
     """RMSNorm through the ``rms_norm`` op; with ``residual`` returns ``(normed, new_residual)``."""
 

@@ -95,6 +95,15 @@ for conjugate in (False, True):
     uneven = torch.zeros(5, 6, 64, dtype=torch.bfloat16)[:, :4]  # rows not evenly spaced: written by a copy
     wrappers.apply_rope(rows, positions, table, conjugate=conjugate, out=uneven)
     assert torch.equal(uneven, wrappers.apply_rope(rows, positions, table, conjugate=conjugate))
+    whole = wrappers.apply_rope(q0 := torch.randn(5, 3, 400, generator=gen).bfloat16(), positions, table,
+                                conjugate=conjugate)  # 336 columns copied in 128-column steps
+    assert torch.equal(whole[..., :336], q0[..., :336])
+    torch.testing.assert_close(whole.float(), apply_rope(q0, positions, table, conjugate=conjugate).float(),
+                               atol=2e-2, rtol=2e-2)
+    narrow = rope_cos_sin(rope_inv_freq(10000.0, 48), 64)  # a rotated slice of 48: 24 pairs in 32 lanes
+    rows = torch.randn(5, 2, 80, generator=gen)
+    torch.testing.assert_close(wrappers.apply_rope(rows, positions, narrow, conjugate=conjugate),
+                               apply_rope(rows, positions, narrow, conjugate=conjugate), atol=1e-5, rtol=1e-5)
 print("rope out ok")
 """
 
@@ -159,6 +168,31 @@ print("skinny ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_skinny_grouped_gemm_and_its_swiglu_match_float64_in_the_interpreter():
     assert interpreted(SKINNY).split("\n")[0] == "skinny ok"
+
+
+STACKED = """
+import torch
+from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, MAX_WEIGHTS, linear_skinny
+
+gen = torch.Generator().manual_seed(0)
+# float32 operands: the interpreter's bf16 tl.dot is not the GPU's; one launch up to MAX_WEIGHTS weights, then more
+for widths, k, rows in (((64, 32, 16), 96, 5), ((48,), 64, BLOCK_T + 1), ((16, 32, 16, 48, 16, 32, 64), 40, 3),
+                        ((16, 16), 300, 0)):
+    x = torch.randn(rows, k, generator=gen)
+    weights = [torch.randn(n, k, generator=gen) / k ** 0.5 for n in widths]
+    got = linear_skinny(x, weights)
+    assert len(widths) > MAX_WEIGHTS or len(got) == len(widths)
+    for product, weight in zip(got, weights, strict=True):
+        want = x.double() @ weight.double().T
+        assert product.is_contiguous() and product.shape == want.shape
+        assert torch.allclose(product.double(), want, rtol=1e-5, atol=1e-5), (widths, rows)
+print("stacked ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_stacked_linear_kernel_stores_each_product_apart_in_the_interpreter():
+    assert interpreted(STACKED).split("\n")[0] == "stacked ok"
 
 
 PARTIALS = """

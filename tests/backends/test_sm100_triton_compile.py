@@ -11,8 +11,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _kernels():
-    from deepinfer_backends.sm100.fused import (ep_combine, grouped_gemm_skinny, kv_load, mhc_mixes, mhc_streams,
-                                                mxfp4_cast, rope, swiglu, tile_schedule)
+    from deepinfer_backends.sm100.fused import (ep_combine, grouped_gemm_skinny, kv_load, linear_skinny, mhc_mixes,
+                                                mhc_streams, mxfp4_cast, rope, swiglu, tile_schedule)
 
     for x, fn, parts in (("*bf16", "*bf16", 3), ("*fp32", "*fp32", 1)):
         yield f"mhc_mix_partials[{parts} parts]", mhc_mixes.mhc_mix_partials, dict(
@@ -32,10 +32,11 @@ def _kernels():
         yield f"mhc_post_kernel[read next {read_next}]", mhc_streams.mhc_post_kernel, dict(
             y="*bf16", residual="*bf16", post="*fp32", comb="*fp32", pre="*fp32", out="*bf16", x="*bf16",
             hidden="i32"), dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN, READ_NEXT=read_next)
-    yield "rope_kernel", rope.rope_kernel, dict(x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32",
-                                                heads="i32", dim="i32", x_row_stride="i32", out_row_stride="i32", table_stride="i32",
-                                                sign="fp32"), \
-        dict(ROPE=64, BLOCK_ROWS=rope.BLOCK_ROWS, BLOCK_D=512)
+    for head in (0, 448):
+        yield f"rope_kernel[head {head}]", rope.rope_kernel, dict(
+            x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32", heads="i32", x_row_stride="i32",
+            out_row_stride="i32", table_stride="i32", sign="fp32"), \
+            dict(HEAD=head, ROPE=64, HALF_BLOCK=32, COPY_HEAD=head > 0, BLOCK_ROWS=32, HEAD_CHUNK=rope.HEAD_CHUNK)
     yield "ep_combine_kernel", ep_combine.ep_combine_kernel, dict(y="*fp32", row_of_pair="*i64", weights="*fp32",
                                                                   routed="*i8", out="*fp32", hidden="i32"), \
         dict(TOP_K=6, HAS_ROUTED=True, BLOCK=ep_combine.BLOCK_HIDDEN)
@@ -58,6 +59,13 @@ def _kernels():
                 k="i32", limit="fp32"), \
             dict(BLOCK_T=grouped_gemm_skinny.BLOCK_T, BLOCK_N=width, BLOCK_K=grouped_gemm_skinny.BLOCK_K,
                  NUM_STAGES=grouped_gemm_skinny.NUM_STAGES, GATED=gated, CLAMP=gated)
+    for (weights, one_row), tiles in zip(((1, False), (5, True)), linear_skinny.TILES.values()):
+        # Triton passes a row count of 1 as a constant
+        yield f"linear_skinny_kernel[{weights} weights, one row {one_row}]", linear_skinny.linear_skinny_kernel, dict(
+            x="*bf16", **{f"w{i}": "*bf16" for i in range(5)}, y="*bf16", **({} if one_row else {"rows": "i32"}),
+            k="i32", **{f"end{i}": "i32" for i in range(5)}), \
+            dict(WEIGHTS=weights, BLOCK_T=linear_skinny.BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
+                 NUM_STAGES=tiles["stages"], **({"rows": 1} if one_row else {}))
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

@@ -155,8 +155,15 @@ def test_compact_consumer_rows_grow_with_keep_tokens_not_the_prompt(model, lengt
     compressed = next(i for i in _consumer_layers(model) if model.cfg.layer_ratios[i])
     handles = [model.layers[0].attn.register_forward_pre_hook(counter("producer")),
                model.layers[consumer].attn.register_forward_pre_hook(counter("consumer")),
-               model.layers[consumer].ffn.register_forward_pre_hook(counter("consumer_moe")),
-               model.layers[compressed].attn.compressor.wkv.register_forward_pre_hook(counter("consumer_kv_store"))]
+               model.layers[consumer].ffn.register_forward_pre_hook(counter("consumer_moe"))]
+    attn = model.layers[compressed].attn
+    store = attn._store_compressed
+
+    def counted_store(latent, *args):  # the rows the consumer's compressor projects and stores
+        counter("consumer_kv_store")(None, (latent,))
+        return store(latent, *args)
+
+    attn._store_compressed = counted_store
     try:
         for mode in ("off", "compact"):
             counts.clear()
@@ -165,6 +172,7 @@ def test_compact_consumer_rows_grow_with_keep_tokens_not_the_prompt(model, lengt
             assert counts == {"producer": length, "consumer": want_consumer, "consumer_moe": want_consumer,
                               "consumer_kv_store": length}, mode
     finally:
+        del attn._store_compressed
         for handle in handles:
             handle.remove()
 

@@ -16,6 +16,7 @@ from deepinfer.hal.ops import (  # noqa: F401
     routing,
     sampling,
     speculative,
+    stacked_linear,
     swa_replay,
     token_bitmask,
 )

@@ -214,6 +214,7 @@ register(OpSpec(
     cases=(
         OpCase("tiny", _linear_case((2, 3), 16, 64)),
         OpCase("tiny_bf16", _linear_case((5,), 24, 96, dtype=torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("decode_bf16", _linear_case((1, 3), 64, 96, dtype=torch.bfloat16), dtype=torch.bfloat16),
         OpCase("tiny_fp8_fp8", _linear_case((4,), 16, 64, "fp8", "fp8")),
         OpCase("tiny_bf16_x_fp8_weight", _linear_case((4,), 16, 64, None, "fp8", torch.bfloat16)),
         OpCase("tiny_fp8_mxfp4", _linear_case((3,), 8, 128, "fp8", "mxfp4")),

@@ -9,7 +9,7 @@ from deepinfer.hal.registry import OpTable
 from deepinfer.models.deepseek_v41.cache import LayerCache
 from deepinfer.models.deepseek_v41.config import ATTENTION_DIM, INDEX_HEAD_DIM, DeepseekV41Config
 from deepinfer.models.forward_context import ForwardContext
-from deepinfer.models.layers import Linear, RMSNorm
+from deepinfer.models.layers import Linear, RMSNorm, stacked
 
 INDEXER_GROUP_ELEMENTS = 1 << 26
 """Most ``rows x keys`` logits a prefill step's indexer scores at once (float32: 256 MiB)."""
@@ -84,25 +84,51 @@ class Attention(nn.Module):
         ops, pos = self.ops, ctx.positions
         bounded = kv_source is not None and ctx.replay_start is not None
         visible = ctx.derived(("replay_visible",), lambda: ctx.replay_start[ctx.seq_of_token]) if bounded else None
-        q_a = self.q_norm(self.wq_a(hidden))
-        q = rope_tail(ops, self.wq_b(q_a).view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
-        kv_latent = self.wkv(hidden)
+        indexing = bool(self.ratio) and (ctx.decode or not self._windows_fit_topk(ctx))
+        projected = self._project_hidden(hidden, indexing, compressing=bool(self.ratio) and kv_source is None)
+        q_a = self.q_norm(projected["q_a"])
+        q_b = stacked(ops, q_a, [self.wq_b, self.indexer.wq_b] if indexing else [self.wq_b])
+        q = rope_tail(ops, q_b[0].view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
+        kv_latent = projected["kv"]
         selected = None
         if self.ratio:
-            source, source_ctx = (hidden, ctx) if kv_source is None else (kv_source, kv_ctx or ctx)
-            self._store_compressed(source, source_ctx, cache, cos_sin)
-            selected = self._select_compressed(q_a, hidden, ctx, cache, cos_sin)
+            if kv_source is None:
+                self._store_compressed(projected["latent"], projected.get("score"), hidden, ctx, cache, cos_sin)
+            else:
+                self._project_and_store(kv_source, kv_ctx or ctx, cache, cos_sin)
+            selected = self._select_compressed(q_b[1] if indexing else None, projected.get("head_weights"), ctx,
+                                               cache, cos_sin)
         attend = self._attend_decode if ctx.decode else self._attend_prefill
         out = attend(q, kv_latent, selected, ctx, cache, visible, cos_sin)
         out = rope_tail(ops, out, pos, cos_sin, conjugate=True)
         return self._project_out(out)
 
-    def _store_compressed(self, source, ctx, cache, cos_sin) -> None:
-        """Compress ``source``'s tokens and store the keys of the groups they close (every token
-        gets a key row; the rows of tokens that close no group are not stored)."""
+    def _project_hidden(self, hidden: torch.Tensor, indexing: bool, compressing: bool) -> dict[str, torch.Tensor]:
+        """The projections of ``hidden`` in one ``stacked_linear`` (DeepInfer's fused GEMMs):
+        ``q_a`` and the SWA key ``kv``; ``head_weights`` (the indexer's) when ``indexing``; the
+        compressor's ``latent`` (and, for C2, ``score``) when ``compressing`` ``hidden`` itself."""
+        named = {"q_a": self.wq_a, "kv": self.wkv}
+        if indexing:
+            named["head_weights"] = self.indexer.weights_proj
+        if compressing:
+            named["latent"] = self.compressor.wkv
+            if self.compressor.wgate is not None:
+                named["score"] = self.compressor.wgate
+        return dict(zip(named, stacked(self.ops, hidden, list(named.values()))))
+
+    def _project_and_store(self, source, ctx, cache, cos_sin) -> None:
+        """Project ``source`` (another layer's hidden, with its own rows) through the compressor
+        and store its keys (:meth:`_store_compressed`)."""
+        comp = self.compressor
+        projected = stacked(self.ops, source, [comp.wkv] + ([comp.wgate] if comp.wgate is not None else []))
+        self._store_compressed(projected[0], projected[1] if len(projected) > 1 else None, source, ctx, cache,
+                               cos_sin)
+
+    def _store_compressed(self, latent, score, source, ctx, cache, cos_sin) -> None:
+        """Compress the tokens of ``source`` (projected to ``latent`` and, for C2, ``score``) and
+        store the keys of the groups they close (every token gets a key row; the rows of tokens
+        that close no group are not stored)."""
         ops, comp = self.ops, self.compressor
-        latent = comp.wkv(source)  # compress_tokens reads it (and the score) as float32
-        score = comp.wgate(source) if comp.wgate is not None else None
         keys, _ = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
                                       ctx.chunk_start_of_token, cache.compress_state, self.ratio)
         key_pos, slots = ctx.derived(("compressed_store", self.ratio), lambda: self._store_rows(ctx, cache))
@@ -162,20 +188,21 @@ class Attention(nn.Module):
         index = torch.arange(total, device=counts.device) - first[seq]
         return cache.compressed_slots(ctx.block_tables, seq, index), first
 
-    def _select_compressed(self, q_a, hidden, ctx, cache, cos_sin) -> torch.Tensor:
-        """Offsets of the compressed keys each query attends to among its sequence's (-1 padding).
-        A decode step scores each sequence's own keys only (per-sequence index keys). When no
-        sequence of a prefill step holds more than ``index_topk`` compressed keys, the top-k of
-        every query is its whole window, and the indexer is not run."""
+    def _select_compressed(self, index_q, head_weights, ctx, cache, cos_sin) -> torch.Tensor:
+        """Offsets of the compressed keys each query attends to among its sequence's (-1 padding),
+        from the indexer's queries ``index_q`` (before RoPE) and ``head_weights``. A decode step
+        scores each sequence's own keys only (per-sequence index keys). When no sequence of a
+        prefill step holds more than ``index_topk`` compressed keys, the top-k of every query is
+        its whole window, and the indexer is not run (``index_q`` is None)."""
         ops, idx = self.ops, self.indexer
         topk = self.cfg.index_topk
-        if not ctx.decode and self._windows_fit_topk(ctx):
+        if index_q is None:
             def whole_windows():
                 offsets = torch.arange(topk, device=ctx.positions.device, dtype=torch.int32)
                 return torch.where(offsets < self._visible(ctx)[:, None], offsets, -1)
             return ctx.derived(("whole_compressed_windows", self.ratio, topk), whole_windows)
-        q = rope_tail(ops, idx.wq_b(q_a).view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
-        weights = idx.weights_proj(hidden) * idx.weight_scale  # float32, as the [1]-shaped scale
+        q = rope_tail(ops, index_q.view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
+        weights = head_weights * idx.weight_scale  # float32, as the [1]-shaped scale
         key_slots, first = self._compressed_keys(ctx, cache)
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
         visible = self._visible(ctx)

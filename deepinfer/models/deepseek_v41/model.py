@@ -94,7 +94,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                              f"(plus the {self.position_margin} positions speculative rows may reach)")
         streams = self.cfg.hc_mult
         x = self.embed(ctx.input_ids)
-        residual = x.unsqueeze(1).expand(-1, streams, -1).contiguous()
+        residual = torch.cat([x] * streams, dim=-1).view(x.shape[0], streams, x.shape[-1])  # cat copies in vectors
         pre = first_stream_mix(ctx.num_tokens, streams, x.device) if self.cfg.hc_shifted else None
         x = x if self.cfg.hc_shifted else None  # the first mix reads stream 0: the embedding itself
         yoco, features = YocoState(), []

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.hal.registry import OpTable
-from deepinfer.models.layers import Linear, quantized_operand, quantized_parameters
+from deepinfer.models.layers import Linear, quantized_operand, quantized_parameters, stacked
 
 
 class Gate(nn.Module):
@@ -70,20 +70,30 @@ class MoE(nn.Module):
         self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_experts(x, *self.route(x))
+        """Routed experts plus the shared expert; the gate and the shared expert's gate and up
+        projections read ``x`` in one ``stacked_linear``."""
+        shared = self.shared_experts
+        logits, gate, up = stacked(self.ops, x, [self.gate.weight, shared.w1, shared.w3])
+        return self._routed(x, *self._select(logits)) + shared.w2(self.ops.swiglu(gate, up, self.limit))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights float32 [T, k], expert ids int64 [T, k])`` of the gate (``moe_gate`` reads the
         logits in float32)."""
-        return self.ops.moe_gate(self.ops.linear(x, self.gate.weight), self.gate.bias, self.top_k, self.routed_scale)
+        return self._select(self.ops.linear(x, self.gate.weight))
 
     def apply_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts (weighted by ``weights``) plus the shared expert."""
-        ops = self.ops
+        shared = self.shared_experts
+        gate, up = stacked(self.ops, x, [shared.w1, shared.w3])
+        return self._routed(x, weights, ids) + shared.w2(self.ops.swiglu(gate, up, self.limit))
+
+    def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.moe_gate(logits, self.gate.bias, self.top_k, self.routed_scale)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output in ``x.dtype``: dispatch, the grouped SwiGLU and down GEMMs, combine."""
+        ops, experts = self.ops, self.experts
         rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
-        experts = self.experts
         hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
                                     x.dtype)
-        routed = ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle)
-        shared = self.shared_experts
-        return routed.to(x.dtype) + shared.w2(ops.swiglu(shared.w1(x), shared.w3(x), self.limit))
+        return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle).to(x.dtype)

@@ -1,0 +1,117 @@
+"""The bf16 ``linear`` of a few rows in one Triton kernel, for one weight or for up to
+:data:`MAX_WEIGHTS` that share their input: each program takes ``BLOCK_N`` output columns of one
+weight and streams that slice of it through shared memory in ``BLOCK_K`` steps, float32
+accumulation, a bf16 store. Each weight's product is stored as its own contiguous ``[rows, N_i]``
+block of one buffer, so the callers read every product as a plain tensor.
+
+With a handful of rows a linear reads its weight once and is bound by memory: narrow column
+blocks keep the SMs streaming, and one launch serves several weights that share their input.
+The tiles depend only on the shapes, never on the row count up to :data:`BLOCK_T`."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 16
+"""Rows a program holds; a call takes this kernel up to this many rows."""
+MAX_WEIGHTS = 5
+"""Weights one launch reads (more are served by several launches)."""
+TILES = {32: {"block_n": 32, "block_k": 256, "warps": 4, "stages": 4},
+         16: {"block_n": 16, "block_k": 512, "warps": 4, "stages": 3}}
+"""Column block, depth step, warps and pipeline depth, by the column block: 32 where every width
+allows it, else 16 (``experiments/linear_stacked.py``; ``experiments/results/linear_stacked_h200.csv``)."""
+
+
+def tiles_for(widths: list[int]) -> dict[str, int] | None:
+    """The tiles of :data:`TILES` for weights of ``widths`` (None when some width is not a
+    multiple of 16)."""
+    return next((TILES[n] for n in TILES if all(width % n == 0 for width in widths)), None)
+
+
+@triton.jit
+def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, end0, end1, end2, end3, end4, WEIGHTS: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
+    """Columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))`` and rows ``[BLOCK_T * pid1, ..)`` of
+    ``x [rows, k] @ cat(w0 .. w{WEIGHTS - 1}).T``; ``end0 ..``: the weights' cumulative widths
+    (each width a multiple of ``BLOCK_N``). The product with weight ``i``, columns
+    ``[start, end)``, is stored as a contiguous ``[rows, end - start]`` block at element
+    ``rows * start`` of ``y``."""
+    col0 = tl.program_id(0) * BLOCK_N
+    start = end0 * 0
+    end = end0
+    w = w0
+    if WEIGHTS > 1:
+        if col0 >= end0:
+            start, end, w = end0, end1, w1
+    if WEIGHTS > 2:
+        if col0 >= end1:
+            start, end, w = end1, end2, w2
+    if WEIGHTS > 3:
+        if col0 >= end2:
+            start, end, w = end2, end3, w3
+    if WEIGHTS > 4:
+        if col0 >= end3:
+            start, end, w = end3, end4, w4
+    row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = row < rows
+    local = col0 - start + tl.arange(0, BLOCK_N)
+    depth = tl.arange(0, BLOCK_K)
+    x_rows = x + row[:, None].to(tl.int64) * k
+    w_rows = w + local[:, None].to(tl.int64) * k
+    acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+    for step in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
+        kk = step + depth
+        within = kk < k
+        a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
+        b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+    out = y + start.to(tl.int64) * rows + row[:, None].to(tl.int64) * (end - start) + local[None, :]
+    tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
+
+
+def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str, int] | None = None) -> list[torch.Tensor]:
+    """``[x @ w.T for w in weights]`` for contiguous bf16 ``x [rows, K]`` and contiguous bf16
+    ``weights [N_i, K]`` (each ``N_i`` a multiple of ``tiles["block_n"]``; default
+    :func:`tiles_for` the widths): contiguous ``[rows, N_i]`` views of one buffer,
+    :data:`MAX_WEIGHTS` weights a launch."""
+    rows, k = x.shape
+    widths = [w.shape[0] for w in weights]
+    tiles = tiles or tiles_for(widths)
+    y = torch.empty(rows * sum(widths), dtype=x.dtype, device=x.device)
+    for first in range(0, len(weights) if rows else 0, MAX_WEIGHTS):
+        chunk = weights[first:first + MAX_WEIGHTS]
+        ends = list(itertools.accumulate(w.shape[0] for w in chunk))
+        base = rows * sum(widths[:first])
+        pad = MAX_WEIGHTS - len(chunk)
+        linear_skinny_kernel[(ends[-1] // tiles["block_n"], -(-rows // BLOCK_T))](
+            x, *chunk, *[chunk[0]] * pad, y[base:], rows, k, *ends, *[ends[-1]] * pad, WEIGHTS=len(chunk),
+            BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"],
+            num_warps=tiles["warps"])
+    outs, offset = [], 0
+    for width in widths:
+        outs.append(y[offset:offset + rows * width].view(rows, width))
+        offset += rows * width
+    return outs
+
+
+def main() -> None:
+    """Check the kernel against the float64 products on this GPU: one weight and several."""
+    gen = torch.Generator().manual_seed(0)
+    for widths, k, rows in (((1280, 512, 64, 512, 512), 4096, 1), ((4096,), 2048, 3), ((32768, 8192), 1280, 16),
+                            ((16, 48, 32, 16, 64, 16, 32), 96, 5)):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        ws = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16) for n in widths]
+        got = linear_skinny(x.cuda(), [w.cuda() for w in ws])
+        for g, w in zip(got, ws):
+            want = x.double() @ w.double().T
+            error = (g.cpu().double() - want).abs().max().item()
+            assert g.is_contiguous() and error <= 2 ** -7 * want.abs().max().item(), f"{widths}, {rows} rows: {error}"
+        print(f"linear_skinny: widths {widths}, K={k}, {rows} rows: ok")
+
+
+if __name__ == "__main__":
+    main()
