@@ -33,19 +33,18 @@ def mhc_post_kernel(y, residual, post, comb, pre, out, x, hidden, HC: tl.constex
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = h < hidden
-    n = tl.arange(0, HC)
     written = tl.load(y + t * hidden + h, mask=inside, other=0.0).to(tl.float32)
-    carried = tl.zeros((HC, BLOCK), tl.float32)
-    for m in tl.static_range(HC):
-        stream = tl.load(residual + (t * HC + m) * hidden + h, mask=inside, other=0.0).to(tl.float32)
-        carried += tl.load(comb + (t * HC + m) * HC + n)[:, None] * stream[None, :]
-    stored = (tl.load(post + t * HC + n)[:, None] * written[None, :] + carried).to(out.dtype.element_ty)
-    tl.store(out + (t * HC + n[:, None]) * hidden + h[None, :], stored, mask=inside[None, :])
+    total = tl.zeros((BLOCK,), tl.float32)
+    for n in tl.static_range(HC):
+        carried = tl.zeros((BLOCK,), tl.float32)
+        for m in tl.static_range(HC):  # the streams come from DRAM for n = 0, from L1 after
+            stream = tl.load(residual + (t * HC + m) * hidden + h, mask=inside, other=0.0).to(tl.float32)
+            carried += tl.load(comb + (t * HC + m) * HC + n) * stream
+        stored = (tl.load(post + t * HC + n) * written + carried).to(out.dtype.element_ty)
+        tl.store(out + (t * HC + n) * hidden + h, stored, mask=inside)
+        if READ_NEXT:
+            total += tl.load(pre + t * HC + n) * stored.to(tl.float32)
     if READ_NEXT:
-        total = tl.zeros((BLOCK,), tl.float32)
-        for m in tl.static_range(HC):
-            stream = tl.sum(tl.where(n[:, None] == m, stored.to(tl.float32), 0.0), axis=0)
-            total += tl.load(pre + t * HC + m) * stream
         tl.store(x + t * hidden + h, total.to(x.dtype.element_ty), mask=inside)
 
 
