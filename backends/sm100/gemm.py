@@ -338,8 +338,8 @@ def few_rows_linears(x, weights, batch_invariant: bool = False,
     """``x`` through each of ``weights`` in one Triton launch (:mod:`.fused.linear_skinny`) under
     ``options.linear_kernel=auto``, outside the batch-invariant mode, for bf16 CUDA ``x`` of at most
     :data:`~.fused.linear_skinny.BLOCK_T` rows and bf16 CUDA weights whose widths the kernel's column
-    blocks divide (it beats cuBLAS there: ``experiments/results/linear_stacked_h200.csv``); None
-    where it does not serve."""
+    blocks divide (ahead of cuBLAS on model=small's decode shapes but shared.w2 at 16 rows:
+    ``experiments/results/linear_stacked_h200.csv``); None where it does not serve."""
     from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, linear_skinny, tiles_for
 
     if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or x.dtype != torch.bfloat16:

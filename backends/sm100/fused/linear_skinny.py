@@ -73,7 +73,8 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, end0, end1, end2, en
     tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
 
 
-def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str, int] | None = None) -> list[torch.Tensor]:
+def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor],
+                  tiles: dict[str, int] | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` for contiguous bf16 ``x [rows, K]`` and contiguous bf16
     ``weights [N_i, K]`` (each ``N_i`` a multiple of ``tiles["block_n"]``; default
     :func:`tiles_for` the widths): contiguous ``[rows, N_i]`` views of one buffer,

@@ -70,8 +70,8 @@ class MoE(nn.Module):
         self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Routed experts plus the shared expert; the gate and the shared expert's gate and up
-        projections read ``x`` in one ``stacked_linear``."""
+        """Routed experts plus the shared expert; the router's logits and the shared expert's gate
+        and up projections come from one ``stacked_linear`` of ``x``."""
         shared = self.shared_experts
         logits, gate, up = stacked(self.ops, x, [self.gate.weight, shared.w1, shared.w3])
         return self._routed(x, *self._select(logits)) + shared.w2(self.ops.swiglu(gate, up, self.limit))
