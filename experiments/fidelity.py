@@ -1,0 +1,607 @@
+"""How closely the reference backend computes what DeepInfer 0.1.0 computes, op by op.
+
+Each row calls one of our reference functions (``deepinfer/hal``) and one of DeepInfer's own
+PyTorch reference functions (from the ``deepinfer`` 0.1.0 and ``tile_kernels`` 2.1.0 sdists) on
+the same random inputs and reports the largest absolute difference, the largest relative
+difference (against |theirs|, over values at least 1e-3 of the largest), the share of values
+(or rows, bytes, tokens, as the note says) that differ, the tolerance the op's OpSpec gives (or
+"exact" for integers and bytes), whether the row agrees, and why it may not. Their sources are
+imported at run time from the unpacked sdists; nothing of theirs is copied here.
+
+    python experiments/fidelity.py [--source DIR] [--out CSV]
+
+``DIR`` holds ``deepinfer-0.1.0/`` and ``tile_kernels-2.1.0/`` as unpacked from the sdists;
+without it both are fetched from the index pip is configured with (its JSON simple API) into a
+temporary folder. Writes ``experiments/results/fidelity.csv``. Never run in CI (it downloads).
+
+Their package is also called ``deepinfer``: it is imported under that name while ours is set
+aside (see :func:`load_upstream`), a few imports that need CUDA, the native extension or Python
+3.12 are replaced by stubs (:data:`STUBS`), and ``device="cuda"`` in their RoPE table builder is
+sent to the CPU (:class:`CpuForCuda`). Rows that use a stub say so.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import hashlib
+import importlib
+import json
+import platform
+import subprocess
+import sys
+import tarfile
+import tempfile
+import types
+import urllib.request
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ops import RESULTS, write_csv  # noqa: E402
+from deepinfer.hal import SPECS, Tolerance, formats  # noqa: E402
+from deepinfer.hal.ops import (  # noqa: E402
+    activation, compress, grouped_gemm, mhc, norm, rope, routing, sampling, speculative,
+)
+
+SDISTS = {"deepinfer": "0.1.0", "tile_kernels": "2.1.0"}
+FIELDS = ("date", "commit", "machine", "command", "item", "our_function", "their_function", "max_abs_diff",
+          "max_rel_diff", "mismatch_share", "tolerance", "agrees", "note")
+EXACT = "exact"
+TILELANG_OPS = "deepinfer.model_executor.layers.tilelang_ops"
+UPSTREAM_MODULES = {
+    "tk": "tile_kernels.torch", "sample": f"{TILELANG_OPS}.fused_sample", "draw": f"{TILELANG_OPS}.random_sampling",
+    "verify": f"{TILELANG_OPS}.sampler", "norm": f"{TILELANG_OPS}.norm", "cache": f"{TILELANG_OPS}.cache_common",
+    "compress": f"{TILELANG_OPS}.compress", "rope": "deepinfer.model_executor.layers.rotary_embedding",
+    "logits": "deepinfer.model_executor.layers.sampler_utils", "engine": "deepinfer._C.engine",
+}
+STUBS = {
+    "deepinfer._C": "native extension package (not in the sdist)",
+    "deepinfer._C.engine": "native extension (not in the sdist): LogitsTransformInputs and SamplingKernelInputs as "
+                           "plain records with the fields of its .pyi",
+    "deepinfer.model_executor.utils": "Python 3.12 syntax; reconstruct_param as the identity",
+    "deepinfer.model_executor.parallel_utils.parallel_state": "needs deep_ep and NCCL; unused by get_logits",
+    "deepinfer.sequence": "imports the native extension; unused by get_logits",
+    "deep_gemm": "CUDA GEMMs: bf16_gemm_nt(a, b, d) as d = float32 product of the bf16 operands",
+    "deep_select": "CUDA top-k; unused by the functions called",
+    "deep_select.interface": "CUDA top-k; unused by the functions called",
+}
+V41_YARN = {"type": "yarn", "original_max_position_embeddings": 65536, "factor": 16.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": False, "mscale_all_dim": False}
+
+
+def fetch_sources(dest: Path) -> Path:
+    """Download the two sdists from pip's index (JSON simple API, sha256 checked) and unpack them in ``dest``."""
+    index = _pip_index_url().rstrip("/")
+    for name, version in SDISTS.items():
+        filename = f"{name}-{version}.tar.gz"
+        request = urllib.request.Request(f"{index}/{name.replace('_', '-')}/",
+                                         headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        entry = next(f for f in json.load(urllib.request.urlopen(request))["files"] if f["filename"] == filename)
+        data = urllib.request.urlopen(entry["url"]).read()
+        if hashlib.sha256(data).hexdigest() != entry["hashes"]["sha256"]:
+            raise RuntimeError(f"{filename}: sha256 does not match the index's")
+        (dest / filename).write_bytes(data)
+        with tarfile.open(dest / filename) as archive:
+            archive.extractall(dest, filter="data")
+    return dest
+
+
+def _pip_index_url() -> str:
+    configured = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                                capture_output=True, text=True).stdout.strip()
+    if configured:
+        return configured
+    from pip._internal.models.index import PyPI
+    return PyPI.simple_url
+
+
+def load_upstream(source: Path) -> types.SimpleNamespace:
+    """Their modules (:data:`UPSTREAM_MODULES`), imported from ``source``. While they import, the
+    name ``deepinfer`` is theirs; ours is put back afterwards (their functions keep their own
+    module globals and import nothing when called)."""
+    sys.path.insert(0, str(source / f"tile_kernels-{SDISTS['tile_kernels']}"))
+    with _their_deepinfer():
+        root = types.ModuleType("deepinfer")
+        root.__path__ = [str(source / f"deepinfer-{SDISTS['deepinfer']}" / "deepinfer")]
+        sys.modules["deepinfer"] = root
+        _install_stubs()
+        root.PLATFORM = importlib.import_module("deepinfer.platform").PlatformGPU()
+        return types.SimpleNamespace(**{key: importlib.import_module(name) for key, name in UPSTREAM_MODULES.items()})
+
+
+@contextlib.contextmanager
+def _their_deepinfer():
+    ours = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "deepinfer"}
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if name.split(".")[0] == "deepinfer"]:
+            del sys.modules[name]
+        sys.modules.update(ours)
+
+
+def _install_stubs() -> None:
+    def bf16_gemm_nt(a, b, d, c=None):
+        d.copy_(a.float() @ b.float().T)
+
+    engine = {"LogitsTransformInputs": collections.namedtuple("LogitsTransformInputs", "temperatures top_ps top_ks"),
+              "SamplingKernelInputs": collections.namedtuple("SamplingKernelInputs", "logits seq_seeds sample_positions")}
+    attributes = {"deepinfer._C.engine": engine,
+                  "deepinfer.model_executor.utils": {"reconstruct_param": lambda param: param},
+                  "deep_gemm": {"bf16_gemm_nt": bf16_gemm_nt}}
+    for name in STUBS:
+        module = types.ModuleType(name)
+        module.__dict__.update(attributes.get(name, {}))
+        module.__getattr__ = _unavailable(name)
+        sys.modules[name] = module
+
+
+def _unavailable(module: str):
+    """``module.__getattr__``: any other name is a class that refuses to be built (annotations using
+    it still evaluate)."""
+    def attribute(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"{module}.{name} is stubbed in experiments/fidelity.py ({STUBS[module]})")
+        return type(name, (), {"__init__": refuse})
+    return attribute
+
+
+class CpuForCuda(TorchFunctionMode):
+    """Runs code written for CUDA on the CPU: ``device="cuda"`` becomes the CPU and ``.cuda()`` a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def row(item, ours, theirs, got, want, tolerance: Tolerance | None, note="", per_row=False, max_abs=None) -> dict:
+    """One CSV row comparing ``got`` (ours) with ``want`` (theirs). With a tolerance: values agree
+    when ``|got - want| <= atol + rtol * |want|`` (infinities must match); without: exactly.
+    ``per_row``: the mismatch share counts rows of ``want`` with any differing value."""
+    g, w = got.detach().cpu(), want.detach().cpu()
+    if tolerance is None:
+        bad = g != w
+    else:
+        g, w = g.double(), w.double()
+        same = g == w
+        err = (g - w).abs().masked_fill(same, 0.0)
+        bad = ~(err <= tolerance.atol + tolerance.rtol * w.abs().masked_fill(same, 0.0))
+        large = w.abs() >= 1e-3 * w.abs().masked_fill(~torch.isfinite(w), 0).max()
+        relative = (err / w.abs())[large & torch.isfinite(w) & ~same]
+        max_abs = err[torch.isfinite(err)].max().item() if max_abs is None else max_abs
+        note = f"{(~same).double().mean().item():.2%} of values not bitwise equal; {note}".rstrip("; ")
+    share = (bad.reshape(bad.shape[0], -1).any(dim=1) if per_row else bad).double().mean().item()
+    return {"item": item, "our_function": ours, "their_function": theirs,
+            "max_abs_diff": "" if max_abs is None else f"{max_abs:.3g}",
+            "max_rel_diff": f"{relative.max().item():.3g}" if tolerance is not None and relative.numel() else "",
+            "mismatch_share": f"{share:.4g}", "agrees": share == 0,
+            "tolerance": EXACT if tolerance is None else f"atol {tolerance.atol:g}, rtol {tolerance.rtol:g}",
+            "note": note}
+
+
+def tol(op: str, dtype=torch.float32) -> Tolerance:
+    """The tolerance our OpSpec ``op`` gives ``dtype``."""
+    return SPECS[op].tolerance(dtype)
+
+
+def mhc_rows(up, gen) -> list[dict]:
+    """Sinkhorn alone, then the whole mixes computation, pre, post and the head."""
+    tk, hc, hidden, tokens, iters, eps = up.tk, 4, 4096, 64, 20, 1e-6
+    logits = 2 * torch.randn(4096, hc, hc, generator=gen)
+    rows = [row("mHC Sinkhorn, 20 iterations", "hal.ops.mhc.sinkhorn", "tile_kernels.torch.sinkhorn_normalize_ref",
+                mhc.sinkhorn(logits, eps, iters), tk.sinkhorn_normalize_ref(logits, iters, eps), tol("mhc_mixes"),
+                "ours: softmax+eps, then iters x (columns, rows); theirs: softmax+eps, columns, then (iters-1) x "
+                "(rows, columns): one pass fewer, ending on columns")]
+    residual = torch.randn(tokens, hc, hidden, generator=gen).bfloat16()
+    fn = torch.randn(hc * (2 + hc), hc * hidden, generator=gen) / (hc * hidden) ** 0.5
+    scale, base = torch.tensor([0.7, 0.9, 1.3]), 0.5 * torch.randn(hc * (2 + hc), generator=gen)
+    pre, post, comb = mhc.mhc_mixes(residual, fn, scale, base, eps, eps, iters)
+    their_mixes = tk.mhc_pre_norm_fn_ref(residual[None], fn, None, eps)
+    t_pre, t_post, t_logits = tk.mhc_pre_split_mixes_ref(their_mixes, scale, base, hc, 2.0, eps)
+    theirs = "tile_kernels.torch.mhc_pre_norm_fn_ref + mhc_pre_split_mixes_ref"
+    rows.append(row("mHC mixes: pre and post (bf16 residual)", "hal.ops.mhc.mhc_mixes", theirs,
+                    torch.cat((pre, post), 1), torch.cat((t_pre, t_post), 2)[0, :, :, 0], tol("mhc_mixes"),
+                    "post multiplier 2.0 and eps 1e-6 as V4.1"))
+    rows.append(row("mHC mixes: comb (bf16 residual)", "hal.ops.mhc.mhc_mixes",
+                    theirs + " + sinkhorn_normalize_ref", comb, tk.sinkhorn_normalize_ref(t_logits, iters, eps)[0],
+                    tol("mhc_mixes"), "differs through the Sinkhorn order only"))
+    y = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    rows.append(row("mHC pre (bf16)", "hal.ops.mhc.mhc_pre", "tile_kernels.torch.mhc_pre_apply_mix_ref",
+                    mhc.mhc_pre(residual, pre), tk.mhc_pre_apply_mix_ref(residual, pre[..., None]),
+                    tol("mhc_pre", torch.bfloat16)))
+    rows.append(row("mHC post (bf16)", "hal.ops.mhc.mhc_post", "tile_kernels.torch.mhc_post_ref",
+                    mhc.mhc_post(y, residual, post, comb),
+                    tk.mhc_post_ref(y[None], residual[None], post[None, :, :, None], comb[None])[0],
+                    tol("mhc_post", torch.bfloat16)))
+    head_fn, head_base = fn[:hc], base[:hc]
+    rows.append(row("mHC head (bf16 residual)", "hal.ops.mhc.mhc_head",
+                    "tile_kernels.torch.mhc_pre_norm_fn_ref + mhc_head_compute_mix_ref",
+                    mhc.mhc_head(residual, head_fn, scale[:1], head_base, eps, eps),
+                    tk.mhc_head_compute_mix_ref(tk.mhc_pre_norm_fn_ref(residual[None], head_fn, None, eps),
+                                                scale[:1], head_base, eps)[0], tol("mhc_head")))
+    return rows
+
+
+def _their_sampling(up, logits, temperature, top_p, top_k, seeds=None, positions=None, **kwargs):
+    """``fused_sample_ref`` on a copy of ``logits``; ``top_k <= 0`` means off (their -1)."""
+    transform = up.engine.LogitsTransformInputs(temperature.float(), top_p.float(),
+                                                torch.where(top_k > 0, top_k, -1).int())
+    inputs = transform if seeds is None else up.engine.SamplingKernelInputs(transform, seeds.to(torch.uint64),
+                                                                             positions.int())
+    return up.sample.fused_sample_ref(logits.clone(), inputs, **kwargs)
+
+
+def _logit_cases(gen, rows, vocab):
+    """Flat (2 * randn), peaked (8 tokens near 18) and tied (integers 0-2) logits."""
+    flat = 2 * torch.randn(rows, vocab, generator=gen)
+    peaked = flat.clone().scatter_(1, torch.randint(0, vocab, (rows, 8), generator=gen),
+                                   18 + 2 * torch.randn(rows, 8, generator=gen))
+    tied = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+    return {"flat": flat, "peaked": peaked, "tied (integer)": tied}
+
+
+def sampling_rows(up, gen) -> list[dict]:
+    """Kept sets of top-k with top-p, greedy, the seeded draw streams and the verify-row counters."""
+    rows, count, vocab = [], 128, 129280
+    seeds = torch.randint(0, 1 << 62, (count,), generator=gen)
+    positions = torch.randint(0, 1 << 20, (count,), generator=gen)
+    temperature = 0.5 + torch.rand(count, generator=gen)
+    top_p = 0.5 + 0.49 * torch.rand(count, generator=gen)
+    top_k = torch.randint(5, 200, (count,), generator=gen)
+    off, ones = torch.zeros(count, dtype=torch.int64), torch.ones(count)
+    cases = _logit_cases(gen, count, vocab)
+    for filters, p, k, names, why in (
+            ("top-k and top-p both set", top_p, top_k, cases, "ours top-k then top-p on the renormalised rest, "
+             "theirs top-p on the full softmax then top-k; ties as below"),
+            ("top-p only", top_p, off, ("flat", "tied (integer)"), "ties at the threshold: ours keeps them all, "
+             "theirs cuts by token id (stable sort); theirs tests the float32 cumsum - p against top_p, which can "
+             "keep one more token when the cumulative mass is within float32 rounding of top_p"),
+            ("top-k only", ones, top_k, ("flat", "tied (integer)"), "ties at the k-th value: ours keeps them all, "
+             "theirs exactly k (lower token ids first)")):
+        for name in names:
+            _, ours = sampling.sample(cases[name], temperature, p, k, seeds, positions)
+            theirs = _their_sampling(up, cases[name], temperature, p, k)[0]
+            kept = torch.isfinite(ours) & torch.isfinite(theirs)
+            rows.append(row(f"sampling filters, {filters}, {name} logits", "hal.ops.sampling.sample",
+                            "fused_sample.fused_sample_ref (apply_top_p_top_k_ref)", torch.isfinite(ours),
+                            torch.isfinite(theirs), None, per_row=True, max_abs=(ours - theirs)[kept].abs().max().item(),
+                            note=f"share of rows whose kept set differs; max abs diff: logprobs of tokens both "
+                                 f"keep; {why}"))
+    rows += greedy_rows(up, gen, seeds, positions, vocab)
+    rows += stream_rows(up, gen)
+    return rows + [verify_counter_row(up, gen), *speculative_rows(up, gen)]
+
+
+def greedy_rows(up, gen, seeds, positions, vocab) -> list[dict]:
+    """Our temperature 0 (first maximal token) against their temperature 1e-5, top-p 1, top-k off."""
+    count, rows = seeds.shape[0], []
+    flat = 2 * torch.randn(count, vocab, generator=gen)
+    tied = flat.clone()
+    top = tied.argmax(dim=1)
+    twin = (top + 1 + torch.randint(0, vocab - 1, (count,), generator=gen)) % vocab
+    tied[torch.arange(count), twin] = tied[torch.arange(count), top]
+    off = torch.zeros(count, dtype=torch.int64)
+    for name, logits in (("distinct maximum", flat), ("two-way tie at the maximum", tied)):
+        ours, _ = sampling.sample(logits, torch.zeros(count), torch.ones(count), off, seeds, positions)
+        theirs = _their_sampling(up, logits, torch.full((count,), 1e-5), torch.ones(count), off, seeds,
+                                 positions)[1]
+        rows.append(row(f"greedy, {name}", "hal.ops.sampling.sample (temperature 0)",
+                        "fused_sample.fused_sample_ref (temperature 1e-5, as SamplingParams sets it)",
+                        ours, theirs.long(), None, note="share of rows whose token differs; theirs draws among "
+                        "tokens within ~1e-4 of the maximum (a tie: either twin), ours takes the first maximum"))
+    return rows
+
+
+def stream_rows(up, gen) -> list[dict]:
+    """The same (seed, position, case) through both draws over a uniform distribution of 4096
+    tokens: both pick floor(u * 4096), so equal tokens mean an equal uniform u."""
+    count, vocab, rows = 4096, 4096, []
+    seeds = torch.randint(0, 1 << 62, (count,), generator=gen)
+    positions = torch.randint(0, 1 << 20, (count,), generator=gen)
+    probs = torch.full((count, vocab), 1.0 / vocab)
+    for case, name in ((sampling.CASE_SAMPLE, "sample"), (sampling.CASE_RESAMPLE, "resample")):
+        ours = sampling.fixed_point_draw(probs, seeds, positions, case)
+        theirs = up.draw.random_sampling_ref(probs, seeds.to(torch.uint64), positions.int(),
+                                             is_nextn_predict=case == sampling.CASE_RESAMPLE)
+        rows.append(row(f"seeded draw stream, case {case} ({name})", "hal.ops.sampling.fixed_point_draw",
+                        "random_sampling.random_sampling_ref", ours, theirs.long(), None,
+                        note="share of draws that differ (independent streams: 1 - 1/4096); ours "
+                             "seed ^ (3p+case)*golden into SplitMix64, theirs seed + (m ^ m<<13) with "
+                             "m = (3p+case)*golden; theirs inverts a float64 CDF, ours an integer one"))
+    return rows
+
+
+def verify_counter_row(up, gen) -> dict:
+    """Sample positions of a decode step's rows (requests with 0-5 drafts)."""
+    requests = 64
+    rows_per_request = torch.randint(1, 7, (requests,), generator=gen)
+    base = torch.randint(0, 1 << 20, (requests,), generator=gen)
+    first = torch.cumsum(rows_per_request, 0) - rows_per_request
+    total = int(rows_per_request.sum())
+    to_request, local_step, _ = up.verify.prepare_verification_metadata_ref(first.int(), rows_per_request.int(), total)
+    ones = torch.ones(requests)
+    params = up.engine.SamplingKernelInputs(up.engine.LogitsTransformInputs(ones, ones, -ones.int()),
+                                            torch.zeros(requests, dtype=torch.uint64), base.int())
+    theirs = up.verify.expand_sampling_params_ref(params, to_request, local_step).sample_positions
+    ours = torch.repeat_interleave(base, rows_per_request) + torch.arange(total) - torch.repeat_interleave(
+        first, rows_per_request)
+    return row("seeded draws' counters on verify rows", "decoding/sampler.py emit(): base + j (the emitted "
+               "token's position)", "sampler.prepare_verification_metadata_ref + expand_sampling_params_ref: "
+               "base + j * 10000019", ours, theirs.long(), None,
+               note="share of rows whose sample position differs: every row after a request's first")
+
+
+def speculative_rows(up, gen) -> list[dict]:
+    """Accept decisions and residual resamples of one verify row per request."""
+    count, vocab = 2048, 4096
+    target = 2 * torch.randn(count, vocab, generator=gen)
+    draft_logprobs = torch.log_softmax(0.7 * target + 0.6 * torch.randn(count, vocab, generator=gen), dim=-1)
+    ids = torch.multinomial(draft_logprobs.exp(), 1, generator=gen)[:, 0]
+    ids[:16] = -1
+    seeds = torch.randint(0, 1 << 62, (count,), generator=gen)
+    positions = torch.randint(0, 1 << 20, (count,), generator=gen)
+    ones, off = torch.ones(count), torch.zeros(count, dtype=torch.int64)
+    _, tokens, accepted, _, _ = _their_sampling(up, target, ones, ones, off, seeds, positions,
+                                                is_verify=torch.ones(count, dtype=torch.bool),
+                                                last_nextn_token_logprobs=draft_logprobs,
+                                                last_next_n_token_ids=ids.int())
+    our_accepted, resampled = speculative.speculative_accept(torch.log_softmax(target, dim=-1), draft_logprobs, ids,
+                                                             seeds, positions)
+    both_rejected = ~our_accepted & ~accepted
+    ours, theirs = "hal.ops.speculative.speculative_accept", "fused_sample.fused_sample_ref (reject sampling)"
+    return [row("speculative accept decisions", ours, theirs, our_accepted, accepted, None,
+                note="same acceptance uniform: seed ^ (3p+2)*golden in both"),
+            row("speculative residual resample", ours, theirs, resampled[both_rejected],
+                tokens.long()[both_rejected], None,
+                note="share of rows rejected by both whose resampled token differs: the case-1 streams differ")]
+
+
+def _cache_bytes(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.cat((data.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)), dim=-1)
+
+
+def _kv_latents(gen, tokens, dim) -> torch.Tensor:
+    """bf16 rows over 16 binades, with an all-zero row and a row of tiny values."""
+    x = torch.randn(tokens, dim, generator=gen) * torch.exp2(torch.randint(-8, 8, (tokens, 1), generator=gen).float())
+    x[0], x[1] = 0.0, 1e-6 * torch.randn(dim, generator=gen)
+    return x.bfloat16()
+
+
+def _fp4_breakdown(ours: torch.Tensor, theirs: torch.Tensor, data_bytes: int, block: int) -> str:
+    """Where two packed-e2m1 token rows differ: scale bytes, -0 nibbles, other nibbles (in blocks
+    whose scales agree)."""
+    def nibbles(b):
+        return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], -1)
+    our_codes, their_codes = nibbles(ours[:, :data_bytes]), nibbles(theirs[:, :data_bytes])
+    scale_differs = ours[:, data_bytes:] != theirs[:, data_bytes:]
+    if scale_differs.shape[1] != our_codes.shape[1] // block:  # UE8M0 bytes: one per block
+        raise ValueError("scale bytes do not match the blocks")
+    negative_zero = (their_codes == 8) & (our_codes == 0)
+    other = (our_codes != their_codes) & ~negative_zero & ~scale_differs.repeat_interleave(block, dim=1)
+    return (f"scale bytes differ in {scale_differs.double().mean().item():.3%} of blocks; "
+            f"{negative_zero.double().mean().item():.3%} of values are -0 (0x8) in theirs, +0 in ours; "
+            f"{other.double().mean().item():.3%} of values differ elsewhere in blocks of equal scale")
+
+
+def quantization_rows(up, gen) -> list[dict]:
+    """Cache and activation encodings, byte for byte; max abs diff: the decoded values."""
+    tk = up.tk
+    x = _kv_latents(gen, 1024, 512)
+    theirs = up.cache.ref_cast_from_bf16(x, up.cache.V41_FP4_FORMAT)
+    ours, their_bytes = formats.encode_tokens(x, "fp4"), _cache_bytes(theirs.quantized_data, theirs.sf_data)
+    decoded = formats.decode_tokens(ours, "fp4") - up.cache.ref_cast_to_bf16(theirs, up.cache.V41_FP4_FORMAT).float()
+    rows = [row("FP4 KV cache bytes (288 B/token)", "hal.formats.encode_tokens(fmt='fp4')",
+                "cache_common.ref_cast_from_bf16(V41_FP4_FORMAT)", ours, their_bytes, None,
+                max_abs=decoded.abs().max().item(),
+                note=f"share of bytes; {_fp4_breakdown(ours, their_bytes, 256, 16)}. Scales: ours 1.0 when "
+                     f"max/6 rounds to 0 in e4m3 (a block with max < 6*2^-10 is stored as zeros), theirs clamp "
+                     f"max to 6*2^-9 (scale >= 2^-9); values: theirs multiply by 1/scale, so a value exactly half "
+                     f"way between two e2m1 steps can round away from the even step")]
+    data, scales = tk.cast(x, "e4m3", (1, 32), round_sf=True, use_packed_ue8m0=True)
+    ours = formats.encode_tokens(x, "fp8")
+    decoded = formats.decode_tokens(ours, "fp8") - tk.cast_back((data, scales), "fp32", (1, 32))
+    rows.append(row("FP8 KV cache bytes (528 B/token)", "hal.formats.encode_tokens(fmt='fp8')",
+                    "tile_kernels.torch.cast(e4m3, 1x32, round_sf, packed UE8M0)", ours, _cache_bytes(data, scales),
+                    None, max_abs=decoded.abs().max().item(),
+                    note="share of bytes; their ref_cast_from_bf16 runs the CUDA per_token_cast for this format, "
+                         "so its torch reference is called; only the zero row's and the tiny row's bytes differ "
+                         "(block max clamped to 1e-4, as in the activation rows)"))
+    index = _kv_latents(gen, 1024, 128)
+    data, scales = tk.cast(index, "e2m1", (1, 32), round_sf=True, use_packed_ue8m0=True)
+    ours, their_bytes = formats.encode_tokens(index, "index_fp4"), _cache_bytes(data, scales)
+    decoded = formats.decode_tokens(ours, "index_fp4") - tk.cast_back((data, scales), "fp32", (1, 32))
+    rows.append(row("MXFP4 index K / index Q bytes (68 B/token)", "hal.formats.encode_tokens(fmt='index_fp4')",
+                    "tile_kernels.torch.cast(e2m1, 1x32, round_sf, packed UE8M0)", ours, their_bytes, None,
+                    max_abs=decoded.abs().max().item(),
+                    note=f"share of bytes; {_fp4_breakdown(ours, their_bytes, 64, 32)}; theirs clamp a block's "
+                         f"max to 6*2^-126 (zero block: scale byte 1, ours 127)"))
+    return rows + activation_rows(up, gen)
+
+
+def activation_rows(up, gen) -> list[dict]:
+    """FP8 e4m3 activations with UE8M0 per 32 (the grouped GEMMs' input)."""
+    x = torch.randn(256, 4096, generator=gen).bfloat16()
+    edge = x.clone().view(256, 128, 32)
+    edge[:, 0::3] = 0.0
+    edge[:, 1::3] *= 1e-6
+    rows = []
+    for name, values in (("random activations", x), ("zero and tiny blocks (max < 1e-4)", edge.view(256, 4096))):
+        q = formats.quantize(values, "fp8", 32)
+        data, scales = up.tk.cast(values, "e4m3", (1, 32), round_sf=True, use_packed_ue8m0=True)
+        decoded = q.dequantize() - up.tk.cast_back((data, scales), "fp32", (1, 32))
+        rows.append(row(f"FP8 activation quantisation, {name}", "hal.formats.quantize(fmt='fp8', block=32)",
+                        "tile_kernels.torch.cast(e4m3, 1x32, round_sf, packed UE8M0)",
+                        _cache_bytes(q.data, q.scale), _cache_bytes(data, scales), None,
+                        max_abs=decoded.abs().max().item(),
+                        note="share of bytes; theirs clamp a block's max to 1e-4 (zero block: scale 2^-22, "
+                             "byte 105; ours byte 127), which also moves the tiny blocks' scales"))
+    return rows
+
+
+def rope_rows(up, gen) -> list[dict]:
+    """cos/sin tables (theirs: float32 angles and inverse frequencies; ours: float64) and the rotation."""
+    rows = []
+    with CpuForCuda():
+        for name, theta, scaling in (("base, theta 1e4", 10000.0, None), ("YaRN, theta 1.6e5", 160000.0, V41_YARN)):
+            yarn = None if scaling is None else rope.YarnScaling(16.0, 65536, 32.0, 1.0)
+            for positions in (4096, 65536, 1 << 20):
+                theirs = up.rope.get_rope(64, 64, positions, theta, is_neox_style=False,
+                                          rope_scaling=scaling).cos_sin_cache
+                ours = rope.rope_cos_sin(rope.rope_inv_freq(theta, 64, yarn), positions)
+                rows.append(row(f"RoPE table, {name}, {positions} positions", "hal.ops.rope.rope_cos_sin",
+                                "rotary_embedding.get_rope(...).cos_sin_cache", ours, theirs, tol("apply_rope"),
+                                "theirs: float32 inverse frequencies and float32 angles (position x frequency, "
+                                "then polar); ours: float64 angles rounded once to float32; device='cuda' sent to "
+                                "the CPU; mscale off as V4.1"))
+    table = rope.rope_cos_sin(rope.rope_inv_freq(10000.0), 4096)
+    x = torch.randn(64, 8, 64, generator=gen)
+    positions = torch.randint(0, 4096, (64,), generator=gen)
+    for conjugate in (False, True):
+        rows.append(row(f"RoPE rotation, interleaved{', conjugate' if conjugate else ''}", "hal.ops.rope.apply_rope",
+                        "tile_kernels.torch.rotary_embedding_ref(interleaved=True)",
+                        rope.apply_rope(x, positions, table, conjugate=conjugate),
+                        up.tk.rotary_embedding_ref(x, table[:, :32], table[:, 32:], positions, interleaved=True,
+                                                   conjugate=conjugate), tol("apply_rope"),
+                        "same table; theirs rotates the leading dims, so it gets the 64-dim RoPE slice"))
+    return rows
+
+
+def norm_rows(up, gen) -> list[dict]:
+    """RMSNorm with a residual, bf16 (weight bf16, as the checkpoint holds it)."""
+    x, residual = (torch.randn(64, 4096, generator=gen).bfloat16() for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(4096, generator=gen)).bfloat16()
+    normed, summed = norm.rms_norm(x, weight, 1e-6, residual)
+    their_normed, their_summed = up.norm.norm_ref(x, weight, 1e-6, residual)
+    tk_normed, _, _ = up.tk.norm_forward_ref(x, weight, 1e-6, residual)
+    same_sum = (summed == their_summed).double().mean().item()
+    return [row("RMSNorm + residual (bf16)", "hal.ops.norm.rms_norm", "tilelang_ops.norm.norm_ref", normed,
+                their_normed, tol("rms_norm", torch.bfloat16),
+                f"ours normalises the float32 sum and scales by the weight in float32 (one rounding); theirs "
+                f"normalises the bf16-rounded sum, rounds, then multiplies by the bf16 weight in bf16; new "
+                f"residual bitwise equal in {same_sum:.2%}"),
+            row("RMSNorm + residual (bf16)", "hal.ops.norm.rms_norm", "tile_kernels.torch.norm_forward_ref", normed,
+                tk_normed, tol("rms_norm", torch.bfloat16),
+                "theirs normalises the bf16-rounded sum, weight in float32, one rounding")]
+
+
+def compress_rows(up, gen) -> list[dict]:
+    """C2 compression at decode and prefill (the state ring read and written by both)."""
+    dim, ring, rows = 512, 7, []
+    latent, score = torch.randn(11, dim, generator=gen), 2 * torch.randn(11, dim, generator=gen)
+    state = torch.randn(4, ring, 2, dim, generator=gen)
+    decode_slots, decode_positions = torch.arange(4), torch.tensor([5, 8, 3, 10])
+    our_state, their_state = state.clone(), state.clone()
+    ours, emit = compress.compress_tokens(latent[:4], score[:4], decode_positions, decode_slots, decode_positions,
+                                          our_state, 2)
+    theirs = up.compress.compress_and_update_state_decode_ref(score[:4], latent[:4], their_state, decode_slots.int(),
+                                                              (decode_positions + 1).int(), 1, 2)
+    rows.append(row("compress_tokens C2 decode: output", "hal.ops.compress.compress_tokens",
+                    "compress.compress_and_update_state_decode_ref", ours, theirs, tol("compress_tokens"),
+                    f"ours float32, theirs bf16 (the kernel's output dtype); state rings bitwise equal: "
+                    f"{torch.equal(our_state, their_state)}"))
+    our_state, their_state = state.clone(), state.clone()
+    positions = torch.cat((torch.arange(3, 9), torch.arange(0, 5)))
+    slots, starts = torch.tensor([2] * 6 + [0] * 5), torch.tensor([3] * 6 + [0] * 5)
+    ours, emit = compress.compress_tokens(latent, score, positions, slots, starts, our_state, 2)
+    seqlen_q, seqlen_k = torch.tensor([6, 5]), torch.tensor([9, 5])
+    cu_compressed, mapping = up.compress._make_compressed_meta(seqlen_q, seqlen_k, 2)
+    theirs = up.compress.compress_and_update_state_prefill_ref(
+        score, latent, their_state, torch.tensor([2, 0], dtype=torch.int32), mapping,
+        up.compress._get_cuseqlen(seqlen_q), up.compress._get_cuseqlen(seqlen_k), cu_compressed, 2)
+    rows.append(row("compress_tokens C2 prefill (group split across calls): output", "hal.ops.compress.compress_tokens",
+                    "compress.compress_and_update_state_prefill_ref", ours[emit], theirs, tol("compress_tokens"),
+                    f"ours float32, theirs bf16; state rings bitwise equal: {torch.equal(our_state, their_state)}"))
+    return rows
+
+
+def gate_rows(up, gen) -> list[dict]:
+    """sqrt-softplus MoE gate with the noaux_tc bias, 384 experts, top 6, routed scale 1.5."""
+    rows, bias = [], 0.1 * torch.randn(384, generator=gen)
+    for name, logits, use_bias in (("random", 2 * torch.randn(256, 384, generator=gen), bias),
+                                   ("tied (integer, no bias)", torch.randint(-1, 2, (256, 384), generator=gen).float(),
+                                    None)):
+        weights, ids = routing.moe_gate(logits, use_bias, 6, 1.5)
+        their_ids, their_weights = up.tk.moe_topk_gate_forward(logits, 6, False, 0, 1.5, 0, "sqrtsoftplus",
+                                                               bias=use_bias)
+        result = row(f"MoE gate, {name} logits", "hal.ops.routing.moe_gate", "tile_kernels.torch.moe_topk_gate_forward",
+                     weights, their_weights, tol("moe_gate"), "mismatch share: expert ids; max diffs: routed weights")
+        id_share = (ids != their_ids).double().mean().item()
+        rows.append({**result, "mismatch_share": f"{id_share:.4g}", "agrees": result["agrees"] and id_share == 0})
+    return rows
+
+
+def swiglu_row(up, gen) -> dict:
+    gate, value = (8 * torch.randn(64, 2048, generator=gen) for _ in range(2))
+    return row("clamped SwiGLU (limit 10)", "hal.ops.activation.swiglu", "tile_kernels.torch.swiglu_forward",
+               activation.swiglu(gate, value, 10.0), up.tk.swiglu_forward(torch.cat((gate, value), 1), clamp_value=10.0),
+               tol("swiglu"))
+
+
+def logits_row(up, gen) -> dict:
+    """LM head of a bf16 model: our linear in bf16 then float32, theirs written to float32."""
+    hidden = torch.randn(64, 4096, generator=gen).bfloat16()
+    weight = (torch.randn(129280, 4096, generator=gen) * 0.05).bfloat16()
+    ours = grouped_gemm.linear(hidden, weight).float()
+    theirs = up.logits.get_logits(hidden, weight, 129280)
+    flips = (ours.argmax(dim=1) != theirs.argmax(dim=1)).double().mean().item()
+    ties = ((ours == ours.max(dim=1, keepdim=True).values).sum(dim=1) > 1).double().mean().item()
+    return row("LM head logits (bf16 model)", "models/deepseek_v41/model.py: head (hal linear, bf16) then .float()",
+               "sampler_utils.get_logits (float32 output)", ours, theirs, tol("linear", torch.bfloat16),
+               f"deep_gemm stubbed ({STUBS['deep_gemm']}); ours rounds logits to bf16: greedy token differs in "
+               f"{flips:.1%} of rows, {ties:.1%} of rows have a tied maximum")
+
+
+NOT_COMPARED = (
+    ("indexer logits", "hal.ops.indexer.indexer_logits", "deep_gemm.fp8_fp4_mqa_logits", "a DeepGEMM kernel"),
+    ("indexer top-k", "hal.ops.indexer.indexer_topk", "deep_select.interface.topk", "a deep_select kernel"),
+    ("sparse MLA", "hal.ops.mla.mla_sparse_prefill / mla_sparse_decode", "flash_mla", "FlashMLA kernels"),
+    ("grouped GEMM", "hal.ops.grouped_gemm.grouped_gemm", "deep_gemm.m_grouped_*", "DeepGEMM kernels"),
+    ("kv norm + RoPE + cast + store", "hal.ops.kv_norm_rope_store.kv_norm_rope_store",
+     "fused_transform.fused_norm_rope_hadamard_cast_store_kvcache_ref", "CUDA norm and apply_rotary kernels called "
+     "by their reference (its parts are the RMSNorm, RoPE and cache-bytes rows)"),
+)
+"""Ops whose DeepInfer side runs only as CUDA code: (item, ours, theirs, what it runs)."""
+
+
+def run(source: Path) -> list[dict]:
+    up = load_upstream(source)
+    gen = torch.Generator().manual_seed(29)
+    return [*mhc_rows(up, gen), *sampling_rows(up, gen), *quantization_rows(up, gen), *rope_rows(up, gen),
+            *norm_rows(up, gen), *compress_rows(up, gen), *gate_rows(up, gen), swiglu_row(up, gen),
+            logits_row(up, gen),
+            *({"item": item, "our_function": ours, "their_function": theirs, "agrees": "",
+               "note": f"not compared: no PyTorch reference in the two sdists, only {what}"}
+              for item, ours, theirs, what in NOT_COMPARED)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", type=Path, help="folder with deepinfer-0.1.0/ and tile_kernels-2.1.0/ unpacked")
+    parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.csv")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        rows = run(args.source or fetch_sources(Path(scratch)))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    stamp = {"date": datetime.date.today().isoformat(), "commit": commit or "-",
+             "machine": f"{platform.machine()} CPU, torch {torch.__version__}",
+             "command": " ".join(["python", *sys.argv])}
+    for r in rows:
+        print(f"{str(r['agrees']):<5} {r['item']:<64} abs {r.get('max_abs_diff', ''):>9} "
+              f"share {r.get('mismatch_share', ''):>8}  {r['note'][:90]}")
+    print("wrote", write_csv(args.out, FIELDS, [{**stamp, **r} for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
