@@ -73,11 +73,20 @@ def test_rotation_keeps_bf16_dtype_and_leading_dims_bitwise():
 
 @pytest.mark.parametrize("yarn", [None, YarnScaling(16.0, 65536, 32.0, 1.0), YarnScaling(4.0, 4096, 32.0, 1.0),
                                   YarnScaling(40.0, 4096, 1000.0, 0.001)])
-def test_inv_freq_matches_float64(yarn):
+def test_inv_freq_is_the_float64_formula_rounded_in_float32(yarn):
     got = rope_inv_freq(160000.0, 64, yarn)
-    assert got.dtype == torch.float64 and got.shape == (32,)
-    assert torch.allclose(got, torch.tensor(inv_freq_float64(160000.0, 64, yarn), dtype=torch.float64),
-                          atol=0.0, rtol=1e-12)
+    assert got.dtype == torch.float32 and got.shape == (32,)
+    assert torch.allclose(got.double(), torch.tensor(inv_freq_float64(160000.0, 64, yarn), dtype=torch.float64),
+                          atol=0.0, rtol=4e-7)
+
+
+def test_far_positions_keep_the_float32_rounding_of_their_angle():
+    """DeepInfer's tables (which the checkpoint was trained with) form ``position * frequency`` in
+    float32. By hand: float32(0.1) * 1000048 rounds to 100004.8046875 in float32, 3.2e-3 past the
+    exact product 100004.80149..., and cos follows the rounded angle."""
+    table = rope_cos_sin(torch.tensor([0.1]), 1000049)
+    assert table[1000048, 0].item() == pytest.approx(math.cos(100004.8046875), abs=1e-6)
+    assert abs(table[1000048, 0].item() - math.cos(1000048 * 0.10000000149011612)) > 3e-3
 
 
 def test_yarn_keeps_fast_pairs_and_interpolates_slow_ones():

@@ -27,26 +27,28 @@ class YarnScaling:
 
 
 def rope_inv_freq(theta: float, rope_dim: int = ROPE_DIM, yarn: YarnScaling | None = None) -> torch.Tensor:
-    """Inverse frequencies ``theta ** (-2i / rope_dim)`` for pairs ``i < rope_dim / 2``, float64.
+    """Inverse frequencies ``1 / theta ** (2i / rope_dim)`` for pairs ``i < rope_dim / 2``, float32,
+    formed in float32 as DeepInfer forms them (the checkpoint was trained against its tables):
+    ``theta ** (2i / rope_dim)`` in float32, then its reciprocal.
 
-    With ``yarn``: pair ``i`` gets ``f_i / factor * ramp_i + f_i * (1 - ramp_i)``, where the ramp
-    rises linearly from 0 at the correction dim of ``beta_fast`` rotations to 1 at that of
-    ``beta_slow`` rotations over the original context (both clamped to ``[0, rope_dim - 1]``).
-    Fast pairs keep their frequency (extrapolation); slow pairs are interpolated."""
+    With ``yarn``: pair ``i`` gets ``1 / (factor * p_i) * ramp_i + 1 / p_i * (1 - ramp_i)`` for
+    ``p_i = theta ** (2i / rope_dim)``, where the float32 ramp rises linearly from 0 at the
+    correction dim of ``beta_fast`` rotations to 1 at that of ``beta_slow`` rotations over the
+    original context (both clamped to ``[0, rope_dim - 1]``). Fast pairs keep their frequency
+    (extrapolation); slow pairs are interpolated."""
     if theta <= 0:
         raise ValueError(f"theta must be positive, got {theta}")
     if rope_dim <= 0 or rope_dim % 2:
         raise ValueError(f"rope_dim must be a positive even number, got {rope_dim}")
-    pair = torch.arange(rope_dim // 2, dtype=torch.float64)
-    inv_freq = theta ** (-2.0 * pair / rope_dim)
+    periods = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
     if yarn is None:
-        return inv_freq
+        return 1.0 / periods
     if yarn.factor < 1:
         raise ValueError(f"yarn.factor must be >= 1, got {yarn.factor}")
     low = max(math.floor(_correction_dim(yarn.beta_fast, theta, rope_dim, yarn)), 0)
     high = min(math.ceil(_correction_dim(yarn.beta_slow, theta, rope_dim, yarn)), rope_dim - 1)
-    ramp = ((pair - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
-    return inv_freq / yarn.factor * ramp + inv_freq * (1.0 - ramp)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
+    return 1.0 / (yarn.factor * periods) * ramp + 1.0 / periods * (1.0 - ramp)
 
 
 def _correction_dim(rotations: float, theta: float, rope_dim: int, yarn: YarnScaling) -> float:
@@ -58,14 +60,17 @@ def _correction_dim(rotations: float, theta: float, rope_dim: int, yarn: YarnSca
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     """Table ``[max_positions, rope_dim]`` float32 = ``cat(cos, sin)`` of ``position * inv_freq``.
 
-    Angles are formed in float64, so long-context entries keep full float32 precision."""
+    The angles are float32 products of float32 positions and frequencies, turned into cos and
+    sin by ``torch.polar``, as DeepInfer builds its tables: far positions carry the float32
+    rounding of their angles, which the checkpoint was trained with."""
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be 1-D [rope_dim/2], got shape {tuple(inv_freq.shape)}")
     if max_positions <= 0:
         raise ValueError(f"max_positions must be positive, got {max_positions}")
-    positions = torch.arange(max_positions, dtype=torch.float64, device=inv_freq.device)
-    angles = positions[:, None] * inv_freq.double()[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    angles = torch.outer(positions, inv_freq.float())
+    turns = torch.polar(torch.ones_like(angles), angles)
+    return torch.cat([turns.real, turns.imag], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, conjugate: bool = False,
