@@ -12,7 +12,10 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """Per-request decoding parameters, validated on construction.
 
-    ``temperature`` 0 is greedy (it runs through the same sampler, at temperature 1e-5).
+    ``temperature`` 0 is exact greedy: the first token of maximal logit (it runs through the same
+    sampler, its distribution one-hot). DeepInfer samples at temperature 1e-5 instead, which picks
+    the same token unless the top logits tie, where it draws one of them
+    (``tests/fidelity/test_greedy.py``).
     ``top_k`` <= 0 and ``top_p`` = 1 switch those filters off. ``stop`` strings end the text
     (the stop string itself is not returned); ``stop_token_ids`` end it like EOS.
     ``seed`` makes sampling reproducible: each draw is a pure function of (seed, position).
