@@ -66,6 +66,10 @@ class DeepseekV41Config:
     use_fp4_sparse_kv: bool = True
     kv_source_layer_ids: list[int] | None = None
     index_source_layer_ids: list[int] | None = None
+    index_k_source_layer_ids: list[int] | None = None
+    candidate_source_layer_id: int | None = None
+    candidate_topk_blocks: int | None = None
+    candidate_block_size: int | None = None
     engram_layer_ids: list[int] = field(default_factory=list)
     bos_token_id: int = 0
     eos_token_id: int = 1
@@ -134,7 +138,11 @@ class DeepseekV41Config:
              f"dspark_target_layer_ids {self.dspark_target_layer_ids} must name backbone layers")
         need(self.max_backtracking >= 1, "max_backtracking must be >= 1")
         need(not self.engram_layer_ids, "Engram memory is not supported yet; use a config with engram_layer_ids = []")
-        for key in ("kv_source_layer_ids", "index_source_layer_ids"):
+        need(self.candidate_source_layer_id is None,
+             f"candidate_source_layer_id={self.candidate_source_layer_id}: candidate-block top-k (the indexer "
+             f"top-k of later layers restricted to the blocks the source layer chose) is not supported yet; use a "
+             f"config with candidate_source_layer_id = null")
+        for key in ("kv_source_layer_ids", "index_source_layer_ids", "index_k_source_layer_ids"):
             sources = getattr(self, key)
             compressed = [i for i, r in enumerate(self.layer_ratios) if r > 0]
             need(sources is None or sorted(sources) == compressed,
