@@ -81,7 +81,7 @@ def test_inv_freq_is_the_float64_formula_rounded_in_float32(yarn):
 
 
 def test_far_positions_keep_the_float32_rounding_of_their_angle():
-    """DeepInfer's tables (which the checkpoint was trained with) form ``position * frequency`` in
+    """DeepInfer's tables (the official checkpoint's) form ``position * frequency`` in
     float32. By hand: float32(0.1) * 1000048 rounds to 100004.8046875 in float32, 3.2e-3 past the
     exact product 100004.80149..., and cos follows the rounded angle."""
     table = rope_cos_sin(torch.tensor([0.1]), 1000049)

@@ -28,7 +28,7 @@ class YarnScaling:
 
 def rope_inv_freq(theta: float, rope_dim: int = ROPE_DIM, yarn: YarnScaling | None = None) -> torch.Tensor:
     """Inverse frequencies ``1 / theta ** (2i / rope_dim)`` for pairs ``i < rope_dim / 2``, float32,
-    formed in float32 as DeepInfer forms them (the checkpoint was trained against its tables):
+    formed in float32 as DeepInfer forms them (the tables of the official checkpoint):
     ``theta ** (2i / rope_dim)`` in float32, then its reciprocal.
 
     With ``yarn``: pair ``i`` gets ``1 / (factor * p_i) * ramp_i + 1 / p_i * (1 - ramp_i)`` for
@@ -62,7 +62,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
 
     The angles are float32 products of float32 positions and frequencies, turned into cos and
     sin by ``torch.polar``, as DeepInfer builds its tables: far positions carry the float32
-    rounding of their angles, which the checkpoint was trained with."""
+    rounding of their angles, as the official checkpoint's tables do."""
     if inv_freq.dim() != 1:
         raise ValueError(f"inv_freq must be 1-D [rope_dim/2], got shape {tuple(inv_freq.shape)}")
     if max_positions <= 0:
