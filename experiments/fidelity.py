@@ -144,16 +144,20 @@ def sampling_rows(up, gen) -> list[dict]:
     top_k = torch.randint(5, 200, (count,), generator=gen)
     off, ones = torch.zeros(count, dtype=torch.int64), torch.ones(count)
     cases = _logit_cases(gen, count, vocab)
-    for filters, p, k, names, why in (
-            ("top-k and top-p both set", top_p, top_k, cases, "ours top-k then top-p on the renormalised rest, "
-             "theirs top-p on the full softmax then top-k; ties as below"),
-            ("top-p only", top_p, off, ("flat", "tied (integer)"), "ties at the threshold: ours keeps them all, "
-             "theirs cuts by token id (stable sort); theirs tests the float32 cumsum - p against top_p, which can "
-             "keep one more token when the cumulative mass is within float32 rounding of top_p"),
-            ("top-k only", ones, top_k, ("flat", "tied (integer)"), "ties at the k-th value: ours keeps them all, "
-             "theirs exactly k (lower token ids first)")):
+    rounding = ("theirs computes a token's preceding mass as the float32 cumsum - p, which can keep one more token "
+                "when that rounds to top_p; ours sums it in float64")
+    for filters, p, k, names, order, why in (
+            ("top-k and top-p both set", top_p, top_k, cases, "deepinfer", "both top-p on the full softmax, then "
+             "exactly k by rank (ties to the lower token id); " + rounding),
+            ("top-p only", top_p, off, ("flat", "tied (integer)"), "deepinfer", "both keep a token while the mass "
+             "ranked before it is at most top_p, ties cut by token id; " + rounding),
+            ("top-k only", ones, top_k, ("flat", "tied (integer)"), "deepinfer", "both keep exactly k, a tie at the "
+             "k-th value going to the lower token id"),
+            ("decoding.filter_order=vllm, top-k and top-p both set", top_p, top_k, ("flat", "tied (integer)"), "vllm",
+             "the documented option: ours top-k (ties kept), renormalise, then top-p (ties kept); theirs top-p on "
+             "the full softmax, then exactly k")):
         for name in names:
-            _, ours = sampling.sample(cases[name], temperature, p, k, seeds, positions)
+            _, ours = sampling.sample(cases[name], temperature, p, k, seeds, positions, filter_order=order)
             theirs = _their_sampling(up, cases[name], temperature, p, k)[0]
             kept = torch.isfinite(ours) & torch.isfinite(theirs)
             rows.append(row(f"sampling filters, {filters}, {name} logits", "hal.ops.sampling.sample",

@@ -13,13 +13,14 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def sample(logits, temperature, top_p, top_k, seeds, positions, case=CASE_SAMPLE, namespace=SEED_NAMESPACE_TARGET,
-           filters=True):
+           filters=True, filter_order="deepinfer"):
     """HAL ``sample`` for CUDA tensors (``logits`` float32, bf16, fp16 or float64, a vocabulary of
-    1 to :data:`MAX_VOCAB`): ``(token_ids int64 [N], logprobs float32 [N, V])``, one launch."""
+    1 to :data:`MAX_VOCAB`), in either filter order: ``(token_ids int64 [N], logprobs float32
+    [N, V])``, one launch."""
     op = "sample"
     require(all(on_device(t) for t in (logits, temperature, top_p, top_k, seeds, positions)), op,
             "logits, temperature, top_p, top_k, seeds and positions must be CUDA tensors")
-    check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
+    check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case, filter_order)
     namespaced_seeds(seeds[:0], namespace)  # the reference's check of namespace, on no rows
     rows, vocab = logits.shape
     require(1 <= vocab <= MAX_VOCAB, op, f"the vocabulary must hold 1 to {MAX_VOCAB} tokens, got {vocab}")
@@ -35,7 +36,8 @@ def sample(logits, temperature, top_p, top_k, seeds, positions, case=CASE_SAMPLE
         sample_kernel[(rows,)](
             logits, temperature.contiguous(), top_p.contiguous(), top_k.contiguous(), seeds.contiguous(),
             positions.contiguous(), token_ids, logprobs, vocab, logits.stride(0), CASE=case, NAMESPACE=namespace,
-            FILTERS=bool(filters), BLOCK=BLOCK_VOCAB, num_warps=NUM_WARPS, enable_fp_fusion=False)
+            FILTERS=bool(filters), DEEPINFER=filter_order == "deepinfer", BLOCK=BLOCK_VOCAB, num_warps=NUM_WARPS,
+            enable_fp_fusion=False)
     return token_ids, logprobs
 
 

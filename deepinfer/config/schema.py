@@ -11,6 +11,8 @@ from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from deepinfer.hal.ops.sampling import FILTER_ORDERS
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """Activation dtypes a model config may name (``torch.<name>``)."""
 
@@ -110,6 +112,13 @@ class DecodingConfig:
     """Nucleus mass kept, in (0, 1]; 1 keeps everything."""
     top_k: int = -1
     """Most likely tokens kept; -1 (any value <= 0) keeps all."""
+    filter_order: str = "deepinfer"
+    """How top-p and top-k combine (``deepinfer.hal.ops.sampling.filter_mask``): ``deepinfer``
+    (DeepInfer 0.1.0's order: top-p on the full softmax, then exactly ``top_k`` tokens, a tie at
+    the k-th value going to the lower token id) or ``vllm`` (top-k keeping every tie at the k-th
+    value, renormalise, then top-p keeping every tie at its threshold). It filters every request's
+    target distribution, which DSpark verification accepts drafts against; the draft pass
+    samples in the op's default order (deepinfer)."""
     max_tokens: int = 64
     """Output tokens per request at most."""
     seed: Optional[int] = None
@@ -126,6 +135,8 @@ class DecodingConfig:
     def __post_init__(self) -> None:
         _require(self.temperature >= 0, "decoding.temperature", self.temperature, "must be >= 0 (0 is greedy)")
         _require(0 < self.top_p <= 1, "decoding.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.filter_order in FILTER_ORDERS, "decoding.filter_order", self.filter_order,
+                 f"use one of {list(FILTER_ORDERS)}")
         _require(self.max_tokens >= 1, "decoding.max_tokens", self.max_tokens, "must be >= 1")
         _require(self.seed is None or 0 <= self.seed < 2**64, "decoding.seed", self.seed,
                  "must be null or an unsigned 64-bit integer")

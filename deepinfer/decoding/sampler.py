@@ -66,10 +66,13 @@ class SlotTokens:
 
 
 def emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor,
-         masks: tuple[torch.Tensor, torch.Tensor] | None = None, slots: SlotTokens | None = None) -> PendingEmissions:
+         masks: tuple[torch.Tensor, torch.Tensor] | None = None, slots: SlotTokens | None = None,
+         filter_order: str = "deepinfer") -> PendingEmissions:
     """Launch the sampling of a step. ``logits`` holds, for each sampling chunk in order, one
     row per verified draft plus the final row. Draws are keyed by (seed, position of the emitted
-    token), so they do not depend on the rest of the batch. ``masks`` (grammar bitmasks and
+    token), so they do not depend on the rest of the batch. ``filter_order``
+    (``decoding.filter_order``) orders top-p and top-k in the target distribution that tokens are
+    drawn from and drafts are verified against. ``masks`` (grammar bitmasks and
     their rows) are applied first, so sampling, verification and logprobs all see the
     constrained distribution. With ``slots``, each chunk's final token and the request's new
     length are written at its state slot, a ``chained`` chunk's positions start from the length
@@ -78,10 +81,10 @@ def emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor,
     here would wait for the step's forward, which is what asynchronous scheduling overlaps with
     the host's work."""
     with skip_value_checks():
-        return _emit(ops, runtime, chunks, logits, masks, slots)
+        return _emit(ops, runtime, chunks, logits, masks, slots, filter_order)
 
 
-def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, slots) -> PendingEmissions:
+def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, slots, filter_order) -> PendingEmissions:
     rows = [(chunk, j) for chunk in chunks for j in range(len(chunk.drafts) + 1)]
     if not rows:
         return PendingEmissions(chunks, None, 0)
@@ -122,7 +125,8 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
     positions = start + offset
     vocab = logits.shape[-1]
     filters = any(p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1) for p in params)
-    fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions, filters=filters)
+    fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions, filters=filters,
+                               filter_order=filter_order)
     tokens = fresh
     if not verify:  # one row per chunk, its final one
         if slots is not None:

@@ -76,7 +76,8 @@ class LLM:
         self.runner = ModelRunner(self.model, self.runtime, num_blocks, engine.max_num_seqs + 1, engine.max_num_seqs,
                                   num_draft_tokens=decoding.num_draft_tokens,
                                   confidence_temperature=decoding.confidence_temperature,
-                                  bounded_replay=engine.bounded_replay, padded_decode=padded)
+                                  bounded_replay=engine.bounded_replay, padded_decode=padded,
+                                  filter_order=decoding.filter_order)
         self.dspark = None
         if decoding.num_draft_tokens:
             self.dspark = DSpark(self.model, self.runner, decoding.num_draft_tokens, decoding.varlen,
@@ -176,7 +177,8 @@ class LLM:
         masks = step_bitmasks(sampling, self.model.vocab_size)
 
         def device_work():
-            emissions = emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks, self.runner.slots)
+            emissions = emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks, self.runner.slots,
+                             self.config.decoding.filter_order)
             return emissions, self.dspark.launch(drafting) if drafting else None
         return LaunchedStep(batch, sampling, self.runtime.run_async(device_work))
 

@@ -27,7 +27,7 @@ class ModelRunner:
     batches padded to :func:`graph_batch_sizes`, from CUDA graphs once :meth:`capture_graphs`
     has run; each kind is built for every width of :func:`graph_table_widths`, and a step
     runs at the narrowest that holds its sequences' blocks. With ``num_draft_tokens`` every forward also fills the DSpark draft layers' main
-    caches. ``logits_trace``: set it to a dict (debugging, invariance tests) and each step's
+    caches, and draft passes draw with ``filter_order`` (``decoding.filter_order``). ``logits_trace``: set it to a dict (debugging, invariance tests) and each step's
     logits rows are appended there under their request id. ``bounded_replay`` (an
     ``engine.bounded_replay`` config): the kept suffix is counted from each request's own
     prompt, so a request recomputed after preemption replays as it first did. ``slots``
@@ -38,11 +38,12 @@ class ModelRunner:
 
     def __init__(self, model: GenerativeModel, runtime: Runtime, num_blocks: int, num_state_slots: int,
                  max_num_seqs: int, num_draft_tokens: int = 0, confidence_temperature: float = 1.0,
-                 bounded_replay=None, padded_decode: bool = False):
+                 bounded_replay=None, padded_decode: bool = False, filter_order: str = "deepinfer"):
         self.model, self.runtime = model, runtime
         self.bounded_replay = bounded_replay
         self.replay = bounded_replay if bounded_replay is not None and bounded_replay.mode != "off" else None
         self.k, self.confidence_temperature = num_draft_tokens, confidence_temperature
+        self.filter_order = filter_order
         self.caches = model.allocate_caches(num_blocks, num_state_slots)
         self.slots = SlotTokens.zeros(num_state_slots, num_draft_tokens, runtime.device)
         self.table_width = math.ceil((model.max_model_len + model.position_margin) / model.page_tokens)
@@ -151,7 +152,8 @@ class ModelRunner:
     def _draft_pass(self, inputs):
         ctx = self._decode_context(inputs, self.k, draft_block=self.k)
         sampling = DraftSampling(as_float(inputs["temperature"][:, 0]), as_float(inputs["top_p"][:, 0]),
-                                 inputs["top_k"][:, 0], inputs["seed"][:, 0], self.confidence_temperature)
+                                 inputs["top_k"][:, 0], inputs["seed"][:, 0], self.confidence_temperature,
+                                 self.filter_order)
         proposal = self.model.draft(ctx, self.caches, sampling)
         self.slots.drafts.index_copy_(0, inputs["slot"][:, 0], proposal.tokens)
         return {"tokens": proposal.tokens, "logprobs": proposal.logprobs, "confidences": proposal.confidences}

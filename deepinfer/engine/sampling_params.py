@@ -16,7 +16,19 @@ class SamplingParams:
     sampler, its distribution one-hot). DeepInfer samples at temperature 1e-5 instead, which picks
     the same token unless the top logits tie, where it draws one of them
     (``tests/fidelity/test_greedy.py``).
-    ``top_k`` <= 0 and ``top_p`` = 1 switch those filters off. ``stop`` strings end the text
+    ``top_k`` <= 0 and ``top_p`` = 1 switch those filters off. How the two combine is the
+    engine's ``decoding.filter_order`` (``deepinfer.hal.ops.sampling.filter_mask``):
+
+    * ``deepinfer`` (default, DeepInfer 0.1.0's order): rank tokens by logit, ties to the lower
+      token id; top-p on the full softmax keeps every token whose preceding mass is at most
+      ``top_p`` (the token crossing it stays, the first always does), then top-k keeps exactly
+      the first ``top_k`` of those. E.g. p = [.5, .3, .2], ``top_p`` .6, ``top_k`` 2 keeps
+      tokens 0 and 1; logits [1, 2, 2, 2, 0] with ``top_k`` 2 keep tokens 1 and 2.
+    * ``vllm``: top-k keeps every token tied with the k-th logit, the rest is renormalised, and
+      top-p keeps the shortest prefix whose mass reaches ``top_p`` plus every token tied with its
+      last one. The first example keeps token 0 alone, the second tokens 1, 2 and 3.
+
+    ``stop`` strings end the text
     (the stop string itself is not returned); ``stop_token_ids`` end it like EOS.
     ``seed`` makes sampling reproducible: each draw is a pure function of (seed, position).
     ``logprobs`` = N returns, per output token, the log-probabilities (of the processed

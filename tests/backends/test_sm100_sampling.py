@@ -1,8 +1,10 @@
 """The sm100 ``sample`` and ``speculative_accept`` kernels against the reference, run by Triton's
 interpreter on the CPU (a subprocess: the interpreter is chosen when triton is imported): every
-OpSpec case, edge cases (ties at the k-th value, grammar-masked rows, greedy rows beside sampled
-ones, seeds >= 2**63, the draft namespace, odd vocabulary sizes), and ``counter_uniform`` bit for
-bit; then each kernel compiled for sm_90 (Hopper) to a cubin, no GPU needed."""
+OpSpec case, edge cases (ties at the k-th value, within a block and across blocks, top-p landing
+exactly on a token's preceding mass, grammar-masked rows, greedy rows beside sampled ones, seeds
+>= 2**63, the draft namespace, odd vocabulary sizes; the filter cases in both filter orders), and
+``counter_uniform`` bit for bit; then each kernel compiled for sm_90 (Hopper) to a cubin, in both
+filter orders, no GPU needed."""
 import importlib.util
 import os
 import subprocess
@@ -64,6 +66,7 @@ def masked(rows, vocab, allowed):
 
 
 ties = torch.randint(0, 3, (6, 2500), generator=gen).float()
+ties_wide = torch.randint(0, 3, (6, 20000), generator=gen).float()
 signed_zeros = torch.tensor([[0.0, -0.0, -1.0, 1.0, -0.0, 0.0, 2.0, -2.0]] * 4)
 powers_of_two = torch.full((3, 3000), float("-inf"))
 powers_of_two[:, 1000:1004] = torch.tensor([math.log(4), math.log(2), 0.0, 0.0])
@@ -94,7 +97,14 @@ EDGES = {
                                     "logits": (2 * torch.randn(3, V, generator=gen)).bfloat16(),
                                     "temperature": torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64)},
     "no_rows": sample_case(0, V, [], [], []),
+    "ties_across_blocks": sample_case(6, 20000, [1.0, 1.0, 0.5, 1.0, 2.0, 1.0], [1.0, 0.6, 1.0, 0.3, 0.9, 0.45],
+                                      [9000, 15000, 1, 0, 4000, 12000], logits=ties_wide),
+    "top_k_and_top_p": sample_case(5, 9000, [1.0, 0.7, 1.5, 1.0, 1.0], [0.5, 0.9, 0.3, 0.99, 0.6],
+                                   [5, 100, 2, 3000, 8999]),
 }
+for name in ("ties_at_the_kth_value", "top_p_reached_exactly", "grammar_masked", "flat_long_search",
+             "ties_across_blocks", "top_k_and_top_p"):
+    EDGES[f"{name}_vllm_order"] = {**EDGES[name], "filter_order": "vllm"}
 
 
 def speculative_case(rows, vocab, target, draft, ids):
@@ -137,7 +147,7 @@ def test_sampling_kernels_match_the_reference_in_the_interpreter(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0] == "counter_uniform ok"
     spec_cases = [f"{op} {case.name} ok" for op in ("speculative_accept", "sample") for case in SPECS[op].cases]
-    assert set(spec_cases) <= set(lines) and len(lines) == 1 + len(spec_cases) + 4 + 15, lines
+    assert set(spec_cases) <= set(lines) and len(lines) == 1 + len(spec_cases) + 4 + 23, lines
     assert all(line.endswith(" ok") for line in lines), lines
 
 
@@ -145,11 +155,12 @@ def _kernels():
     from deepinfer_backends.sm100.fused import sampling, speculative
 
     rows = dict(seeds="*i64", positions="*i64", vocab="i32")
-    for filters in (True, False):
-        yield f"sample_kernel[filters={filters}]", sampling.sample_kernel, dict(
+    for filters, order in ((True, "deepinfer"), (True, "vllm"), (False, "deepinfer")):
+        yield f"sample_kernel[filters={filters}, {order} order]", sampling.sample_kernel, dict(
             logits="*bf16", temperature="*fp32", top_p="*fp32", top_k="*i64", token_ids="*i64", logprobs="*fp32",
             logits_stride="i32", **rows), \
-            dict(CASE=0, NAMESPACE=1_000_000_007, FILTERS=filters, BLOCK=sampling.BLOCK_VOCAB), sampling.NUM_WARPS
+            dict(CASE=0, NAMESPACE=1_000_000_007, FILTERS=filters, DEEPINFER=order == "deepinfer",
+                 BLOCK=sampling.BLOCK_VOCAB), sampling.NUM_WARPS
     yield "speculative_kernel", speculative.speculative_kernel, dict(
         target="*fp32", draft="*fp32", draft_ids="*i64", accepted="*u8", resampled="*i64", target_stride="i32",
         draft_stride="i32", **rows), dict(BLOCK=speculative.BLOCK_VOCAB), speculative.NUM_WARPS

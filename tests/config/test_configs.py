@@ -12,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from deepinfer.config.compose import compose, group_options
-from deepinfer.config.schema import AppConfig, ConfigError, to_app_config
+from deepinfer.config.schema import AppConfig, ConfigError, DecodingConfig, to_app_config
 from deepinfer.hal import OpTable
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -78,6 +78,18 @@ def test_unknown_option_lists_the_available_ones(group):
 def test_invalid_values_name_the_key(override, expected):
     with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
         compose([override])
+
+
+def test_filter_order_defaults_to_deepinfer_and_refuses_other_values_naming_the_choices():
+    assert compose().decoding.filter_order == "deepinfer"
+    assert compose(["decoding=sample"]).decoding.filter_order == "deepinfer"
+    assert compose(["decoding=dspark"]).decoding.filter_order == "deepinfer"
+    assert compose(["decoding=sample", "decoding.filter_order=vllm"]).decoding.filter_order == "vllm"
+    with pytest.raises(ConfigError, match=r"decoding\.filter_order='topk_first' is invalid: use one of "
+                                          r"\['deepinfer', 'vllm'\]"):
+        compose(["decoding.filter_order=topk_first"])
+    with pytest.raises(ConfigError, match=r"decoding\.filter_order='DeepInfer'"):
+        DecodingConfig(filter_order="DeepInfer")
 
 
 def test_prompt_and_prompts_file_are_exclusive():

@@ -123,3 +123,25 @@ def test_chat_on_a_model_without_a_template_says_so(alone):
 
     with pytest.raises(NoChatTemplateError, match="chat template"):
         alone.chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("filter_order", ["deepinfer", "vllm"])
+def test_decoding_filter_order_reaches_the_sample_op(filter_order):
+    """``decoding.filter_order`` is what every sampling step hands ``sample``, and what its kept
+    set follows: after top-k 3, renormalised, top-p 0.5 keeps at most 2 tokens (vllm); on the full
+    softmax it keeps all 3 unless the top two hold half the mass (deepinfer)."""
+    llm = LLM("tiny_random", "reference", QUIET + [f"decoding.filter_order={filter_order}"])
+    sample, seen = llm.ops._impls["sample"], []
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs.get("filter_order"))
+        return sample(*args, **kwargs)
+
+    llm.ops._impls["sample"] = recorded
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.5, max_tokens=3, seed=5, logprobs=5, ignore_eos=True)
+    out = llm.generate(_prompts(2, seed=3), params)
+    assert seen and set(seen) == {filter_order}
+    kept = [sum(v > float("-inf") for v in step.values()) for o in out for step in o.logprobs]
+    assert all(1 <= n <= 3 for n in kept)
+    # tiny_random's next-token distributions are flat: on the full softmax top-p 0.5 keeps more than 3
+    assert max(kept) == 3 if filter_order == "deepinfer" else max(kept) <= 2, kept

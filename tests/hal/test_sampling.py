@@ -24,11 +24,30 @@ def counter_uniform_python(seed: int, counter: int) -> float:
     return (z >> 11) / 2.0 ** 53
 
 
-def _processed_logprobs(logits, temperature, top_p, top_k):
+def _first_ranks_kept(z, top_p, top_k):
+    """DeepInfer's order: the first min(n_p, k) tokens by (z descending, index ascending), n_p
+    counting the tokens whose preceding mass of the full softmax is at most top_p."""
+    order = np.argsort(-z, kind="stable")
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    preceding = np.concatenate(([0.0], np.cumsum(probs[order])[:-1]))
+    kept = int((preceding <= top_p).sum()) if top_p < 1.0 else z.size
+    if 0 < top_k < z.size:
+        kept = min(kept, top_k)
+    keep = np.zeros(z.size, dtype=bool)
+    keep[order[:kept]] = True
+    return keep
+
+
+def _processed_logprobs(logits, temperature, top_p, top_k, filter_order):
     if temperature == 0:
         first_max = int(np.argmax(logits))
         return np.where(np.arange(logits.size) == first_max, 0.0, -np.inf)
     z = logits / max(temperature, 1e-5)
+    if filter_order == "deepinfer":
+        keep = _first_ranks_kept(z, top_p, top_k)
+        log_total = math.log(np.exp(z[keep] - z[keep].max()).sum()) + z[keep].max()
+        return np.where(keep, z - log_total, -np.inf)
     keep = np.ones(z.size, dtype=bool)
     if 0 < top_k < z.size:
         keep = z >= np.sort(z)[::-1][top_k - 1]
@@ -52,10 +71,11 @@ def _draw(logprobs, uniform):
     return int(np.argmax(np.cumsum(weights) > target))
 
 
-def sample_float64(logits, temperature, top_p, top_k, seeds, positions, case=0):
+def sample_float64(logits, temperature, top_p, top_k, seeds, positions, case=0, filter_order="deepinfer"):
     tokens, rows = [], []
     for i in range(logits.shape[0]):
-        logprobs = _processed_logprobs(logits[i].numpy(), temperature[i].item(), top_p[i].item(), top_k[i].item())
+        logprobs = _processed_logprobs(logits[i].numpy(), temperature[i].item(), top_p[i].item(), top_k[i].item(),
+                                       filter_order)
         uniform = counter_uniform_python(seeds[i].item(), 3 * positions[i].item() + case)
         tokens.append(_draw(logprobs, uniform))
         rows.append(logprobs)
@@ -162,29 +182,60 @@ def test_draw_frequencies_follow_the_probabilities():
     assert chi_square < 16.27  # 3 degrees of freedom, p = 0.001
 
 
-def test_top_k_keeps_ties_at_the_threshold_by_hand():
+def test_top_k_keeps_exactly_k_in_deepinfer_order_by_hand():
+    # logits [3, 2, 2, 1], k = 2: ranks 3 (token 0), then the tie at 2 goes to the lower id, token 1
     logits = torch.tensor([[3.0, 2.0, 2.0, 1.0]])
     _, logprobs = sample(**_args(logits, top_k=2))
+    log_total = 2 + math.log(math.e + 1)  # log(e^3 + e^2)
+    want = torch.tensor([[3 - log_total, 2 - log_total, -math.inf, -math.inf]])
+    assert torch.allclose(logprobs, want, atol=1e-6)
+
+
+def test_top_k_keeps_ties_at_the_threshold_in_vllm_order_by_hand():
+    logits = torch.tensor([[3.0, 2.0, 2.0, 1.0]])
+    _, logprobs = sample(**_args(logits, top_k=2), filter_order="vllm")
     log_total = 2 + math.log(math.e + 2)  # log(e^3 + 2 e^2)
     want = torch.tensor([[3 - log_total, 2 - log_total, 2 - log_total, -math.inf]])
     assert torch.allclose(logprobs, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("filter_order", ["deepinfer", "vllm"])
 @pytest.mark.parametrize("probs, top_p, kept", [
     ([0.1, 0.5, 0.15, 0.25], 0.45, 1), ([0.1, 0.5, 0.15, 0.25], 0.7, 2), ([0.1, 0.5, 0.15, 0.25], 0.8, 3),
     ([0.1, 0.5, 0.15, 0.25], 0.95, 4), ([0.1, 0.5, 0.15, 0.25], 1.0, 4),
     ([0.004, 0.5, 0.196, 0.3], 0.995, 3), ([0.004, 0.5, 0.196, 0.3], 1.0, 4),
 ])
-def test_top_p_keeps_the_smallest_prefix_reaching_the_mass_by_hand(probs, top_p, kept):
-    _, logprobs = sample(**_args(torch.tensor([probs]).log(), top_p=top_p))
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass_by_hand(probs, top_p, kept, filter_order):
+    # away from exact ties and exact boundaries the two orders agree on top-p alone
+    _, logprobs = sample(**_args(torch.tensor([probs]).log(), top_p=top_p), filter_order=filter_order)
     by_mass = sorted(range(4), key=lambda i: -probs[i])
     assert (logprobs[0, by_mass[:kept]] > -math.inf).all() and (logprobs[0, by_mass[kept:]] == -math.inf).all()
     assert torch.allclose(logprobs.exp().sum(), torch.tensor(1.0))
 
 
-def test_top_p_keeps_ties_with_the_threshold_token():
-    _, logprobs = sample(**_args(torch.tensor([[0.4, 0.2, 0.2, 0.2]]).log(), top_p=0.5))
-    assert (logprobs > -math.inf).all()
+@pytest.mark.parametrize("filter_order, kept", [("deepinfer", [0, 1]), ("vllm", [0, 1, 2, 3])])
+def test_top_p_ties_with_the_threshold_token(filter_order, kept):
+    # [0.4, 0.2, 0.2, 0.2], top_p 0.5: token 1 crosses it; deepinfer stops there (tokens 2 and 3
+    # have 0.6 and 0.8 before them), vllm keeps every token tied with it
+    _, logprobs = sample(**_args(torch.tensor([[0.4, 0.2, 0.2, 0.2]]).log(), top_p=0.5), filter_order=filter_order)
+    assert torch.isfinite(logprobs[0]).nonzero()[:, 0].tolist() == kept
+
+
+@pytest.mark.parametrize("filter_order, kept", [("deepinfer", [0, 1, 2]), ("vllm", [0, 1])])
+def test_a_token_whose_preceding_mass_equals_top_p(filter_order, kept):
+    # [1/2, 1/4, 1/8, 1/8] (exact in float32), top_p 3/4: token 2 has exactly 3/4 before it;
+    # deepinfer keeps it (preceding mass <= top_p) and not its tie, token 3 (7/8 before it);
+    # vllm stops at the shortest prefix reaching 3/4
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    assert torch.softmax(logits, dim=-1).tolist() == [[0.5, 0.25, 0.125, 0.125]]
+    _, logprobs = sample(**_args(logits, top_p=0.75), filter_order=filter_order)
+    assert torch.isfinite(logprobs[0]).nonzero()[:, 0].tolist() == kept
+
+
+def test_an_unknown_filter_order_is_rejected_with_the_choices():
+    with pytest.raises(ValueError, match="filter_order='topk_first' is not a filter order; use one of "
+                                         "\\['deepinfer', 'vllm'\\]"):
+        sample(**_args(torch.zeros(1, 4)), filter_order="topk_first")
 
 
 @pytest.mark.parametrize("name, value, match", [

@@ -4,15 +4,25 @@ of a block accumulates on its own; the lanes are combined once a pass ends):
 1. the row's max, first argmax and online sum of ``exp(z - max)``, ``z`` kept in the ``logprobs``
    row as scratch when a filter is on;
 2. top-k rows: four 8-bit radix-select passes (``tl.histogram``) for the k-th largest order key;
-3. top-k or top-p rows: ``e = exp(z - max)`` over the top-k-kept tokens, summed (and stored);
-4. top-p rows: bisection over the probability's bits for the largest ``v`` with
-   ``sum(p >= v) >= top_p`` (float64 sums), the bracket tightened to the row's keys each pass:
-   at most 31 passes, fewer the more the probabilities are spread out in the bits;
+3. DeepInfer's order (``DEEPINFER``), the kept tokens being the first ``n`` by (``z`` descending,
+   index ascending):
+   a. top-p rows: the float64 sum of ``e = exp(z - max)`` over the row (the full softmax), then a
+      bisection over ``z``'s order key, from the top-k key up, for the smallest key whose first
+      token has fewer than k tokens above it and at most ``top_p`` of probability mass above it:
+      at most 32 passes, fewer the more the row's keys are spread out;
+   b. one pass counting the tokens and summing the mass above that key, so how many of its ties
+      are kept (as many as fit top-k and top-p), then the index of the last kept tie: a
+      block-wise ``tl.cumsum`` that stops at its block;
+4. the vLLM order: ``e`` over the top-k-kept tokens, summed (and stored), then for top-p rows a
+   bisection over the probability's bits for the largest ``v`` with ``sum(p >= v) >= top_p``
+   (float64 sums), the bracket tightened to the row's keys each pass: at most 31 passes;
 5. ``logprobs`` written and the fixed-point weights summed (int64, exact in any order);
 6. sampled rows: the drawn token, a block-wise ``tl.cumsum`` that stops at the token's block.
 
-So 3 passes for a row without filters (2 when greedy), 8 with top-k alone, 4 plus the bisection
-with top-p alone, 8 plus the bisection with both (the last pass stops early).
+So 3 passes for a row without filters (2 when greedy; the draw's pass stops early). With top-k
+alone, 8 in the vLLM order and 8 plus the tie cut's partial one in DeepInfer's; with top-p, 4 (vLLM)
+or 5 and the partial one (DeepInfer) plus the bisection; with both, 8 (vLLM) or 9 and the partial
+one (DeepInfer) plus the bisection.
 """
 from __future__ import annotations
 
@@ -159,10 +169,92 @@ def _top_p_key(scratch, vocab, inv_mass, top_p, mass, largest, BLOCK: tl.constex
 
 
 @triton.jit
-def _write_pass(src, out, vocab, scale, top, log_mass, kth, p_key, inv_mass, greedy, first,
+def _first_ranks_key(scratch, vocab, top, inv_mass, top_p, k, low, high, BLOCK: tl.constexpr):
+    """The smallest order key ``t`` of ``z`` (in ``scratch``) with fewer than ``k`` tokens above it
+    and at most ``top_p`` of probability mass (``p = exp(z - top) * inv_mass``, float64 sums)
+    above it: where DeepInfer's kept ranks end. ``low`` is a key that fails (or -1), ``high`` a
+    row's key that passes; each pass moves them to the row's keys around the midpoint."""
+    while high - low > 1:
+        mid = low + (high - low) // 2
+        count = tl.zeros([BLOCK], tl.int32)
+        mass = tl.zeros([BLOCK], tl.float64)
+        below = tl.zeros([BLOCK], tl.int64) - 1
+        above = tl.zeros([BLOCK], tl.int64) + high
+        for start in range(0, vocab, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < vocab
+            z = tl.load(scratch + offs, mask=inside, other=float("-inf"))
+            key = _order_key(z)
+            upper = inside & (key > mid)
+            count += upper.to(tl.int32)
+            mass += tl.where(upper, (tl.exp(z - top) * inv_mass).to(tl.float64), 0.0)
+            below = tl.maximum(below, tl.where(inside & (key <= mid), key, -1))
+            above = tl.minimum(above, tl.where(upper, key, high))
+        ok = (tl.sum(count) < k) & (tl.sum(mass) <= top_p.to(tl.float64))
+        below_key = tl.max(below)
+        above_key = tl.min(above)
+        high, low = (tl.where(ok & (below_key >= 0), below_key, tl.where(ok, above_key, high)),
+                     tl.where(ok & (below_key >= 0), low, above_key - 1))
+    return high
+
+
+@triton.jit
+def _tie_cut(scratch, vocab, top, inv_mass, top_p, by_p, k, key, BLOCK: tl.constexpr):
+    """For DeepInfer's last kept key ``key``: the index of the last of its ties that is kept (in
+    index order, as many as top-k and top-p leave room for, at least one) and the float64 sum of
+    ``exp(z - top)`` over the kept tokens."""
+    count = tl.zeros([BLOCK], tl.int32)
+    mass = tl.zeros([BLOCK], tl.float64)
+    kept = tl.zeros([BLOCK], tl.float64)
+    ties = tl.zeros([BLOCK], tl.int32)
+    tie_e = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < vocab
+        z = tl.load(scratch + offs, mask=inside, other=float("-inf"))
+        e = tl.exp(z - top)
+        order_key = _order_key(z)
+        upper = inside & (order_key > key)
+        tie = inside & (order_key == key)
+        count += upper.to(tl.int32)
+        mass += tl.where(upper, (e * inv_mass).to(tl.float64), 0.0)
+        kept += tl.where(upper, e.to(tl.float64), 0.0)
+        ties += tie.to(tl.int32)
+        tie_e = tl.maximum(tie_e, tl.where(tie, e, 0.0))
+    above, above_mass, tie_count, e_tie = tl.sum(count), tl.sum(mass), tl.sum(ties), tl.max(tie_e)
+    kept_above = tl.sum(kept)
+    take = tl.minimum(tie_count.to(tl.int64), k - above)
+    p_tie = (e_tie * inv_mass).to(tl.float64)
+    limit = top_p.to(tl.float64)
+    if by_p & (p_tie > 0):
+        fit = tl.minimum((limit - above_mass) / p_tie, tie_count.to(tl.float64))
+        fits = tl.maximum(tl.floor(fit), 0.0).to(tl.int64) + 1
+        while (fits > 1) & (above_mass + (fits - 1).to(tl.float64) * p_tie > limit):
+            fits -= 1
+        while (fits < tie_count) & (above_mass + fits.to(tl.float64) * p_tie <= limit):
+            fits += 1
+        take = tl.minimum(take, fits)
+    take = tl.maximum(take, 1).to(tl.int32)
+    cut = tl.zeros([], tl.int32) + vocab
+    running = tl.zeros([], tl.int32)
+    start = tl.zeros([], tl.int32)
+    while (cut == vocab) & (start < vocab):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < vocab
+        tie = inside & (_order_key(tl.load(scratch + offs, mask=inside, other=float("-inf"))) == key)
+        cumulative = running + tl.cumsum(tie.to(tl.int32), 0)
+        cut = tl.min(tl.where(tie & (cumulative == take), offs, vocab))
+        running += tl.sum(tie.to(tl.int32))
+        start += BLOCK
+    return cut, kept_above + take.to(tl.float64) * e_tie.to(tl.float64)
+
+
+@triton.jit
+def _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass, greedy, first,
                 FILTERS: tl.constexpr, BLOCK: tl.constexpr):
-    """``logprobs = z - top - log_mass`` over the kept tokens (-inf elsewhere) into ``out``; returns
-    the sum of the int64 weights ``floor(exp(logprobs) * 2**31)``."""
+    """``logprobs = z - top - log_mass`` over the kept tokens (-inf elsewhere) into ``out``: those
+    whose order key is above ``kth``, or equal to it at an index up to ``cut``, with probability
+    bits at least ``p_key``. Returns the sum of the int64 weights ``floor(exp(logprobs) * 2**31)``."""
     total = tl.zeros([BLOCK], tl.int64)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -171,7 +263,8 @@ def _write_pass(src, out, vocab, scale, top, log_mass, kth, p_key, inv_mass, gre
         keep = inside
         if FILTERS:
             probability_key = (tl.exp(z - top) * inv_mass).to(tl.int32, bitcast=True)
-            keep = keep & (_order_key(z) >= kth) & (probability_key >= p_key)
+            key = _order_key(z)
+            keep = keep & ((key > kth) | ((key == kth) & (offs <= cut))) & (probability_key >= p_key)
         keep = tl.where(greedy, offs == first, keep)
         logprobs = tl.where(keep, (z - top) - log_mass, float("-inf"))
         tl.store(out + offs, logprobs, mask=inside)
@@ -181,9 +274,10 @@ def _write_pass(src, out, vocab, scale, top, log_mass, kth, p_key, inv_mass, gre
 
 @triton.jit
 def sample_kernel(logits, temperature, top_p, top_k, seeds, positions, token_ids, logprobs, vocab, logits_stride,
-                  CASE: tl.constexpr, NAMESPACE: tl.constexpr, FILTERS: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``pid`` of the HAL ``sample``: ``token_ids[pid]`` and ``logprobs[pid, :vocab]`` (the
-    row doubles as scratch until it is written)."""
+                  CASE: tl.constexpr, NAMESPACE: tl.constexpr, FILTERS: tl.constexpr, DEEPINFER: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Row ``pid`` of the HAL ``sample`` (``DEEPINFER``: filter order ``deepinfer``, else ``vllm``):
+    ``token_ids[pid]`` and ``logprobs[pid, :vocab]`` (the row doubles as scratch until it is written)."""
     row = tl.program_id(0).to(tl.int64)
     src = logits + row * logits_stride
     out = logprobs + row * vocab
@@ -197,13 +291,27 @@ def sample_kernel(logits, temperature, top_p, top_k, seeds, positions, token_ids
     top, total, first = _max_pass(src, out, vocab, scale, by_k | by_p, BLOCK)
     log_mass = tl.where(greedy, 0.0, tl.log(total))
     kth = tl.zeros([], tl.int64)
+    cut = tl.zeros([], tl.int32) + vocab
     p_key = tl.zeros([], tl.int32)
     inv_mass = tl.zeros([], tl.float32)
     if FILTERS:
         if by_k:
             tl.debug_barrier()
             kth = _top_k_key(out, vocab, k, BLOCK)
-        if by_k | by_p:
+        if DEEPINFER:
+            if by_k | by_p:
+                if by_p:
+                    tl.debug_barrier()
+                    mass, _ = _kept_exp_pass(out, vocab, top, 0, False, BLOCK)
+                    inv_mass = tl.math.div_rn(1.0, mass.to(tl.float32))
+                    limit = tl.where(by_k, k, vocab + 1)
+                    kth = _first_ranks_key(out, vocab, top, inv_mass, p_limit.to(tl.float32), limit,
+                                           tl.where(by_k, kth - 1, -1), _order_key(top), BLOCK)
+                tl.debug_barrier()
+                cut, mass = _tie_cut(out, vocab, top, inv_mass, p_limit.to(tl.float32), by_p, tl.where(by_k, k, vocab),
+                                     kth, BLOCK)
+                log_mass = tl.log(mass.to(tl.float32))
+        elif by_k | by_p:
             tl.debug_barrier()
             mass, largest = _kept_exp_pass(out, vocab, top, kth, by_p, BLOCK)
             inv_mass = tl.math.div_rn(1.0, mass.to(tl.float32))
@@ -212,7 +320,7 @@ def sample_kernel(logits, temperature, top_p, top_k, seeds, positions, token_ids
                 p_key, mass = _top_p_key(out, vocab, inv_mass, p_limit.to(tl.float32), mass, largest, BLOCK)
             log_mass = tl.log(mass.to(tl.float32))
     tl.debug_barrier()
-    weight_sum = _write_pass(src, out, vocab, scale, top, log_mass, kth, p_key, inv_mass, greedy, first, FILTERS,
+    weight_sum = _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass, greedy, first, FILTERS,
                              BLOCK)
     token = first
     if temp != 0:

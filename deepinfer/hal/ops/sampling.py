@@ -22,6 +22,8 @@ CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT = 0, 1, 2
 SEED_NAMESPACE_TARGET = 0
 SEED_NAMESPACE_DRAFT = 1_000_000_007
 """Offsets added to a request's seed: target-model draws, and DSpark draft draws."""
+FILTER_ORDERS = ("deepinfer", "vllm")
+"""Orders of the top-p and top-k filters (:func:`filter_mask`); ``deepinfer`` is the default."""
 MIN_TEMPERATURE = 1e-5
 FIXED_POINT_ONE = 1 << 31
 
@@ -66,34 +68,53 @@ def namespaced_seeds(seeds: torch.Tensor, namespace: int) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, case: int = CASE_SAMPLE,
-           namespace: int = SEED_NAMESPACE_TARGET, filters: bool = True):
+           namespace: int = SEED_NAMESPACE_TARGET, filters: bool = True, filter_order: str = "deepinfer"):
     """Draw one token per row; returns ``(token_ids int64 [N], logprobs float32 [N, V])``.
 
-    ``logits``: float ``[N, V]``; per row ``temperature`` (>= 0), ``top_p`` in ``(0, 1]``,
-    ``top_k`` (int64; ``<= 0`` or ``>= V`` is off), ``seeds`` and ``positions`` (int64).
+    ``logits``: float ``[N, V]``; per row ``temperature`` (>= 0), ``top_p`` in ``(0, 1]`` (1 is
+    off), ``top_k`` (int64; ``<= 0`` or ``>= V`` is off), ``seeds`` and ``positions`` (int64).
     ``z = logits / max(temperature, 1e-5)``; a row with temperature 0 (greedy) keeps only its
-    first maximal token, so greedy is exact and its distribution one-hot; top-k keeps ``z >=`` the k-th largest ``z`` (ties
-    kept); top-p (``< 1``) then keeps, on ``softmax(z)`` over the kept tokens, every token whose
-    probability is ``>=`` that of the token at which the descending cumulative sum first reaches
-    ``top_p``. ``logprobs`` is ``log_softmax`` over the kept tokens, ``-inf`` elsewhere (the
-    processed distribution). Draw: ``w = floor(exp(logprobs) * 2**31)`` (int64),
+    first maximal token, so greedy is exact and its distribution one-hot. Other rows keep the
+    tokens :func:`filter_mask` chooses in ``filter_order`` (:data:`FILTER_ORDERS`).
+    ``logprobs`` is ``log_softmax`` over the kept tokens, ``-inf`` elsewhere (the processed
+    distribution). Draw: ``w = floor(exp(logprobs) * 2**31)`` (int64),
     ``r = floor(u * sum(w))`` with ``u = counter_uniform(seed, 3 * position + case)``; the token
     is the first whose inclusive integer cumsum of ``w`` exceeds ``r``, so tokens of weight 0 are
     never drawn. (``sum(w) > 2**30``, so ``u < 1`` keeps ``r < sum(w)`` after float64 rounding.)
     ``namespace`` is added to every seed first (:func:`namespaced_seeds`). ``filters=False``
     is the caller's word that no sampled row (temperature > 0) has top-k or top-p on: the two
     filters, which sort every row, are then skipped (same result)."""
-    check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
+    check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case, filter_order)
     seeds = namespaced_seeds(seeds, namespace)
     z = logits.float() / temperature.float().clamp_min(MIN_TEMPERATURE)[:, None]
-    keep = torch.ones_like(z, dtype=torch.bool)
-    if filters:
-        keep = _top_k_mask(z, top_k)
-        keep &= _top_p_mask(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
+    keep = filter_mask(z, top_p, top_k, filter_order) if filters else torch.ones_like(z, dtype=torch.bool)
     first_max = torch.zeros_like(keep).scatter_(1, z.argmax(dim=-1, keepdim=True), True)
     keep = torch.where((temperature == 0)[:, None], first_max, keep)
     logprobs = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
     return fixed_point_draw(logprobs.exp(), seeds, positions, case), logprobs
+
+
+def filter_mask(z: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, filter_order: str) -> torch.Tensor:
+    """The tokens top-p and top-k keep of each row of ``z`` (float32 ``[N, V]``), bool ``[N, V]``.
+
+    ``"deepinfer"`` (DeepInfer 0.1.0's order): rank the tokens by ``z`` descending, ties to the
+    lower token index (a stable sort). Top-p keeps each token whose *preceding* mass (the
+    ``softmax(z)`` probabilities of the tokens ranked before it, summed in float64) is at most
+    ``top_p``: the token that crosses ``top_p`` is kept, so is one whose preceding mass equals
+    it exactly, and the first token always is. Top-k keeps the first ``k`` ranks, exactly ``k``
+    tokens however many tie at the k-th value. A token is kept when both keep it: the first
+    ``min(n_p, k)`` ranks, with ``n_p`` the number top-p keeps on the full softmax.
+
+    ``"vllm"`` (top-k, renormalise, then top-p): top-k keeps every token whose ``z`` is at least
+    the k-th largest (every tie at the k-th value, as vLLM's top-k does). Top-p then works on
+    ``softmax(z)`` over those: ``t`` is the probability of the token at which the descending
+    cumulative sum first reaches ``top_p``, and every token of probability ``>= t`` is kept (the
+    shortest prefix that reaches ``top_p``, which excludes a token whose preceding mass equals
+    ``top_p``, plus every tie with its last token; vLLM cuts such a tie by its sort position)."""
+    if filter_order == "deepinfer":
+        return _first_ranks_mask(z, top_p, top_k)
+    keep = _top_k_mask(z, top_k)
+    return keep & _top_p_mask(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
 
 
 def fixed_point_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, case: int) -> torch.Tensor:
@@ -123,7 +144,19 @@ def _top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return (probs >= threshold) | (top_p >= 1.0)[:, None]
 
 
-def check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case) -> None:
+def _first_ranks_mask(z: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = z.shape[1]
+    order = torch.sort(z, dim=-1, descending=True, stable=True).indices
+    probs = torch.softmax(z, dim=-1).gather(1, order).double()
+    preceding = torch.cat((torch.zeros_like(probs[:, :1]), probs.cumsum(dim=-1)[:, :-1]), dim=1)
+    by_mass = (preceding <= top_p.double()[:, None]).sum(dim=-1)
+    by_mass = torch.where(top_p >= 1.0, vocab, by_mass)
+    by_count = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kept_ranks = torch.arange(vocab, device=z.device) < torch.minimum(by_mass, by_count)[:, None]
+    return torch.zeros_like(kept_ranks).scatter_(1, order, kept_ranks)
+
+
+def check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case, filter_order) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [N, V] tensor, got {logits.dtype} "
                          f"of shape {tuple(logits.shape)}")
@@ -141,10 +174,17 @@ def check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case)
         raise ValueError(f"top_p must lie in (0, 1], got {top_p.tolist()}")
     if case not in (CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT):
         raise ValueError(f"case must be 0 (sample), 1 (resample) or 2 (accept), got {case}")
+    if filter_order not in FILTER_ORDERS:
+        raise ValueError(f"filter_order={filter_order!r} is not a filter order; use one of {list(FILTER_ORDERS)} "
+                         f"(deepinfer: top-p on the full softmax, then exactly top-k; vllm: top-k keeping ties, "
+                         f"renormalise, then top-p)")
 
 
 def _case(vocab: int, temperature, top_p, top_k, case: int = CASE_SAMPLE, scale: float = 2.0,
-          spikes: int = 0, tied: bool = False):
+          spikes: int = 0, tied: bool = False, plateaus=(), filter_order: str = "deepinfer"):
+    """Random logits (``tied``: integers 0-2; ``spikes`` tokens near 20). ``plateaus[r] > 0`` makes
+    row ``r`` that many equal logits at random columns and ``-inf`` elsewhere, whose probabilities
+    (a power of two's reciprocal) and their sums are exact on any hardware."""
     def make(gen: torch.Generator, device: torch.device):
         rows = len(temperature)
         if tied:
@@ -154,6 +194,10 @@ def _case(vocab: int, temperature, top_p, top_k, case: int = CASE_SAMPLE, scale:
         if spikes:
             columns = torch.randint(0, vocab, (rows, spikes), generator=gen)
             logits.scatter_(1, columns, 20 + 2 * torch.randn(rows, spikes, generator=gen))
+        for row, count in enumerate(plateaus):
+            if count:
+                logits[row] = float("-inf")
+                logits[row, torch.randperm(vocab, generator=gen)[:count]] = 1.5
         return {
             "logits": logits.to(device),
             "temperature": torch.tensor(temperature, device=device),
@@ -162,8 +206,15 @@ def _case(vocab: int, temperature, top_p, top_k, case: int = CASE_SAMPLE, scale:
             "seeds": torch.randint(-(1 << 62), 1 << 62, (rows,), generator=gen).to(device),
             "positions": torch.randint(0, 1 << 20, (rows,), generator=gen).to(device),
             "case": case,
+            "filter_order": filter_order,
         }
     return make
+
+
+def _in_both_orders(name: str, *args, size: str = "tiny", **options) -> tuple[OpCase, OpCase]:
+    """The case ``name`` in the default (deepinfer) filter order and ``<name>_vllm_order``."""
+    return (OpCase(name, _case(*args, **options), size=size),
+            OpCase(f"{name}_vllm_order", _case(*args, **options, filter_order="vllm"), size=size))
 
 
 register(OpSpec(
@@ -172,12 +223,18 @@ register(OpSpec(
     summary="temperature / top-k / top-p sampling with a counter-based RNG and integer CDF",
     reference=sample,
     cases=(
-        OpCase("tiny_mixed", _case(11, [1.0, 0.7, 1.3, 0.5, 2.0, 1.0], [1.0, 0.9, 0.6, 1.0, 0.8, 0.3],
-                                   [0, 3, -1, 5, 11, 2])),
+        *_in_both_orders("tiny_mixed", 11, [1.0, 0.7, 1.3, 0.5, 2.0, 1.0], [1.0, 0.9, 0.6, 1.0, 0.8, 0.3],
+                         [0, 3, -1, 5, 11, 2]),
         OpCase("tiny_greedy", _case(11, [0.0, 0.0, 0.0, 1e-6], [1.0, 1.0, 0.5, 1.0], [-1, 0, 4, -1])),
-        OpCase("tiny_top_k_ties", _case(11, [1.0, 0.5, 1.0, 2.0], [1.0, 1.0, 0.7, 1.0], [2, 3, 4, 1], tied=True)),
+        *_in_both_orders("tiny_top_k_ties", 11, [1.0, 0.5, 1.0, 2.0, 1.0], [1.0, 1.0, 0.7, 1.0, 0.9],
+                         [2, 3, 4, 1, 6], tied=True),
+        # 4 or 8 equal tokens: top-p lands exactly on a multiple of 1/4 or 1/8 of the mass
+        *_in_both_orders("tiny_top_p_boundary", 16, [1.0, 0.7, 1.0, 1.0, 2.0, 1.0],
+                         [0.25, 0.5, 0.75, 0.5, 0.375, 0.125], [0, 0, 0, 0, 3, 0], plateaus=[4, 4, 4, 8, 8, 8]),
+        *_in_both_orders("tiny_top_p_and_top_k", 64, [1.0, 0.8, 1.0, 1.5, 1.0, 1.0, 0.6],
+                         [0.6, 0.9, 0.3, 0.95, 0.5, 0.8, 0.5], [5, 3, 10, 20, 2, 63, 3], plateaus=[0] * 6 + [8]),
         OpCase("tiny_resample", _case(11, [1.0, 0.8, 1.0], [1.0, 0.95, 0.5], [0, 6, 0], case=CASE_RESAMPLE)),
-        OpCase("v41_vocab", _case(129280, [1.0, 0.6, 1.0, 0.0], [0.9, 1.0, 0.95, 1.0], [0, 50, 1000, -1],
-                                  scale=1.0, spikes=8), size="real"),
+        *_in_both_orders("v41_vocab", 129280, [1.0, 0.6, 1.0, 0.0], [0.9, 1.0, 0.95, 1.0], [0, 50, 1000, -1],
+                         scale=1.0, spikes=8, size="real"),
     ),
 ))

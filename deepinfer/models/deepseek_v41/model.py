@@ -159,7 +159,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             embedded, correction = head.markov(previous)
             ids, step_logprobs = self.ops.sample(logits[:, i] + correction, sampling.temperature, sampling.top_p,
                                                  sampling.top_k, sampling.seeds, ctx.chunk_start + 1 + i,
-                                                 namespace=SEED_NAMESPACE_DRAFT)
+                                                 namespace=SEED_NAMESPACE_DRAFT, filter_order=sampling.filter_order)
             confidences.append(head.confidence(hidden[:, i], embedded, sampling.confidence_temperature))
             tokens.append(ids)
             logprobs.append(step_logprobs)
