@@ -69,6 +69,7 @@ INVARIANT_AS_IS = {
     "ep_dispatch": "a permutation of rows",
     "ep_combine": "per token: the routed slots are summed in slot order",
     "swa_ring_slots": "integer addressing",
+    "compressed_decode_layout": "integer addressing",
     "swa_decode_indices": "integer addressing",
     "swa_prefill_indices": "integer addressing",
     "swa_history_slots": "integer addressing",

@@ -15,11 +15,12 @@ import torch
 from deepinfer.hal.backend import Backend, Capabilities
 from deepinfer_backends.sm100.options import KernelOptions
 
-IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "ep_combine", "ep_dispatch", "grouped_gemm",
-               "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk", "kv_load", "kv_norm_rope_store",
-               "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre", "mhc_pre", "mla_sparse_decode",
-               "mla_sparse_prefill", "moe_gate", "rms_norm", "sample", "speculative_accept", "stacked_linear",
-               "swa_decode_indices", "swa_history_slots", "swa_prefill_indices", "swa_ring_slots", "swiglu")
+IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "compressed_decode_layout", "ep_combine",
+               "ep_dispatch", "grouped_gemm", "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk",
+               "kv_load", "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre",
+               "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample",
+               "speculative_accept", "stacked_linear", "swa_decode_indices", "swa_history_slots",
+               "swa_prefill_indices", "swa_ring_slots", "swiglu")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
     "kv_cast": "training rounds keys through a cache format with kv_cast; inference stores them with "
@@ -40,8 +41,9 @@ INVARIANT = {
     "indexer_logits": "one CTA per (token, 128-key tile): a wgmma over the head dim, the head sum in a fixed order",
     "kv_norm_rope_store": "one CTA per token: a reduction tree and a quantization fixed by the row width",
     "mhc_mixes": "dot products and squares in fixed 64-token tiles and 256-wide slices of the width, the slices "
-                 "added in order; gates and Sinkhorn per token, in tiles fixed for every token count",
-    "mhc_head": "the mhc_mixes partials, then per-token gates",
+                 "added in order; gates and Sinkhorn per token, in tiles fixed for every token count (the two "
+                 "launches always, never the one-pass kernel of few tokens)",
+    "mhc_head": "the mhc_mixes partials, then per-token gates (two launches always)",
     "apply_rope": "per element: products and sums with the token's table row",
     "ep_combine": "per token: the routed slots are summed in slot order",
     "kv_load": "per token: exact decode",
@@ -54,6 +56,7 @@ INVARIANT = {
     "compress_tokens": "per (token, channel): the group's softmax over its own members, in member order",
     "indexer_topk": "one program per row: a select over that row's window alone",
     "swa_ring_slots": "integer index arithmetic per element",
+    "compressed_decode_layout": "integer index arithmetic per element",
     "swa_decode_indices": "integer index arithmetic per element",
     "swa_prefill_indices": "integer index arithmetic per element",
     "swa_history_slots": "integer index arithmetic per element",
@@ -70,7 +73,8 @@ _INVARIANT_ARGS = {"grouped_gemm": {"batch_invariant": True}, "grouped_linear": 
                    "grouped_swiglu": {"batch_invariant": True},
                    "linear": {"batch_invariant": True}, "stacked_linear": {"batch_invariant": True},
                    "mla_sparse_decode": {"split_kv": False},
-                   "mla_sparse_prefill": {"split_kv": False, "batch_invariant": True}}
+                   "mla_sparse_prefill": {"split_kv": False, "batch_invariant": True},
+                   "mhc_mixes": {"batch_invariant": True}, "mhc_head": {"batch_invariant": True}}
 
 
 class Sm100Backend(Backend):

@@ -28,8 +28,8 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
     that would cost a host sync). ``batch_invariant`` fixes the tiles (:data:`INVARIANT_TILES`);
     there is never a split over K. ``options.tcgen05`` picks the Blackwell variant of the bf16 kernel.
     Otherwise bf16 operands with at most :data:`SKINNY_BF16_ROWS_PER_EXPERT` rows per expert on
-    average take :mod:`.fused.grouped_gemm_skinny`. ``schedules`` (a dict, tile height -> tile
-    schedule) lets calls on the same rows and ``group_sizes`` share one schedule launch."""
+    average take :mod:`.fused.grouped_gemm_skinny`. Calls on the same ``group_sizes`` share one
+    tile schedule launch (:func:`shared_schedule`), or those sharing ``schedules`` when given."""
     op = "grouped_gemm"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05,
@@ -58,11 +58,16 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
 
 
 def shared_schedule(group_sizes: torch.Tensor, rows: int, tile_rows: int, device: torch.device,
-                    schedules: dict | None) -> torch.Tensor:
-    """The tile schedule of ``group_sizes`` over ``rows`` in tiles of ``tile_rows``, taken from
-    ``schedules`` (tile height -> schedule, filled here) when the caller shares one."""
-    if schedules is not None and tile_rows in schedules:
-        return schedules[tile_rows]
+                    schedules: dict | None = None) -> torch.Tensor:
+    """The tile schedule of ``group_sizes`` over ``rows`` in tiles of ``tile_rows``, made once per
+    ``group_sizes`` tensor: kept in ``schedules`` (``(rows, tile_rows)`` -> schedule) when the
+    caller passes one, else beside the tensor (:func:`_schedules_of`), so the MoE layer's grouped
+    GEMMs over the same dispatched rows share one schedule launch."""
+    if schedules is None:
+        schedules = _schedules_of(group_sizes)
+    key = (rows, tile_rows)
+    if key in schedules:
+        return schedules[key]
     group_sizes = group_sizes.to(device)
     if on_device(group_sizes) and group_sizes.shape[0]:
         from deepinfer_backends.sm100.fused.tile_schedule import tile_schedule
@@ -72,9 +77,23 @@ def shared_schedule(group_sizes: torch.Tensor, rows: int, tile_rows: int, device
         from deepinfer.hal.ops.grouped_gemm import tile_bounds
 
         schedule = torch.stack(tile_bounds(group_sizes, rows, tile_rows)).to(torch.int32)
-    if schedules is not None:
-        schedules[tile_rows] = schedule
+    schedules[key] = schedule
     return schedule
+
+
+def _schedules_of(group_sizes: torch.Tensor) -> dict:
+    """The schedules made for ``group_sizes``, held as an attribute of the tensor (they go with
+    it) and dropped when it has been written in place since (its version counter moved; inference
+    tensors have none, and are not written after dispatch)."""
+    try:
+        version = group_sizes._version
+    except RuntimeError:
+        version = None
+    held = getattr(group_sizes, "_tile_schedules", None)
+    if held is None or held[0] != version:
+        held = (version, {})
+        group_sizes._tile_schedules = held
+    return held[1]
 
 
 SKINNY_BF16_ROWS_PER_EXPERT = 4
@@ -94,7 +113,7 @@ def grouped_gemm_few_rows(x: torch.Tensor, weight: torch.Tensor, group_sizes: to
 
     y = torch.empty(x.shape[0], weight.shape[1], dtype=dtype or x.dtype, device=x.device)
     if x.shape[0]:
-        grouped_gemm_skinny(x, weight, shared_schedule(group_sizes, x.shape[0], BLOCK_T, x.device, None), y, up=up,
+        grouped_gemm_skinny(x, weight, shared_schedule(group_sizes, x.shape[0], BLOCK_T, x.device), y, up=up,
                             limit=limit)
     return y
 
@@ -149,7 +168,7 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
     rows, k = x_shape
     require(k % QUANT_BLOCK_K == 0, op, f"K={k} must be a multiple of {QUANT_BLOCK_K} for the block-scaled kernel")
     if k > QUANT_MAX_K:
-        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, {} if schedules is None else schedules)
+        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, schedules)
     x_data, x_scale = (x.data, x.scale) if isinstance(x, Quantized) else (x, None)
     tensors = [t for t in (x_data, x_scale, weight.data, weight.scale) if t is not None]
     require(all(t.is_cuda for t in tensors), op,

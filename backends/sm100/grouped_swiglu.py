@@ -31,7 +31,6 @@ def grouped_swiglu(x, w1, w3, group_sizes: torch.Tensor, limit, dtype=None, batc
                              f"{tuple(group_sizes.shape)}")
         return grouped_gemm_few_rows(x.contiguous(), w1.contiguous(), group_sizes, up=w3.contiguous(), limit=limit,
                                      dtype=dtype)
-    schedules: dict = {}  # the two GEMMs tile the same rows alike: one schedule launch
-    gate = grouped_gemm(x, w1, group_sizes, batch_invariant=batch_invariant, options=options, schedules=schedules)
-    up = grouped_gemm(x, w3, group_sizes, batch_invariant=batch_invariant, options=options, schedules=schedules)
+    gate = grouped_gemm(x, w1, group_sizes, batch_invariant=batch_invariant, options=options)
+    up = grouped_gemm(x, w3, group_sizes, batch_invariant=batch_invariant, options=options)
     return swiglu(gate, up, limit, dtype)

@@ -2,8 +2,10 @@
 
 ``mhc_mixes`` and ``mhc_head``: the flattened residual's dot products with ``fn`` and its sum of
 squares in fixed slices of the width, then one kernel that adds the slices up, normalises and
-computes the gates (and the whole Sinkhorn normalisation). ``mhc_pre`` and ``mhc_post``: one pass
-over the streams each; ``mhc_post_pre`` both in one. Every token's arithmetic is fixed by the widths alone (batch-invariant)."""
+computes the gates (and the whole Sinkhorn normalisation); for a decode step's few tokens both in
+one launch, the program that writes a token block's last slice finishing it (outside the
+batch-invariant mode). ``mhc_pre`` and ``mhc_post``: one pass over the streams each;
+``mhc_post_pre`` both in one. Every token's arithmetic is fixed by the widths alone."""
 from __future__ import annotations
 
 import torch
@@ -13,9 +15,10 @@ from deepinfer_backends.sm100.launch import TRITON_INTERPRETED, float32_param, o
 MAX_STREAMS = 16
 
 
-def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
+def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, batch_invariant: bool = False):
     """HAL ``mhc_mixes`` for a CUDA ``residual [T, hc, H]`` (bf16 or float32), ``hc`` a power of
-    two up to :data:`MAX_STREAMS`; float32 ``(pre [T, hc], post [T, hc], comb [T, hc, hc])``."""
+    two up to :data:`MAX_STREAMS`; float32 ``(pre [T, hc], post [T, hc], comb [T, hc, hc])``.
+    ``batch_invariant`` keeps the two launches (and their finishing tiles) at every token count."""
     tokens, hc, hidden = _streams("mhc_mixes", residual)
     _shapes("mhc_mixes", (("fn", fn, (hc * (2 + hc), hc * hidden)), ("scale", scale, (3,)),
                           ("base", base, (hc * (2 + hc),))))
@@ -26,7 +29,8 @@ def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
     pre = torch.empty(tokens, hc, dtype=torch.float32, device=residual.device)
     post = torch.empty_like(pre)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=residual.device)
-    if tokens:
+    if tokens and (batch_invariant or not _one_pass(residual, fn, scale, base, norm_eps, hc_eps, pre, post, comb,
+                                                    sinkhorn_iters)):
         dots, squares, splits, rows = _partials(residual, fn)
         mhc_mixes_kernel[(-(-tokens // FINISH_TOKENS),)](
             dots, squares, float32_param(scale), float32_param(base), pre, post, comb, tokens,
@@ -35,14 +39,15 @@ def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
     return pre, post, comb
 
 
-def mhc_head(residual, fn, scale, base, norm_eps, hc_eps):
-    """HAL ``mhc_head`` for a CUDA ``residual [T, hc, H]``; float32 ``[T, hc]``."""
+def mhc_head(residual, fn, scale, base, norm_eps, hc_eps, batch_invariant: bool = False):
+    """HAL ``mhc_head`` for a CUDA ``residual [T, hc, H]``; float32 ``[T, hc]`` (``batch_invariant``
+    as for :func:`mhc_mixes`)."""
     tokens, hc, hidden = _streams("mhc_head", residual)
     _shapes("mhc_head", (("fn", fn, (hc, hc * hidden)), ("scale", scale, (1,)), ("base", base, (hc,))))
     from deepinfer_backends.sm100.fused.mhc_mixes import FINISH_TOKENS, FINISH_WARPS, mhc_head_kernel
 
     weights = torch.empty(tokens, hc, dtype=torch.float32, device=residual.device)
-    if tokens:
+    if tokens and (batch_invariant or not _one_pass(residual, fn, scale, base, norm_eps, hc_eps, weights)):
         dots, squares, splits, rows = _partials(residual, fn)
         mhc_head_kernel[(-(-tokens // FINISH_TOKENS),)](
             dots, squares, float32_param(scale), float32_param(base), weights, tokens, hc * hidden,
@@ -93,11 +98,13 @@ def _post(op, y, residual, post, comb, pre=None):
     return out, x
 
 
-def _partials(residual, fn):
+def _partials(residual, fn, finish: dict | None = None):
     """The float32 partial dot products ``[splits, T, rows]`` (rows of ``fn`` padded to a power
-    of two, at least 16) and sums of squares ``[splits, T]`` of the flattened residual."""
+    of two, at least 16) and sums of squares ``[splits, T]`` of the flattened residual; with
+    ``finish`` (:func:`_one_pass`'s arguments) the one-pass kernel, which also finishes."""
     import triton
-    from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_K, BLOCK_TOKENS, SPLIT, bf16_parts, mhc_mix_partials
+    from deepinfer_backends.sm100.fused.mhc_mixes import (BLOCK_K, BLOCK_TOKENS, SPLIT, bf16_parts, mhc_mix_partials,
+                                                          mhc_mixes_one_pass)
 
     flat = residual.reshape(residual.shape[0], -1)
     if flat.stride(-1) != 1:
@@ -109,10 +116,48 @@ def _partials(residual, fn):
     weights = param_copy(fn, "mhc_bf16_parts", bf16_parts) if parts == 3 else float32_param(fn)
     dots = torch.empty(splits, tokens, rows, dtype=torch.float32, device=residual.device)
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=residual.device)
-    mhc_mix_partials[(-(-tokens // BLOCK_TOKENS), splits)](
-        flat, weights, dots, squares, tokens, width, fn.shape[0], flat.stride(0), ROWS=rows, BLOCK=BLOCK_TOKENS,
-        SPLIT=SPLIT, BLOCK_K=BLOCK_K, PARTS=parts, UPCAST=TRITON_INTERPRETED, num_warps=4)
+    grid = (-(-tokens // BLOCK_TOKENS), splits)
+    tiles = dict(ROWS=rows, BLOCK=BLOCK_TOKENS, SPLIT=SPLIT, BLOCK_K=BLOCK_K, PARTS=parts, UPCAST=TRITON_INTERPRETED,
+                 num_warps=4)
+    if finish is None:
+        mhc_mix_partials[grid](flat, weights, dots, squares, tokens, width, fn.shape[0], flat.stride(0), **tiles)
+    else:
+        mhc_mixes_one_pass[grid](flat, weights, dots, squares, finish["arrivals"], finish["scale"], finish["base"],
+                                 finish["pre"], finish["post"], finish["comb"], tokens, width, fn.shape[0],
+                                 flat.stride(0), finish["norm_eps"], finish["hc_eps"], SPLITS=splits,
+                                 HC=residual.shape[1], ITERS=finish["iters"], HEAD=finish["head"],
+                                 FINISH=ONE_PASS_FINISH, **tiles)
     return dots, squares, splits, rows
+
+
+ONE_PASS_TOKENS = 64
+"""Token counts up to which ``mhc_mixes`` and ``mhc_head`` run in one launch (a decode step's);
+above it the finishing kernel's own tiles keep its latency-bound Sinkhorn loops spread wide."""
+ONE_PASS_FINISH = 16
+"""Tokens the one-pass kernel's finishing program takes at a time (four warps)."""
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _one_pass(residual, fn, scale, base, norm_eps, hc_eps, pre, post=None, comb=None, iters=None) -> bool:
+    """Run the mixes (``comb`` given) or the head in one launch when there are few tokens; False
+    when the caller must run the two launches instead (many tokens, or no arrival counters yet
+    while a CUDA graph is being captured: they are made outside a capture, zeroed once)."""
+    from deepinfer_backends.sm100.fused.mhc_mixes import BLOCK_TOKENS
+
+    tokens, device = residual.shape[0], residual.device
+    if tokens > ONE_PASS_TOKENS:
+        return False
+    blocks = -(-tokens // BLOCK_TOKENS)
+    arrivals = _ARRIVALS.get(device)
+    if arrivals is None or arrivals.numel() < blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        arrivals = _ARRIVALS[device] = torch.zeros(max(blocks, 1), dtype=torch.int32, device=device)
+    head = comb is None
+    _partials(residual, fn, dict(arrivals=arrivals, scale=float32_param(scale), base=float32_param(base), pre=pre,
+                                 post=pre if head else post, comb=pre if head else comb, norm_eps=float(norm_eps),
+                                 hc_eps=float(hc_eps), iters=0 if head else int(iters), head=head))
+    return True
 
 
 def _streams(op: str, residual) -> tuple[int, int, int]:

@@ -60,7 +60,8 @@ class OneRankDispatch(DispatchHandle):
 def ep_dispatch(x, topk_ids, topk_weights, num_experts, group=None):
     """HAL ``ep_dispatch`` on one rank (``group`` None or of size 1) for CUDA ``x [T, H]`` (float32,
     bf16 or fp16): ``(expanded [T * k, H], group_sizes int64 [E], handle)`` exactly as the
-    reference builds them, by a stable counting sort in three launches (no host sync). Ids outside
+    reference builds them, by a stable counting sort in three launches, one for few pairs (no host
+    sync). Ids outside
     ``[-1, E)`` (which value checks reject) are treated as unrouted."""
     op = "ep_dispatch"
     require(on_device(x) and on_device(topk_ids) and on_device(topk_weights), op,
@@ -92,19 +93,21 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group=None):
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
     bins = kernels.bin_count(num_experts)
     rows = kernels.place_rows(bins)
-    block = kernels.block_pairs(pairs, rows)
+    one_block = pairs <= kernels.ONE_BLOCK_PAIRS
+    block = triton.next_power_of_2(max(pairs, rows)) if one_block else kernels.block_pairs(pairs, rows)
     blocks = triton.cdiv(pairs, block)
     scratch = torch.empty(2 * blocks * bins + bins, dtype=torch.int32, device=device)
     counts, starts, totals = scratch[:blocks * bins], scratch[blocks * bins:-bins], scratch[-bins:]
-    kernels.dispatch_count_kernel[(blocks,)](topk_ids, counts, pairs, num_experts, BLOCK_PAIRS=block, BINS=bins,
-                                             num_warps=4)
-    kernels.dispatch_scan_kernel[(bins // kernels.SCAN_BINS,)](
-        counts, starts, totals, group_sizes, blocks, num_experts, BINS=bins, SCAN_ROWS=kernels.SCAN_ROWS,
-        SCAN_BINS=kernels.SCAN_BINS, num_warps=4)
+    if not one_block:
+        kernels.dispatch_count_kernel[(blocks,)](topk_ids, counts, pairs, num_experts, BLOCK_PAIRS=block, BINS=bins,
+                                                 num_warps=4)
+        kernels.dispatch_scan_kernel[(bins // kernels.SCAN_BINS,)](
+            counts, starts, totals, group_sizes, blocks, num_experts, BINS=bins, SCAN_ROWS=kernels.SCAN_ROWS,
+            SCAN_BINS=kernels.SCAN_BINS, num_warps=4)
     split_cols = kernels.split_columns(hidden, blocks)
     kernels.dispatch_place_kernel[(blocks, max(1, triton.cdiv(hidden, split_cols)))](
-        x, topk_ids, topk_weights, starts, totals, expanded, pair_index, pair_weights, routed, expert_order,
-        handle.row_of_pair, pairs, top_k, num_experts, hidden, x.stride(0), split_cols, BLOCK_PAIRS=block, ROWS=rows,
-        BINS=bins, BLOCK_H=kernels.BLOCK_H, num_warps=4)
+        x, topk_ids, topk_weights, starts, totals, group_sizes, expanded, pair_index, pair_weights, routed,
+        expert_order, handle.row_of_pair, pairs, top_k, num_experts, hidden, x.stride(0), split_cols,
+        BLOCK_PAIRS=block, ROWS=rows, BINS=bins, BLOCK_H=kernels.BLOCK_H, ONE_BLOCK=one_block, num_warps=4)
     return expanded, group_sizes, handle
 

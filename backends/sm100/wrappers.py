@@ -9,6 +9,7 @@ from deepinfer_backends.sm100.attention import (
     HEAD_BLOCK, align_lists, indexer_logits, mla_sparse_decode, mla_sparse_prefill, split_count,
 )
 from deepinfer_backends.sm100.compress import compress_tokens
+from deepinfer_backends.sm100.compressed_layout import compressed_decode_layout
 from deepinfer_backends.sm100.ep_combine import ep_combine
 from deepinfer_backends.sm100.gemm import INVARIANT_TILES, gemm_tiles, grouped_gemm, linear
 from deepinfer_backends.sm100.grouped_linear import grouped_linear
@@ -28,9 +29,9 @@ from deepinfer_backends.sm100.token_bitmask import apply_token_bitmask
 from deepinfer_backends.sm100.indexer_topk import indexer_topk
 
 __all__ = ["HEAD_BLOCK", "INVARIANT_TILES", "KV_STORE_FORMATS", "UnsupportedInput", "align_lists", "apply_rope",
-           "apply_token_bitmask", "compiled", "compress_tokens", "ep_combine", "ep_dispatch", "gemm_tiles",
-           "grouped_gemm", "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk", "kv_load",
-           "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre", "mhc_pre",
-           "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample", "speculative_accept",
-           "split_count", "stacked_linear", "swa_decode_indices", "swa_history_slots", "swa_prefill_indices",
-           "swa_ring_slots", "swiglu"]
+           "apply_token_bitmask", "compiled", "compress_tokens", "compressed_decode_layout", "ep_combine",
+           "ep_dispatch", "gemm_tiles", "grouped_gemm", "grouped_linear", "grouped_swiglu", "indexer_logits",
+           "indexer_topk", "kv_load", "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post",
+           "mhc_post_pre", "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample",
+           "speculative_accept", "split_count", "stacked_linear", "swa_decode_indices", "swa_history_slots",
+           "swa_prefill_indices", "swa_ring_slots", "swiglu"]

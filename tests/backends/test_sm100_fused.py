@@ -47,6 +47,37 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
     assert interpreted(CHECK, *OPS).splitlines() == expected
 
 
+ONE_PASS = """
+import torch
+import deepinfer.hal.ops  # noqa: F401
+from deepinfer.hal.spec import SPECS, compare
+from deepinfer_backends.sm100 import mhc
+
+gen = torch.Generator().manual_seed(0)
+hc, hidden = 4, 64
+for op, extra in (("mhc_mixes", {"sinkhorn_iters": 20}), ("mhc_head", {})):
+    rows = hc * (2 + hc) if op == "mhc_mixes" else hc
+    args = {"fn": torch.randn(rows, hc * hidden, generator=gen) * 0.02, "scale": torch.rand(3 if extra else 1) + 0.5,
+            "base": torch.randn(rows, generator=gen) * 0.1, "norm_eps": 1e-6, "hc_eps": 1e-6, **extra}
+    for tokens in (1, 5, 64, 65):
+        residual = torch.randn(tokens, hc, hidden, generator=gen).bfloat16()
+        one_pass = getattr(mhc, op)(residual, **args)
+        two = getattr(mhc, op)(residual, **args, batch_invariant=True)
+        want = SPECS[op].reference(residual, **args)
+        for got in (one_pass, two):
+            failures = compare(got, want, SPECS[op].tolerance(torch.float32), f"{op}/{tokens}")
+            assert not failures, failures
+        assert int(mhc._ARRIVALS[torch.device("cpu")].abs().sum()) == 0, "the arrival counters return to zero"
+        print(op, tokens, "ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_mhc_one_pass_and_two_launches_match_the_reference_in_the_interpreter():
+    lines = interpreted(ONE_PASS).splitlines()
+    assert lines == [f"{op} {tokens} ok" for op in ("mhc_mixes", "mhc_head") for tokens in (1, 5, 64, 65)]
+
+
 CAST = """
 import torch
 from deepinfer.hal.formats import cast_back

@@ -23,9 +23,10 @@ from deepinfer_backends.sm100.indexer_topk import indexer_topk
 spec, gen = SPECS["indexer_topk"], torch.Generator().manual_seed(0)
 
 
-def check(name, logits, starts, lengths, k):
+def check(name, logits, starts, lengths, k, row_table=None):
     starts, lengths = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
-    got, want = indexer_topk(logits, starts, lengths, k), spec.reference(logits.float(), starts, lengths, k)
+    got = indexer_topk(logits, starts, lengths, k, row_table)
+    want = spec.reference(logits.float(), starts, lengths, k, row_table)
     assert got.dtype == torch.int32 and got.shape == want.shape, (name, got.dtype, got.shape, want.shape)
     assert torch.equal(got, want), (name, (got != want).nonzero()[:5].tolist(), got[:2], want[:2])
     print(name, "ok")
@@ -33,14 +34,15 @@ def check(name, logits, starts, lengths, k):
 
 for case in spec.cases:
     inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
-    check(case.name, inputs["logits"], inputs["starts"].tolist(), inputs["lengths"].tolist(), inputs["k"])
+    check(case.name, inputs["logits"], inputs["starts"].tolist(), inputs["lengths"].tolist(), inputs["k"],
+          inputs.get("row_table"))
 
 # Small blocks: rows span several blocks, and both the candidate path and the whole-row select run.
 kernel_module.BLOCK, kernel_module.CANDIDATES = 64, 128
 for case in spec.cases:
     inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
     check(case.name + "_small_blocks", inputs["logits"], inputs["starts"].tolist(), inputs["lengths"].tolist(),
-          inputs["k"])
+          inputs["k"], inputs.get("row_table"))
 
 width = 301
 ties = torch.randint(0, 4, (6, width), generator=gen).float()
@@ -66,11 +68,14 @@ wide = torch.randn(4, width + 7, generator=gen)
 check("column_slice_view", wide[:, 3:3 + width], [0, 2, 150, 0], [width, 297, 151, 40], 37)
 check("transposed_view", torch.randn(width, 3, generator=gen).t(), [0, 1, 5], [width, 250, 200], 45)
 check("long_row_odd_width", torch.randn(3, 10007, generator=gen), [0, 5, 4000], [10007, 9001, 6007], 512)
+table = torch.randperm(5000, generator=gen)[:3 * 700].view(3, 700).to(torch.int32)
+check("rows_through_strided_table", ties[:3], [0, 4, 100], [width, 150, 200], 40, table[:, ::2])
 """
 
 EDGE_CASES = ("ties_across_kth", "ties_one_value", "ties_fill_k_exactly", "windows_shorter_than_k", "window_equal_to_k",
               "all_empty", "k_one", "all_minus_inf", "all_minus_inf_few_kept", "many_minus_inf", "signed_zeros_and_inf", "subnormals",
-              "empty_batch", "bf16_logits", "column_slice_view", "transposed_view", "long_row_odd_width")
+              "empty_batch", "bf16_logits", "column_slice_view", "transposed_view", "long_row_odd_width",
+              "rows_through_strided_table")
 
 
 def test_indexer_topk_matches_the_reference_in_the_interpreter():
@@ -86,12 +91,13 @@ def test_indexer_topk_matches_the_reference_in_the_interpreter():
     assert done.stdout.splitlines() == expected
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_indexer_topk_kernel_compiles_for_hopper(dtype):
+@pytest.mark.parametrize("dtype,table", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_indexer_topk_kernel_compiles_for_hopper(dtype, table):
     from deepinfer_backends.sm100.fused import indexer_topk as kernel_module
 
-    constants = dict(BLOCK=kernel_module.BLOCK, CANDIDATES=kernel_module.CANDIDATES, RADIX_BITS=kernel_module.RADIX_BITS)
-    signature = dict(logits=f"*{dtype}", starts="*i64", lengths="*i64", out="*i32", scratch="*i32", tokens="i32",
-                     row_stride="i32", extent="i32", k="i32")
+    constants = dict(HAS_TABLE=table, BLOCK=kernel_module.BLOCK, CANDIDATES=kernel_module.CANDIDATES,
+                     RADIX_BITS=kernel_module.RADIX_BITS)
+    signature = dict(logits=f"*{dtype}", starts="*i64", lengths="*i64", out="*i32", scratch="*i32",
+                     row_table="*i32", tokens="i32", row_stride="i32", table_stride="i32", extent="i32", k="i32")
     assert hopper_cubin(kernel_module.indexer_topk_kernel, signature, constants, num_warps=kernel_module.NUM_WARPS), \
         "no cubin"

@@ -1,4 +1,5 @@
-"""The sm100 Triton kernels of the SWA index ops, ``compress_tokens`` and ``apply_token_bitmask``:
+"""The sm100 Triton kernels of the SWA index ops, ``compressed_decode_layout``, ``compress_tokens`` and
+``apply_token_bitmask``:
 every OpSpec case and edge cases (padding rows, negative positions, visible starts, windows past
 the positions, ratio-4 groups split across calls, mask row subsets, vocabularies not a multiple
 of 32) against the reference, run by Triton's interpreter on the CPU in a subprocess (integers
@@ -19,7 +20,8 @@ import torch
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 FAMILIES = {"swa": ("swa_ring_slots", "swa_decode_indices", "swa_prefill_indices", "swa_history_slots"),
-            "compress": ("compress_tokens",), "bitmask": ("apply_token_bitmask",)}
+            "compress": ("compress_tokens",), "bitmask": ("apply_token_bitmask",),
+            "compressed_layout": ("compressed_decode_layout",)}
 IN_PLACE = {"compress_tokens": "state", "apply_token_bitmask": "logits"}
 """The argument each op writes in place, compared after the call."""
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -120,6 +122,30 @@ def _bitmask_edges():
         rows=torch.tensor([4, 1, 5]))]
 
 
+def _layout_edges():
+    """(op, name, calls) for ``compressed_decode_layout``: an empty table width, padding rows,
+    negative positions, a sequence that fills its table, ratio 4, a strided block table."""
+    yield "compressed_decode_layout", "empty_width", [dict(
+        block_tables=torch.zeros(2, 0, dtype=torch.int64), **_vectors(context_lens=[0, 0], positions=[-1, -1],
+                                                                       seq_of_token=[0, 1]), ratio=2,
+        tokens_per_block=4)]
+    yield "compressed_decode_layout", "full_tables_ratio4", [dict(
+        block_tables=torch.tensor([[5, 2], [0, 7]]), **_vectors(context_lens=[32, 31], positions=[31, 28, 29, 30],
+                                                                 seq_of_token=[0, 1, 1, 1]), ratio=4,
+        tokens_per_block=4)]
+    yield "compressed_decode_layout", "padding_rows_ratio1", [dict(
+        block_tables=torch.tensor([[3, 6, -1], [-1, -1, -1], [1, 4, 0]]),
+        **_vectors(context_lens=[5, 0, 9], positions=[4, -1, 8], seq_of_token=[0, 1, 2]), ratio=1,
+        tokens_per_block=4)]
+    tables = torch.arange(60).view(5, 12)[:, ::2]
+    yield "compressed_decode_layout", "strided_tables", [dict(
+        block_tables=tables, **_vectors(context_lens=[40, 3, 17, 0, 48], positions=[39, 2, 16, -1, 47],
+                                        seq_of_token=[0, 1, 2, 3, 4]), ratio=2, tokens_per_block=4)]
+    yield "compressed_decode_layout", "no_tokens", [dict(
+        block_tables=torch.tensor([[1]]), **_vectors(context_lens=[3], positions=[], seq_of_token=[]), ratio=2,
+        tokens_per_block=2)]
+
+
 def cases(family: str):
     """(op, case name, calls): every OpSpec case of the family's ops, then its edge cases."""
     importlib.import_module("deepinfer.hal.ops")  # declares every OpSpec
@@ -128,7 +154,8 @@ def cases(family: str):
     for op in FAMILIES[family]:
         for case in SPECS[op].cases:
             yield op, case.name, [case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))]
-    yield from {"swa": _swa_edges, "compress": _compress_edges, "bitmask": _bitmask_edges}[family]()
+    yield from {"swa": _swa_edges, "compress": _compress_edges, "bitmask": _bitmask_edges,
+                "compressed_layout": _layout_edges}[family]()
 
 
 def _copied(call: dict, device: torch.device, carried: torch.Tensor | None, op: str) -> dict:
@@ -141,9 +168,10 @@ def _copied(call: dict, device: torch.device, carried: torch.Tensor | None, op: 
 
 
 def _wrapper(op: str):
-    from deepinfer_backends.sm100 import compress, swa_indices, token_bitmask
+    from deepinfer_backends.sm100 import compress, compressed_layout, swa_indices, token_bitmask
 
-    return getattr({"compress_tokens": compress, "apply_token_bitmask": token_bitmask}.get(op, swa_indices), op)
+    return getattr({"compress_tokens": compress, "apply_token_bitmask": token_bitmask,
+                    "compressed_decode_layout": compressed_layout}.get(op, swa_indices), op)
 
 
 def run_checks(device: str, *families: str) -> None:
@@ -233,8 +261,13 @@ def test_kernels_match_the_reference_in_the_interpreter(family):
 
 
 def _kernels():
-    from deepinfer_backends.sm100.fused import compress, swa_indices, token_bitmask
+    from deepinfer_backends.sm100.fused import compress, compressed_layout, swa_indices, token_bitmask
     from deepinfer_backends.sm100.swa_indices import _tiles
+
+    yield "compressed_layout_kernel", compressed_layout.compressed_layout_kernel, dict(
+        block_tables="*i64", context_lens="*i64", positions="*i64", seq_of_token="*i64", rows="*i32",
+        visible="*i64", store_rows="*i64", key_positions="*i64", batch="i32", tokens="i32", width="i32",
+        table_stride="i32", ratio="i32", tokens_per_block="i32"), dict(BLOCK=compressed_layout.BLOCK)
 
     ring = dict(state_slots="*i64", anchors="*i64", visible_start="*i64", n="i32", count="i32", first_offset="i32",
                 ring_size="i32")

@@ -64,3 +64,20 @@ def test_calls_sharing_a_schedule_dict_share_one_tile_schedule():
     assert shared_schedule(sizes, 8, 2, torch.device("cpu"), schedules) is first
     assert shared_schedule(sizes, 8, 4, torch.device("cpu"), schedules) is not first  # another tile height
     assert shared_schedule(sizes, 8, 2, torch.device("cpu"), None) is not first
+
+
+def test_calls_on_one_group_sizes_tensor_share_its_schedule_until_it_is_written():
+    from deepinfer.hal.ops.grouped_gemm import tile_bounds
+    from deepinfer_backends.sm100.gemm import shared_schedule
+
+    sizes = torch.tensor([3, 0, 5])
+    first = shared_schedule(sizes, 8, 2, torch.device("cpu"))
+    assert shared_schedule(sizes, 8, 2, torch.device("cpu")) is first
+    assert shared_schedule(sizes.clone(), 8, 2, torch.device("cpu")) is not first  # another tensor
+    assert shared_schedule(sizes, 8, 4, torch.device("cpu")) is not first  # another tile height
+    sizes[0], sizes[2] = 5, 3  # written in place: the schedule is made again
+    again = shared_schedule(sizes, 8, 2, torch.device("cpu"))
+    assert again is not first and again.tolist() == torch.stack(tile_bounds(sizes, 8, 2)).tolist()
+    with torch.inference_mode():
+        frozen = torch.tensor([2, 6])
+        assert shared_schedule(frozen, 8, 2, torch.device("cpu")) is shared_schedule(frozen, 8, 2, torch.device("cpu"))

@@ -106,6 +106,11 @@ kernels.TARGET_PROGRAMS, kernels.TARGET_BLOCKS = 2, 4
 check("ep_dispatch", "several_tiles_per_split", dispatch(20, 2400, 3, 9, gen, unrouted=0.1))
 check("ep_dispatch", "several_chunks_per_block", dispatch(300, 24, 6, 5, gen, unrouted=0.2))
 check("ep_dispatch", "several_chunks_per_block_e384", dispatch(256, 16, 6, 384, gen, unrouted=0.05))
+kernels.ONE_BLOCK_PAIRS = 1 << 12  # one launch, which counts the keys of many chunks itself
+check("ep_dispatch", "one_launch_many_chunks", dispatch(300, 24, 6, 5, gen, unrouted=0.2))
+check("ep_dispatch", "one_launch_e384", dispatch(100, 16, 6, 384, gen, unrouted=0.05))
+kernels.ONE_BLOCK_PAIRS = 0  # three launches even for one token
+check("ep_dispatch", "three_launches_decode", dispatch(1, 16, 6, 16, gen))
 
 for call, error in ((lambda: routing.moe_gate(torch.randn(2, 8), None, 9, 1.0), ValueError),
                     (lambda: routing.moe_gate(torch.randn(2, 2048), None, 2, 1.0), UnsupportedInput),
@@ -125,7 +130,7 @@ def test_routing_kernels_match_the_reference_in_the_interpreter():
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 6 + 4 + 11 + 14 + 1 and lines[-1] == "refusals ok", lines
+    assert len(lines) == 6 + 4 + 11 + 14 + 3 + 1 and lines[-1] == "refusals ok", lines
 
 
 def _kernels():
@@ -142,11 +147,14 @@ def _kernels():
     for bins, block in ((32, 16), (512, 8), (512, ep_dispatch.MAX_BLOCK_PAIRS), (1024, 4)):
         yield f"dispatch_count_kernel[{bins},{block}]", ep_dispatch.dispatch_count_kernel, dict(
             topk_ids="*i64", counts="*i32", pairs="i32", num_experts="i32"), dict(BLOCK_PAIRS=block, BINS=bins)
-        yield f"dispatch_place_kernel[{bins},{block}]", ep_dispatch.dispatch_place_kernel, dict(
-            x="*bf16", topk_ids="*i64", topk_weights="*fp32", starts="*i32", totals="*i32", expanded="*bf16",
-            pair_index="*i64", pair_weights="*fp32", routed="*i8", expert_order="*i64", row_of_pair="*i64", pairs="i32",
-            top_k="i32", num_experts="i32", hidden="i32", x_stride="i32", split_cols="i32"), \
-            dict(BLOCK_PAIRS=block, ROWS=ep_dispatch.place_rows(bins), BINS=bins, BLOCK_H=ep_dispatch.BLOCK_H)
+        for one_block in (False, True) if block <= ep_dispatch.ONE_BLOCK_PAIRS else (False,):
+            yield f"dispatch_place_kernel[{bins},{block},one_block={one_block}]", ep_dispatch.dispatch_place_kernel, \
+                dict(x="*bf16", topk_ids="*i64", topk_weights="*fp32", starts="*i32", totals="*i32",
+                     group_sizes="*i64", expanded="*bf16", pair_index="*i64", pair_weights="*fp32", routed="*i8",
+                     expert_order="*i64", row_of_pair="*i64", pairs="i32", top_k="i32", num_experts="i32",
+                     hidden="i32", x_stride="i32", split_cols="i32"), \
+                dict(BLOCK_PAIRS=block, ROWS=ep_dispatch.place_rows(bins), BINS=bins, BLOCK_H=ep_dispatch.BLOCK_H,
+                     ONE_BLOCK=one_block)
     for bins in (512, 1024):
         yield f"dispatch_scan_kernel[{bins}]", ep_dispatch.dispatch_scan_kernel, dict(
             counts="*i32", starts="*i32", totals="*i32", group_sizes="*i64", blocks="i32", num_experts="i32"), \

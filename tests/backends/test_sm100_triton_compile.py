@@ -26,6 +26,13 @@ def _kernels():
         dict(SPLITS=64, HC=4, ROWS=32, ITERS=20, BLOCK=mhc_mixes.FINISH_TOKENS)
     yield "mhc_head_kernel", mhc_mixes.mhc_head_kernel, {**gates, "weights": "*fp32", **scalars}, \
         dict(SPLITS=64, HC=4, ROWS=16, BLOCK=mhc_mixes.FINISH_TOKENS)
+    for head, rows in ((False, 32), (True, 16)):
+        yield f"mhc_mixes_one_pass[head {head}]", mhc_mixes.mhc_mixes_one_pass, dict(
+            x="*bf16", fn="*bf16", dots="*fp32", squares="*fp32", arrivals="*i32", scale="*fp32", base="*fp32",
+            pre="*fp32", post="*fp32", comb="*fp32", tokens="i32", width="i32", rows="i32", x_stride="i64",
+            norm_eps="fp32", hc_eps="fp32"), \
+            dict(ROWS=rows, BLOCK=mhc_mixes.BLOCK_TOKENS, SPLIT=mhc_mixes.SPLIT, BLOCK_K=mhc_mixes.BLOCK_K, PARTS=3,
+                 UPCAST=False, SPLITS=64, HC=4, ITERS=0 if head else 20, HEAD=head, FINISH=16)
     yield "mhc_pre_kernel", mhc_streams.mhc_pre_kernel, dict(residual="*bf16", pre="*fp32", out="*bf16", hidden="i32"), \
         dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
     for read_next in (False, True):
@@ -37,15 +44,18 @@ def _kernels():
             x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32", heads="i32", x_row_stride="i32",
             out_row_stride="i32", table_stride="i32", sign="fp32"), \
             dict(HEAD=head, ROPE=64, HALF_BLOCK=32, COPY_HEAD=head > 0, BLOCK_ROWS=32, HEAD_CHUNK=rope.HEAD_CHUNK)
-    yield "ep_combine_kernel", ep_combine.ep_combine_kernel, dict(y="*fp32", row_of_pair="*i64", weights="*fp32",
-                                                                  routed="*i8", out="*fp32", hidden="i32"), \
-        dict(TOP_K=6, HAS_ROUTED=True, BLOCK=ep_combine.BLOCK_HIDDEN)
+    for y, add in (("*fp32", False), ("*bf16", True)):
+        yield f"ep_combine_kernel[{y} add={add}]", ep_combine.ep_combine_kernel, dict(
+            y=y, row_of_pair="*i64", weights="*fp32", routed="*i8", add="*bf16", out="*bf16" if add else y,
+            hidden="i32"), dict(TOP_K=6, HAS_ROUTED=True, HAS_ADD=add, BLOCK=ep_combine.BLOCK_HIDDEN)
     for fmt, kind in sorted(__import__("deepinfer_backends.sm100.kv_load", fromlist=["KINDS"]).KINDS.items()):
         from deepinfer.hal.formats import token_format
 
         spec = token_format(fmt)
+        narrow = fmt == "index_fp4"  # the model's indexer keys: int32 rows, bf16 out
         yield f"kv_load_kernel[{fmt}]", kv_load.kv_load_kernel, dict(
-            rows="*u8", bf16_rows="*bf16", fp8_rows="*fp8e4nv", slots="*i64", out="*fp32", n="i32"), \
+            rows="*u8", bf16_rows="*bf16", fp8_rows="*fp8e4nv", slots="*i32" if narrow else "*i64",
+            out="*bf16" if narrow else "*fp32", n="i32"), \
             dict(ROW_BYTES=spec.bytes_per_token, DIM=spec.dim, KIND=kind, BLOCK_ROWS=kv_load.BLOCK_ROWS)
     yield "mxfp4_cast_kernel", mxfp4_cast.mxfp4_cast_kernel, dict(x="*bf16", out="*bf16", rows="i32", heads="i32",
                                                                   out_heads="i32", out_dim="i32"), \

@@ -24,15 +24,27 @@ def dispatch_float64(x, topk_ids, topk_weights, num_experts):
     return expanded, group_sizes
 
 
-def combine_float64(y, handle):
-    """Walk the expanded rows back through the handle's documented maps; sum per token."""
+def combine_float64(y, handle, add=None):
+    """Walk the expanded rows back through the handle's documented maps; sum per token (plus ``add``)."""
     out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float64)
     for row, received in enumerate(handle.expert_order.tolist()):
         if handle.routed is not None and not handle.routed[received]:
             continue
         token = handle.pair_index[received].item() // handle.top_k
         out[token] += handle.pair_weights[received].item() * y[row]
-    return out
+    return out if add is None else out + add
+
+
+def test_combine_adds_after_rounding_to_the_outputs_dtype():
+    # One token, one slot of weight 1: 1 + 2^-8 rounds to 1 in bf16 (a tie, to even) before the add
+    # of 2^-9, and 1 + 2^-9 rounds to 1 again; adding in float32 first would give 1 + 2^-7.
+    x = torch.ones(1, 2, dtype=torch.bfloat16)
+    expanded, _, handle = ep_dispatch(x, torch.tensor([[0]]), torch.tensor([[1.0]]), 1)
+    y = torch.full((1, 2), 1 + 2 ** -8, dtype=torch.float32)
+    out = ep_combine(y, handle, add=torch.full((1, 2), 2 ** -9, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.float().tolist() == [[1.0, 1.0]]
+    with pytest.raises(ValueError, match=r"add must be a float \[T=1, H=2\]"):
+        ep_combine(y, handle, add=torch.zeros(2, 2))
 
 
 @pytest.mark.parametrize("case", [c.name for c in SPECS["ep_dispatch"].cases])

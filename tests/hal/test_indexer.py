@@ -20,12 +20,14 @@ def logits_float64(q, k, weights, q_format="mxfp4"):
     return out
 
 
-def topk_float64(logits, starts, lengths, k):
-    """Per row in Python: sort the window's offsets by (-logit, offset), keep k, sort, pad."""
+def topk_float64(logits, starts, lengths, k, row_table=None):
+    """Per row in Python: sort the window's offsets by (-logit, offset), keep k, sort, pad; then
+    look each offset up in ``row_table``'s row when given."""
     rows = []
-    for row, start, length in zip(logits.tolist(), starts.tolist(), lengths.tolist()):
-        best = sorted(range(length), key=lambda offset: (-row[start + offset], offset))[:k]
-        rows.append(sorted(best) + [-1] * (k - len(best)))
+    tables = row_table.tolist() if row_table is not None else [None] * len(starts)
+    for row, start, length, table in zip(logits.tolist(), starts.tolist(), lengths.tolist(), tables):
+        best = sorted(sorted(range(length), key=lambda offset: (-row[start + offset], offset))[:k])
+        rows.append([table[o] if table else o for o in best] + [-1] * (k - len(best)))
     return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), k)
 
 

@@ -118,7 +118,7 @@ def kv_store_float64(cache, slots, x, fmt):
     return cache
 
 
-def kv_load_float64(cache, slots, fmt):
+def kv_load_float64(cache, slots, fmt, dtype=torch.float32):  # noqa: ARG001 (the values are exact in any dtype)
     decoded = decode_rows(cache.view(-1, cache.shape[-1]), fmt)
     dim = formats.token_format(fmt).dim
     return torch.stack([decoded[s] if s != -1 else torch.zeros(dim, dtype=F64) for s in slots.tolist()])
@@ -141,6 +141,25 @@ def test_kv_store_matches_float64(case):
 @pytest.mark.parametrize("case", [c.name for c in SPECS["kv_load"].cases])
 def test_kv_load_matches_float64(case):
     check_against_oracle("kv_load", case, kv_load_float64)
+
+
+@pytest.mark.parametrize("fmt", sorted(formats.TOKEN_FORMATS))
+def test_bf16_load_holds_the_float32_values_exactly(fmt):
+    spec = formats.token_format(fmt)
+    x = torch.randn(9, spec.dim, generator=torch.Generator().manual_seed(2)) * 5
+    cache = torch.zeros(3, 4, spec.bytes_per_token, dtype=torch.uint8)
+    slots = torch.tensor([5, 0, -1, 7, 2, 3, 11, 1, 4])
+    kv_store(cache, slots, x, fmt)
+    wide, narrow = kv_load(cache, slots, fmt), kv_load(cache, slots.int(), fmt, dtype=torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow.float(), wide)
+
+
+def test_kv_load_refuses_other_dtypes_and_float_slots():
+    cache = torch.zeros(2, 68, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="decodes to one of"):
+        kv_load(cache, torch.tensor([0]), "index_fp4", dtype=torch.float16)
+    with pytest.raises(ValueError, match="slots must be int64 or int32"):
+        kv_load(cache, torch.tensor([0.0]), "index_fp4")
 
 
 @pytest.mark.parametrize("fmt", sorted(formats.TOKEN_FORMATS))
@@ -219,7 +238,7 @@ def test_load_of_skipped_slot_is_zero_and_store_skips():
 @pytest.mark.parametrize("slots,match", [
     (torch.tensor([4]), r"slots must lie in \[0, 4\).*\[4, 4\]"),
     (torch.tensor([-2]), r"slots must lie in \[0, 4\)"),
-    (torch.tensor([1], dtype=torch.int32), "slots must be int64"),
+    (torch.tensor([1], dtype=torch.int16), "slots must be int64"),
 ])
 def test_bad_slots_raise(slots, match):
     cache = torch.zeros(4, 528, dtype=torch.uint8)
@@ -227,6 +246,12 @@ def test_bad_slots_raise(slots, match):
         kv_store(cache, slots, torch.randn(1, 512), "fp8")
     with pytest.raises(ValueError, match=match):
         kv_load(cache, slots, "fp8")
+
+
+def test_store_takes_int64_slots_only():
+    cache = torch.zeros(4, 528, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"slots must be int64 \[n\]"):
+        kv_store(cache, torch.tensor([1], dtype=torch.int32), torch.randn(1, 512), "fp8")
 
 
 def test_bad_x_and_format_raise():

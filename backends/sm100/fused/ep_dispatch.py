@@ -1,4 +1,5 @@
-"""One-rank expert dispatch as a stable counting sort on the GPU, three Triton launches: each block
+"""One-rank expert dispatch as a stable counting sort on the GPU, three Triton launches (one for at
+most ``ONE_BLOCK_PAIRS`` pairs, whose placing programs count the keys themselves): each block
 of ``BLOCK_PAIRS`` pairs (:func:`block_pairs`: a few rows for a small batch, so that no program
 walks many in a row) histograms its keys (the expert id, ``E`` for an unrouted slot); a scan
 over the blocks gives, per block and key, the pairs of that key in earlier blocks, and the key
@@ -19,6 +20,8 @@ TARGET_BLOCKS = 512
 SCAN_ROWS = 128
 SCAN_BINS = 32
 BLOCK_H = 512
+ONE_BLOCK_PAIRS = 64
+"""Pairs up to which one launch sorts and places them all."""
 SELECT_ELEMENTS = 4096
 TARGET_PROGRAMS = 1024
 """The place kernel splits the hidden columns until about this many programs run (never below ``BLOCK_H``)."""
@@ -84,23 +87,37 @@ def dispatch_scan_kernel(counts, starts, totals, group_sizes, blocks, num_expert
 
 
 @triton.jit
-def dispatch_place_kernel(x, topk_ids, topk_weights, starts, totals, expanded, pair_index, pair_weights, routed,
-                          expert_order, row_of_pair, pairs, top_k, num_experts, hidden, x_stride, split_cols,
-                          BLOCK_PAIRS: tl.constexpr, ROWS: tl.constexpr, BINS: tl.constexpr, BLOCK_H: tl.constexpr):
+def dispatch_place_kernel(x, topk_ids, topk_weights, starts, totals, group_sizes, expanded, pair_index, pair_weights,
+                          routed, expert_order, row_of_pair, pairs, top_k, num_experts, hidden, x_stride, split_cols,
+                          BLOCK_PAIRS: tl.constexpr, ROWS: tl.constexpr, BINS: tl.constexpr, BLOCK_H: tl.constexpr,
+                          ONE_BLOCK: tl.constexpr):
     """Pairs of block ``pid0`` go to their sorted rows ``r``: ``expanded[r, cols] = x[pair // top_k,
     cols]`` for the columns of split ``pid1`` (``split_cols`` wide); split 0 also writes
     ``pair_index[r]``, ``pair_weights[r]`` (float32), ``routed[r]`` (int8), ``expert_order[r] = r``
-    and ``row_of_pair[pair] = r``."""
+    and ``row_of_pair[pair] = r``. ``ONE_BLOCK``: every pair is in block 0 and each program counts
+    the keys itself (no count and scan launches; ``starts`` and ``totals`` unread), program
+    ``(0, 0)`` writing ``group_sizes``."""
     block, split = tl.program_id(0), tl.program_id(1)
     bins = tl.arange(0, BINS)
-    sizes = tl.load(totals + bins)
-    running = tl.load(starts + block.to(tl.int64) * BINS + bins) + tl.cumsum(sizes, 0) - sizes
+    if ONE_BLOCK:
+        sizes = tl.zeros((BINS,), tl.int32)
+        for chunk in range(0, pairs, BLOCK_PAIRS):
+            pair = chunk + tl.arange(0, BLOCK_PAIRS)
+            key, _ = _keys(topk_ids, pair, pair < pairs, num_experts, BINS)
+            sizes += tl.histogram(key, BINS, mask=pair < pairs)
+        if split == 0:
+            tl.store(group_sizes + bins, sizes.to(tl.int64), mask=bins < num_experts)
+        running = tl.cumsum(sizes, 0) - sizes
+    else:
+        sizes = tl.load(totals + bins)
+        running = tl.load(starts + block.to(tl.int64) * BINS + bins) + tl.cumsum(sizes, 0) - sizes
     lane = tl.arange(0, ROWS)
     earlier = lane[None, :] < lane[:, None]
     col_start = split * split_cols
     col_end = tl.minimum(col_start + split_cols, hidden)
     first = block * BLOCK_PAIRS
-    for chunk in range(first, tl.minimum(first + BLOCK_PAIRS, pairs), ROWS):
+    last = pairs if ONE_BLOCK else tl.minimum(first + BLOCK_PAIRS, pairs)
+    for chunk in range(first, last, ROWS):
         pair = chunk + lane
         live = pair < pairs
         key, is_routed = _keys(topk_ids, pair, live, num_experts, BINS)

@@ -84,10 +84,20 @@ def _select_in_registers(keys, valid, needed, DIGITS: tl.constexpr, RADIX_BITS: 
 
 
 @triton.jit
-def _write_kept(row_out, keys, valid, columns, prefix, prefix_mask, needed, above_before, ties_before):
+def _mapped(row_rows, columns, live, HAS_TABLE: tl.constexpr):
+    """``columns`` as written: the row table's entries at them with ``HAS_TABLE``, ``-1`` staying."""
+    if HAS_TABLE:
+        return tl.where(columns >= 0, tl.load(row_rows + tl.maximum(columns, 0), mask=live & (columns >= 0),
+                                              other=-1), -1)
+    return columns
+
+
+@triton.jit
+def _write_kept(row_out, row_rows, keys, valid, columns, prefix, prefix_mask, needed, above_before, ties_before,
+                HAS_TABLE: tl.constexpr):
     """Store the columns of a block that are kept (keys above ``prefix`` under ``prefix_mask``, and
-    the first ``needed`` of the row's keys equal to it) at their slots in column order; returns the
-    running counts of keys above and equal."""
+    the first ``needed`` of the row's keys equal to it) at their slots in column order (through
+    the row's table with ``HAS_TABLE``); returns the running counts of keys above and equal."""
     masked = keys & prefix_mask
     above = (valid & (masked > prefix)).to(tl.int32)
     tie = (valid & (masked == prefix)).to(tl.int32)
@@ -96,17 +106,19 @@ def _write_kept(row_out, keys, valid, columns, prefix, prefix_mask, needed, abov
     tie_rank = ties_before + (before >> 16)
     keep = (above != 0) | ((tie != 0) & (tie_rank < needed))
     slot = above_before + (before & 0xFFFF) + tl.minimum(tie_rank, needed)
-    tl.store(row_out + slot, columns, mask=keep)
+    tl.store(row_out + slot, _mapped(row_rows, columns, keep, HAS_TABLE), mask=keep)
     return above_before + tl.sum(above, 0), ties_before + tl.sum(tie, 0)
 
 
 @triton.jit
-def indexer_topk_kernel(logits, starts, lengths, out, scratch, tokens, row_stride, extent, k,
-                        BLOCK: tl.constexpr, CANDIDATES: tl.constexpr, RADIX_BITS: tl.constexpr):
+def indexer_topk_kernel(logits, starts, lengths, out, scratch, row_table, tokens, row_stride, table_stride, extent,
+                        k, HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
+                        RADIX_BITS: tl.constexpr):
     """Rows ``pid, pid + programs, ..`` of ``logits``: ``out[row, :k]`` gets the offsets (from
     ``starts[row]``) of the ``k`` largest of the ``lengths[row]`` window logits, ties to the lower
-    column, ascending, then -1. ``extent``: elements readable from ``logits``; ``scratch``: int32
-    ``[programs, 2, CANDIDATES]``, this program's candidate keys and offsets."""
+    column, ascending, then -1; with ``HAS_TABLE`` each offset ``o`` as ``row_table[row, o]``
+    (rows ``table_stride`` apart). ``extent``: elements readable from ``logits``; ``scratch``:
+    int32 ``[programs, 2, CANDIDATES]``, this program's candidate keys and offsets."""
     tl.static_assert(32 % RADIX_BITS == 0)
     tl.static_assert(BLOCK < 65536 and CANDIDATES < 65536)
     BINS: tl.constexpr = 1 << RADIX_BITS
@@ -118,10 +130,12 @@ def indexer_topk_kernel(logits, starts, lengths, out, scratch, tokens, row_strid
     for row in range(pid, tokens, tl.num_programs(0)):
         length = tl.load(lengths + row).to(tl.int32)
         row_out = out + (row + tl.zeros((), tl.int64)) * k
+        row_rows = row_table + (row + tl.zeros((), tl.int64)) * table_stride
         if length <= k:
             for offset in range(0, k, BLOCK):
                 slot = offset + cols
-                tl.store(row_out + slot, tl.where(slot < length, slot, -1), mask=slot < k)
+                tl.store(row_out + slot, _mapped(row_rows, tl.where(slot < length, slot, -1), slot < k, HAS_TABLE),
+                         mask=slot < k)
         else:
             first = tl.load(starts + row) + row_stride * (row + tl.zeros((), tl.int64))
             aligned = first // 4 * 4
@@ -157,7 +171,7 @@ def indexer_topk_kernel(logits, starts, lengths, out, scratch, tokens, row_strid
                 tl.debug_barrier()
                 prefix, prefix_mask, needed = _select_in_registers(keys, valid, k + tl.zeros((), tl.int32), DIGITS,
                                                                    RADIX_BITS)
-                _write_kept(row_out, keys, valid, columns, prefix, prefix_mask, needed, 0, 0)
+                _write_kept(row_out, row_rows, keys, valid, columns, prefix, prefix_mask, needed, 0, 0, HAS_TABLE)
             else:
                 prefix = tl.full((), 0, tl.uint32)
                 prefix_mask = tl.full((), 0, tl.uint32)
@@ -176,8 +190,8 @@ def indexer_topk_kernel(logits, starts, lengths, out, scratch, tokens, row_strid
                 ties_before = tl.full((), 0, tl.int32)
                 for offset in range(0, span, BLOCK):
                     key, inside, column = _load_keys(row_logits, offset, lead, span, readable, BLOCK)
-                    above_before, ties_before = _write_kept(row_out, key, inside, column, prefix, prefix_mask, needed,
-                                                            above_before, ties_before)
+                    above_before, ties_before = _write_kept(row_out, row_rows, key, inside, column, prefix,
+                                                            prefix_mask, needed, above_before, ties_before, HAS_TABLE)
 
 
 def main() -> None:

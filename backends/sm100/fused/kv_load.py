@@ -1,7 +1,7 @@
-"""Cache rows decoded to float32 in one Triton kernel: bf16 rows, fp8 (e4m3 with a UE8M0 scale
-per 32 values), fp4 (packed e2m1, the even value in the low nibble, an e4m3 scale per 16) and
-index_fp4 (packed e2m1, a UE8M0 scale per 32). Every product is exact in float32, so the
-values are the reference's bit for bit."""
+"""Cache rows decoded to float32 or bf16 in one Triton kernel: bf16 rows, fp8 (e4m3 with a UE8M0
+scale per 32 values), fp4 (packed e2m1, the even value in the low nibble, an e4m3 scale per 16)
+and index_fp4 (packed e2m1, a UE8M0 scale per 32). Every product is exact in float32 and fits
+bf16, so the values are the reference's bit for bit."""
 from __future__ import annotations
 
 import triton
@@ -16,8 +16,8 @@ BLOCK_ROWS = 4
 @triton.jit
 def kv_load_kernel(rows, bf16_rows, fp8_rows, slots, out, n, ROW_BYTES: tl.constexpr, DIM: tl.constexpr,
                    KIND: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    """Rows ``[BLOCK_ROWS * pid, ...)`` of ``out [n, DIM]``: the cache row at ``slots[i]``
-    decoded (zeros for slot -1). ``rows``: the cache as bytes ``[slots, ROW_BYTES]``;
+    """Rows ``[BLOCK_ROWS * pid, ...)`` of ``out [n, DIM]`` (float32 or bf16): the cache row at
+    ``slots[i]`` (int64 or int32) decoded (zeros for slot -1). ``rows``: the cache as bytes ``[slots, ROW_BYTES]``;
     ``bf16_rows`` and ``fp8_rows``: the same bytes viewed as bf16 and e4m3."""
     i = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     live = i < n
@@ -37,7 +37,8 @@ def kv_load_kernel(rows, bf16_rows, fp8_rows, slots, out, n, ROW_BYTES: tl.const
             value = value * tl.load(fp8_rows + start + DIM // 2 + col // 16, mask=keep, other=1.0).to(tl.float32)
         else:
             value = value * power_of_two(tl.load(rows + start + DIM // 2 + col // 32, mask=keep, other=127).to(tl.int32) - 127)
-    tl.store(out + i.to(tl.int64)[:, None] * DIM + col, tl.where(keep, value, 0.0), mask=live[:, None])
+    tl.store(out + i.to(tl.int64)[:, None] * DIM + col, tl.where(keep, value, 0.0).to(out.dtype.element_ty),
+             mask=live[:, None])
 
 
 def main() -> None:

@@ -77,10 +77,11 @@ def mhc_mix_partials(x, fn, dots, squares, tokens, width, rows, x_stride, ROWS: 
 
 @triton.jit
 def _summed(parts, offsets, mask, SPLITS: tl.constexpr, split_stride):
-    """``sum_s parts[s * split_stride + offsets]``, the slices added in order."""
-    total = tl.load(parts + offsets, mask=mask, other=0.0)
+    """``sum_s parts[s * split_stride + offsets]``, the slices added in order (read past L1:
+    other programs of the launch may have written them)."""
+    total = tl.load(parts + offsets, mask=mask, other=0.0, cache_modifier=".cg")
     for s in range(1, SPLITS):
-        total += tl.load(parts + s * split_stride + offsets, mask=mask, other=0.0)
+        total += tl.load(parts + s * split_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
     return total
 
 
@@ -96,6 +97,14 @@ def mhc_mixes_kernel(dots, squares, scale, base, pre, post, comb, tokens, width,
     ``pre``, ``post`` ``[tokens, HC]`` and ``comb`` ``[tokens, HC, HC]``, with ``ITERS`` Sinkhorn
     iterations (the reference's arithmetic and order)."""
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _finish_mixes(dots, squares, scale, base, pre, post, comb, token, tokens, width, norm_eps, hc_eps, SPLITS, HC,
+                  ROWS, ITERS)
+
+
+@triton.jit
+def _finish_mixes(dots, squares, scale, base, pre, post, comb, token, tokens, width, norm_eps, hc_eps,
+                  SPLITS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr):
+    """``pre``, ``post`` and ``comb`` of the tokens ``token`` (a vector) from the partials."""
     live = token < tokens
     stride = tokens * ROWS
     inv = _inverse_rms(squares, token, live, tokens, SPLITS, width, norm_eps)
@@ -127,12 +136,45 @@ def mhc_head_kernel(dots, squares, scale, base, weights, tokens, width, norm_eps
     """Tokens ``[BLOCK * pid, BLOCK * (pid + 1))``: the head's stream weights
     ``sigmoid(scale[0] * m + base) + hc_eps`` ``[tokens, HC]`` from the partials."""
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _finish_head(dots, squares, scale, base, weights, token, tokens, width, norm_eps, hc_eps, SPLITS, HC, ROWS)
+
+
+@triton.jit
+def _finish_head(dots, squares, scale, base, weights, token, tokens, width, norm_eps, hc_eps, SPLITS: tl.constexpr,
+                 HC: tl.constexpr, ROWS: tl.constexpr):
+    """The head's stream weights of the tokens ``token`` (a vector) from the partials."""
     live = token < tokens
     inv = _inverse_rms(squares, token, live, tokens, SPLITS, width, norm_eps)
     stream = tl.arange(0, HC)
     m = _summed(dots, token[:, None] * ROWS + stream[None, :], live[:, None], SPLITS, tokens * ROWS) * inv[:, None]
     w = tl.sigmoid(tl.load(scale) * m + tl.load(base + stream)[None, :]) + hc_eps
     tl.store(weights + token[:, None] * HC + stream[None, :], w, mask=live[:, None])
+
+
+@triton.jit
+def mhc_mixes_one_pass(x, fn, dots, squares, arrivals, scale, base, pre, post, comb, tokens, width, rows, x_stride,
+                       norm_eps, hc_eps, ROWS: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr,
+                       HC: tl.constexpr, ITERS: tl.constexpr, HEAD: tl.constexpr, FINISH: tl.constexpr):
+    """:func:`mhc_mix_partials` and the finishing kernel in one launch: the program that writes
+    the last slice of a token block (counted in ``arrivals[pid0]``, int32, zero before and after
+    the launch) finishes that block's tokens, ``FINISH`` at a time: :func:`mhc_mixes_kernel`'s
+    outputs, or with ``HEAD`` :func:`mhc_head_kernel`'s (``pre`` the weights; ``post``, ``comb``
+    and ``ITERS`` unused). The same arithmetic in the same order as the two launches."""
+    mhc_mix_partials(x, fn, dots, squares, tokens, width, rows, x_stride, ROWS, BLOCK, SPLIT, BLOCK_K, PARTS, UPCAST)
+    tl.debug_barrier()
+    block = tl.program_id(0)
+    if tl.atomic_add(arrivals + block, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        tl.atomic_xchg(arrivals + block, 0, sem="relaxed", scope="gpu")
+        first = block * BLOCK
+        for start in range(first, tl.minimum(first + BLOCK, tokens), FINISH):
+            token = start + tl.arange(0, FINISH)
+            if HEAD:
+                _finish_head(dots, squares, scale, base, pre, token, tokens, width, norm_eps, hc_eps, SPLITS, HC,
+                             ROWS)
+            else:
+                _finish_mixes(dots, squares, scale, base, pre, post, comb, token, tokens, width, norm_eps, hc_eps,
+                              SPLITS, HC, ROWS, ITERS)
 
 
 def main() -> None:

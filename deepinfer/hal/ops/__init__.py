@@ -3,6 +3,7 @@ from deepinfer.hal.ops import (  # noqa: F401
     activation,
     all_to_all,
     compress,
+    compressed_layout,
     grouped_gemm,
     grouped_linear,
     grouped_swiglu,

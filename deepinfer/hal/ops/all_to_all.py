@@ -92,14 +92,16 @@ def _dispatch_local(x, topk_ids, topk_weights, num_experts, group):
     return x[pair_index // top_k], group_sizes, handle
 
 
-def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Send expert outputs back and reduce them per source token.
+def ep_combine(y: torch.Tensor, handle: DispatchHandle, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Send expert outputs back and reduce them per source token (plus ``add``, when given).
 
     ``y [M, H]`` is in :func:`ep_dispatch`'s expanded order (rows past the experts' segments are
     ignored). Returns ``out [T, H]`` in ``y.dtype`` with ``out[t] = sum over the token's routed
     slots j, in slot order, of topk_weights[t, j] * (its expert's output row)``, accumulated in
-    float32 starting from zero; tokens without routed slots get zeros."""
+    float32 starting from zero; tokens without routed slots get zeros. With ``add`` (``[T, H]``,
+    float; the MoE's shared expert) the result is ``out.to(add.dtype) + add``, in ``add.dtype``."""
     check_combine_rows(y, handle)
+    check_combine_add(add, handle.num_tokens, y.shape[1])
     if handle.send_counts is None:
         returned = y
     else:
@@ -115,7 +117,13 @@ def ep_combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     out = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32, device=y.device)
     for slot in range(handle.top_k):
         out += per_slot[:, slot]
-    return out.to(y.dtype)
+    return out.to(y.dtype) if add is None else out.to(y.dtype).to(add.dtype) + add
+
+
+def check_combine_add(add: torch.Tensor | None, tokens: int, hidden: int) -> None:
+    """``add`` is None or a float ``[tokens, hidden]``."""
+    if add is not None and (add.shape != (tokens, hidden) or not add.is_floating_point()):
+        raise ValueError(f"add must be a float [T={tokens}, H={hidden}] tensor, got {add.dtype} {tuple(add.shape)}")
 
 
 def check_combine_rows(y: torch.Tensor, handle: DispatchHandle) -> None:
@@ -180,13 +188,17 @@ def _dispatch_case(tokens, hidden, top_k, num_experts, unrouted=0, dtype=torch.f
     return make
 
 
-def _combine_case(tokens, hidden, top_k, num_experts, unrouted=0, dtype=torch.float32):
+def _combine_case(tokens, hidden, top_k, num_experts, unrouted=0, dtype=torch.float32, add_dtype=None):
+    """``add_dtype``: pass an ``add`` of that dtype (the shared expert's output)."""
     dispatch_inputs = _dispatch_case(tokens, hidden, top_k, num_experts, unrouted, dtype)
 
     def make(gen: torch.Generator, device: torch.device):
         expanded, _, handle = ep_dispatch(**dispatch_inputs(gen, device))
         y = torch.randn(expanded.shape, generator=gen, dtype=dtype).to(device)
-        return {"y": y, "handle": handle}
+        args = {"y": y, "handle": handle}
+        if add_dtype is not None:
+            args["add"] = torch.randn(tokens, hidden, generator=gen).to(device, add_dtype)
+        return args
     return make
 
 
@@ -211,5 +223,10 @@ register(OpSpec(
         OpCase("tiny_padding", _combine_case(6, 8, 3, 8, unrouted=2)),
         OpCase("tiny_bf16", _combine_case(4, 32, 2, 6, dtype=torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_routing", _combine_case(64, 4096, 6, 384), "real"),
+        OpCase("tiny_bf16_add", _combine_case(4, 32, 2, 6, unrouted=1, dtype=torch.bfloat16, add_dtype=torch.bfloat16),
+               dtype=torch.bfloat16),
+        OpCase("tiny_float32_y_bf16_add", _combine_case(5, 40, 3, 6, add_dtype=torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("v41_routing_add", _combine_case(16, 4096, 6, 16, dtype=torch.bfloat16, add_dtype=torch.bfloat16),
+               "real", dtype=torch.bfloat16),
     ),
 ))

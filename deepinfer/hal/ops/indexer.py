@@ -47,14 +47,18 @@ def check_indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
         raise ValueError(f"q_format 'mxfp4' quantizes d in blocks of 32; d={q.shape[2]} is not a multiple")
 
 
-def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, k: int,
+                 row_table: torch.Tensor | None = None) -> torch.Tensor:
     """Per row, the ``k`` best columns of a window, as int32 ``[T, k]`` offsets into the window.
 
     Row ``t`` considers columns ``starts[t] .. starts[t] + lengths[t] - 1`` of ``logits [T, S]``
     (int64 ``starts``, ``lengths``) and keeps the ``k`` highest logits (ties: the lower column).
     Returned indices are relative to ``starts[t]``, sorted ascending, padded with -1 when the
-    window holds fewer than ``k`` columns (then all of them are returned)."""
-    check_windows(logits, starts, lengths, k)
+    window holds fewer than ``k`` columns (then all of them are returned).
+
+    With ``row_table`` (int32 ``[T, >= max lengths]``) each offset ``o`` is returned as
+    ``row_table[t, o]`` instead (padding stays -1): the cache rows of the chosen keys."""
+    check_windows(logits, starts, lengths, k, row_table)
     tokens, width = logits.shape
     offsets = torch.arange(width, device=logits.device)
     in_window = offsets < lengths[:, None]
@@ -65,10 +69,14 @@ def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     chosen = torch.sort(chosen, dim=1).values
     chosen = torch.where(chosen == width, -1, chosen).to(torch.int32)
     padding = torch.full((tokens, k - chosen.shape[1]), -1, dtype=torch.int32, device=logits.device)
-    return torch.cat((chosen, padding), dim=1)
+    chosen = torch.cat((chosen, padding), dim=1)
+    if row_table is None:
+        return chosen
+    mapped = row_table.gather(1, chosen.clamp(min=0).long()) if row_table.shape[1] else chosen
+    return torch.where(chosen >= 0, mapped, -1)
 
 
-def check_windows(logits, starts, lengths, k) -> None:
+def check_windows(logits, starts, lengths, k, row_table=None) -> None:
     if logits.ndim != 2:
         raise ValueError(f"logits must be [T, S], got shape {tuple(logits.shape)}")
     if not isinstance(k, int) or k < 1:
@@ -80,6 +88,12 @@ def check_windows(logits, starts, lengths, k) -> None:
     if value_checks() and tokens and ((starts < 0).any() or (lengths < 0).any() or (starts + lengths > width).any()):
         raise ValueError(f"each window starts[t] .. starts[t] + lengths[t] - 1 must lie in the {width} "
                          f"columns of logits (non-negative starts and lengths)")
+    if row_table is not None:
+        if row_table.dtype != torch.int32 or row_table.dim() != 2 or row_table.shape[0] != tokens:
+            raise ValueError(f"row_table must be int32 [{tokens}, n], got {row_table.dtype} {tuple(row_table.shape)}")
+        if value_checks() and tokens and bool((lengths > row_table.shape[1]).any()):
+            raise ValueError(f"row_table's {row_table.shape[1]} columns must cover every window (lengths up to "
+                             f"{int(lengths.max())})")
 
 
 def _logits_case(tokens, heads, dim, keys, q_format="mxfp4", dtype=torch.float32):
@@ -101,14 +115,19 @@ def _batched_logits_case(seqs, queries_per_seq, heads, dim, keys, dtype=torch.fl
     return make
 
 
-def _topk_case(width, starts, lengths, k, distinct_values=None):
-    """``distinct_values``: draw logits from that many integers, so that ties are common."""
+def _topk_case(width, starts, lengths, k, distinct_values=None, mapped=False):
+    """``distinct_values``: draw logits from that many integers, so that ties are common;
+    ``mapped``: pass a ``row_table`` of distinct random rows."""
     def make(gen: torch.Generator, device: torch.device):
         shape = (len(starts), width)
         logits = (torch.randint(0, distinct_values, shape, generator=gen).float() if distinct_values
                   else torch.randn(shape, generator=gen))
-        return {"logits": logits.to(device), "starts": torch.tensor(starts, device=device),
+        args = {"logits": logits.to(device), "starts": torch.tensor(starts, device=device),
                 "lengths": torch.tensor(lengths, device=device), "k": k}
+        if mapped:
+            table = torch.randperm(4 * len(starts) * width, generator=gen)[:len(starts) * width]
+            args["row_table"] = table.view(len(starts), width).to(device, torch.int32)
+        return args
     return make
 
 
@@ -146,6 +165,9 @@ register(OpSpec(
         OpCase("tiny", _topk_case(16, [0, 3, 5, 10], [16, 10, 8, 6], 4)),
         OpCase("tiny_ties", _topk_case(12, [0, 2, 1], [12, 9, 11], 5, distinct_values=3)),
         OpCase("tiny_short_and_empty", _topk_case(10, [0, 4, 9, 10], [3, 0, 1, 0], 4)),
+        OpCase("tiny_rows", _topk_case(16, [0, 0, 0, 0], [16, 3, 9, 0], 4, distinct_values=5, mapped=True)),
         OpCase("v41_prefill", _topk_case(2048, *_real_windows(16, 2048), 512), "real"),
+        OpCase("v41_decode_rows", _topk_case(4097, [0] * 8, [4097, 3000, 600, 512, 100, 2048, 0, 1], 512,
+                                             mapped=True), "real"),
     ),
 ))

@@ -45,16 +45,23 @@ def store_rows(dest: torch.Tensor, index: torch.Tensor, values: torch.Tensor) ->
     dest.index_copy_(0, target, torch.where(keep.view(-1, *[1] * (values.dim() - 1)), values, fill))
 
 
-def kv_load(cache: torch.Tensor, slots: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Decode the rows at flat ``slots [n]`` of ``cache`` (format ``fmt``) into float32 ``[n, dim]``.
+LOAD_DTYPES = (torch.float32, torch.bfloat16)
+"""What ``kv_load`` decodes to: every format's values are exact in both."""
+
+
+def kv_load(cache: torch.Tensor, slots: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode the rows at flat ``slots [n]`` (int64 or int32) of ``cache`` (format ``fmt``) into
+    ``dtype`` (float32 or bfloat16; exact in both) ``[n, dim]``.
 
     Slot ``-1`` gives a row of zeros."""
     spec = token_format(fmt)
     rows = cache_rows(cache, spec)
-    check_slots(slots, rows.shape[0])
+    check_slots(slots, rows.shape[0], (torch.int64, torch.int32))
+    if dtype not in LOAD_DTYPES:
+        raise ValueError(f"kv_load decodes to one of {LOAD_DTYPES}, got dtype={dtype}")
     keep = slots >= 0
     decoded = decode_tokens(rows[slots.clamp(min=0)], fmt)
-    return torch.where(keep.unsqueeze(-1), decoded, torch.zeros((), device=decoded.device))
+    return torch.where(keep.unsqueeze(-1), decoded, torch.zeros((), device=decoded.device)).to(dtype)
 
 
 def cache_rows(cache: torch.Tensor, spec: TokenFormat) -> torch.Tensor:
@@ -68,10 +75,11 @@ def cache_rows(cache: torch.Tensor, spec: TokenFormat) -> torch.Tensor:
     return cache.view(-1, spec.bytes_per_token)
 
 
-def check_slots(slots: torch.Tensor, num_slots: int) -> None:
-    """``slots`` is int64 ``[n]`` (each in ``[-1, num_slots)`` under value checks)."""
-    if slots.dim() != 1 or slots.dtype != torch.int64:
-        raise ValueError(f"slots must be int64 [n], got {slots.dtype} {tuple(slots.shape)}")
+def check_slots(slots: torch.Tensor, num_slots: int, dtypes: tuple[torch.dtype, ...] = (torch.int64,)) -> None:
+    """``slots`` is ``[n]`` of one of ``dtypes`` (each in ``[-1, num_slots)`` under value checks)."""
+    if slots.dim() != 1 or slots.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"slots must be {names} [n], got {slots.dtype} {tuple(slots.shape)}")
     if value_checks() and slots.numel() and (slots.min() < -1 or slots.max() >= num_slots):
         raise ValueError(f"slots must lie in [0, {num_slots}) or be -1 (skip); got values in "
                          f"[{slots.min().item()}, {slots.max().item()}]")
@@ -116,13 +124,17 @@ def _store_case(fmt: str, n: int, blocks: int, block_size: int, skipped: int):
     return make
 
 
-def _load_case(fmt: str, n: int, blocks: int, block_size: int, skipped: int):
+def _load_case(fmt: str, n: int, blocks: int, block_size: int, skipped: int, narrow: bool = False):
+    """``narrow``: int32 slots, decoded to bfloat16."""
     def make(gen: torch.Generator, device: torch.device):
-        return {
+        args = {
             "cache": _random_cache(gen, fmt, blocks, block_size).to(device),
             "slots": _slots(gen, n, blocks * block_size, skipped).to(device),
             "fmt": fmt,
         }
+        if narrow:
+            args.update(slots=args["slots"].int(), dtype=torch.bfloat16)
+        return args
     return make
 
 
@@ -143,9 +155,13 @@ register(OpSpec(
 
 register(OpSpec(
     name="kv_load",
-    summary="decode the cache rows at flat slots into float32 (slot -1 gives zeros)",
+    summary="decode the cache rows at flat slots into float32 or bf16 (slot -1 gives zeros)",
     reference=kv_load,
-    cases=_cases(_load_case, dtype=torch.bfloat16),  # float32 out whatever the model's activations
+    cases=_cases(_load_case, dtype=torch.bfloat16) + (  # float32 out unless asked, whatever the activations
+        OpCase("tiny_index_fp4_int32_bf16", _load_case("index_fp4", 9, 3, 4, 2, narrow=True), dtype=torch.bfloat16),
+        OpCase("tiny_fp8_int32_bf16", _load_case("fp8", 9, 3, 4, 2, narrow=True), dtype=torch.bfloat16),
+        OpCase("real_fp4_int32_bf16", _load_case("fp4", 256, 4, 128, 7, narrow=True), size="real",
+               dtype=torch.bfloat16)),
 ))
 
 

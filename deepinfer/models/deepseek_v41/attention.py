@@ -142,19 +142,27 @@ class Attention(nn.Module):
     def _store_rows(self, ctx: ForwardContext, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's compressed key position and cache row; ``-1`` where the token closes no
         group of ``ratio`` (``compress_tokens`` emits at ``(p + 1) % ratio == 0``). A decode step
-        reads the rows from its sequences' key layout (a closing token is its sequence's last key)."""
+        takes them from :meth:`_decode_layout`."""
+        if ctx.decode:
+            _, _, rows, key_pos = self._decode_layout(ctx, cache)
+            return key_pos, rows
         index = self._visible(ctx) - 1
         if self.ratio > 1:
             index = index.masked_fill_(ctx.positions.remainder(self.ratio) != self.ratio - 1, -1)
         key_pos = (index * self.ratio).clamp_(min=0) if self.ratio > 1 else index
-        if ctx.decode:
-            table = self._rows_of_token(ctx, cache)
-            return key_pos, table.gather(1, index.remainder(table.shape[1])[:, None])[:, 0].long()
         return key_pos, cache.compressed_slots(ctx.block_tables, ctx.seq_of_token, index)
 
     def _visible(self, ctx: ForwardContext) -> torch.Tensor:
         """How many compressed keys each token sees, ``(p + 1) // ratio``; once per context and ratio."""
         return ctx.derived(("compressed_visible", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
+
+    def _decode_layout(self, ctx: ForwardContext, cache: LayerCache):
+        """``compressed_decode_layout`` of a decode step, once per context and ratio: each
+        sequence's key rows (int32 ``[B, keys + 1]``, ``-1`` past its count and in a last column,
+        so no shape depends on the lengths), and per token the keys it sees, the row of the key
+        it closes and that key's RoPE position."""
+        return ctx.derived(("compressed_decode_layout", self.ratio), lambda: self.ops.compressed_decode_layout(
+            ctx.block_tables, ctx.context_lens, ctx.positions, ctx.seq_of_token, self.ratio, cache.tokens_per_block))
 
     def swa_keys(self, latent: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache: LayerCache,
                  slots: torch.Tensor) -> torch.Tensor:
@@ -166,21 +174,13 @@ class Attention(nn.Module):
     def _compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
         """Flat cache rows of every sequence's compressed tokens (``-1``: none), and each
         sequence's first row among them. A decode step lays each sequence out in full
-        (``block table width x tokens per block`` rows and one more, the ones past its count
-        ``-1``: :meth:`_decode_rows`), so no shape depends on the lengths, and has no first rows
-        (None); other steps pack the lengths the host knows. Computed once per context and ratio."""
+        (:meth:`_decode_layout`) and has no first rows (None); other steps pack the lengths the
+        host knows. Computed once per context and ratio."""
         return ctx.derived(("compressed_keys", self.ratio), lambda: self._lay_out_compressed_keys(ctx, cache))
-
-    def _decode_rows(self, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
-        """int64 ``[B, keys + 1]``: each decode sequence's compressed key rows in order, ``-1`` past
-        its count and in a last column, which offset ``-1`` reaches modulo the width. Computed
-        once per context and ratio."""
-        return ctx.derived(("decode_rows", self.ratio), lambda: cache.sequence_rows(
-            ctx.block_tables, ctx.context_lens // self.ratio, spare=1))
 
     def _lay_out_compressed_keys(self, ctx: ForwardContext, cache: LayerCache):
         if ctx.decode:
-            return self._decode_rows(ctx, cache).reshape(-1), None
+            return self._decode_layout(ctx, cache)[0].reshape(-1), None
         counts = ctx.context_lens // self.ratio
         total = sum(n // self.ratio for n in ctx.context_lens_host)
         seq = torch.repeat_interleave(torch.arange(ctx.num_seqs, device=counts.device), counts, output_size=total)
@@ -189,11 +189,12 @@ class Attention(nn.Module):
         return cache.compressed_slots(ctx.block_tables, seq, index), first
 
     def _select_compressed(self, index_q, head_weights, ctx, cache, cos_sin) -> torch.Tensor:
-        """Offsets of the compressed keys each query attends to among its sequence's (-1 padding),
-        from the indexer's queries ``index_q`` (before RoPE) and ``head_weights``. A decode step
-        scores each sequence's own keys only (per-sequence index keys). When no sequence of a
-        prefill step holds more than ``index_topk`` compressed keys, the top-k of every query is
-        its whole window, and the indexer is not run (``index_q`` is None)."""
+        """The compressed keys each query attends to (-1 padding), from the indexer's queries
+        ``index_q`` (before RoPE) and ``head_weights``: offsets among its sequence's keys, or in a
+        decode step their cache rows. A decode step scores each sequence's own keys only
+        (per-sequence index keys). When no sequence of a prefill step holds more than
+        ``index_topk`` compressed keys, the top-k of every query is its whole window, and the
+        indexer is not run (``index_q`` is None)."""
         ops, idx = self.ops, self.indexer
         topk = self.cfg.index_topk
         if index_q is None:
@@ -204,12 +205,15 @@ class Attention(nn.Module):
         q = rope_tail(ops, index_q.view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
         weights = head_weights * idx.weight_scale  # float32, as the [1]-shaped scale
         key_slots, first = self._compressed_keys(ctx, cache)
+        if ctx.decode:
+            keys = ops.kv_load(cache.index_k, key_slots, "index_fp4", dtype=q.dtype).view(ctx.num_seqs, -1,
+                                                                                          INDEX_HEAD_DIM)
+            visible = self._decode_layout(ctx, cache)[1]
+            starts = ctx.derived(("zeros", visible.shape), lambda: torch.zeros_like(visible))
+            return ops.indexer_topk(ops.indexer_logits(q, keys, weights), starts, visible, topk,
+                                    row_table=self._rows_of_token(ctx, cache))
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
         visible = self._visible(ctx)
-        if ctx.decode:
-            keys = keys.view(ctx.num_seqs, -1, INDEX_HEAD_DIM)
-            starts = ctx.derived(("zeros", visible.shape), lambda: torch.zeros_like(visible))
-            return ops.indexer_topk(ops.indexer_logits(q, keys, weights), starts, visible, topk)
         starts = first[ctx.seq_of_token]
         return torch.cat([ops.indexer_topk(ops.indexer_logits(q[t0:t1], keys[k0:k1], weights[t0:t1]),
                                            starts[t0:t1] - k0, visible[t0:t1], topk)
@@ -284,9 +288,7 @@ class Attention(nn.Module):
                            lambda: self._swa_decode_indices(ctx, visible))
         extra = {}
         if selected is not None:
-            table = self._rows_of_token(ctx, cache)
-            rows = table.gather(1, selected.long().remainder(table.shape[1]))
-            extra = dict(extra_cache=cache.compressed, extra_indices=rows.view(batch, s_q, -1),
+            extra = dict(extra_cache=cache.compressed, extra_indices=selected.view(batch, s_q, -1),
                          extra_format=cfg.compressed_cache_format)
         out, _ = ops.mla_sparse_decode(q.view(batch, s_q, self.heads, ATTENTION_DIM), cache.swa_ring,
                                        main.view(batch, s_q, -1), self.attn_sink, self.scale,
@@ -294,10 +296,10 @@ class Attention(nn.Module):
         return out.reshape(ctx.num_tokens, self.heads, ATTENTION_DIM)
 
     def _rows_of_token(self, ctx: ForwardContext, cache: LayerCache) -> torch.Tensor:
-        """int32 ``[T, keys + 1]``: :meth:`_decode_rows` of each decode token's sequence. Computed
-        once per context and ratio."""
+        """int32 ``[T, keys + 1]``: the key rows (:meth:`_decode_layout`) of each decode token's
+        sequence. Computed once per context and ratio."""
         def lay_out():
-            rows = self._decode_rows(ctx, cache).to(torch.int32)
+            rows = self._decode_layout(ctx, cache)[0]
             return rows if ctx.decode_query_len == 1 else rows[ctx.seq_of_token]
         return ctx.derived(("compressed_rows_of_token", self.ratio), lay_out)
 

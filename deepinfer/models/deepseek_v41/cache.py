@@ -2,7 +2,6 @@
 compressed KV and index K per 128-token block."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -41,45 +40,6 @@ class LayerCache:
             raise ValueError("a compressed token falls in a block the block table does not hold; "
                              "allocate ceil(context_len / 128) blocks per sequence")
         return torch.where(valid, rows, torch.full_like(rows, -1))
-
-    def sequence_rows(self, block_tables: torch.Tensor, counts: torch.Tensor, spare: int = 0) -> torch.Tensor:
-        """``[B, width * tokens_per_block + spare]``: each sequence's compressed tokens' flat rows in
-        order, ``-1`` from its ``counts[b]``-th on (the rows :meth:`compressed_slots` gives for every
-        index), and ``spare`` more ``-1`` columns."""
-        per_block = self.tokens_per_block
-        batch, width = block_tables.shape
-        if not width:
-            return torch.full((batch, spare), -1, dtype=block_tables.dtype, device=block_tables.device)
-        column, block, within = _layout_columns(width, per_block, spare, block_tables.device)
-        rows = torch.add(within, block_tables[:, block], alpha=per_block)
-        past = column >= counts[:, None]
-        if value_checks() and bool((~past & (rows < 0)).any()):
-            raise ValueError("a compressed token falls in a block the block table does not hold; "
-                             "allocate ceil(context_len / 128) blocks per sequence")
-        return rows.masked_fill_(past, -1)
-
-
-_COLUMNS: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
-LAYOUT_SHAPES = 64
-"""Most column layouts :func:`_layout_columns` keeps (the least recently used go)."""
-
-
-def _layout_columns(width: int, per_block: int, spare: int, device: torch.device):
-    """int64 ``(column, block, within)`` of :meth:`LayerCache.sequence_rows`' columns: the index,
-    its block (the last one for the spare columns) and its place in the block. Made once per
-    shape and device, except while a CUDA graph is being captured (a tensor made there holds no
-    values until the graph replays)."""
-    key = (width, per_block, spare, str(device))
-    if key in _COLUMNS:
-        _COLUMNS.move_to_end(key)
-        return _COLUMNS[key]
-    column = torch.arange(width * per_block + spare, device=device)
-    made = column, (column // per_block).clamp_(max=width - 1), column % per_block
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _COLUMNS[key] = made
-        while len(_COLUMNS) > LAYOUT_SHAPES:
-            _COLUMNS.popitem(last=False)
-    return made
 
 
 @dataclass

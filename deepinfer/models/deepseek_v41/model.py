@@ -59,6 +59,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(DraftBlock(cfg, ops, dtype) for _ in range(cfg.num_nextn_predict_layers))
         self.register_buffer("rope_swa", self._rope_table(compressed=False), persistent=False)
         self.register_buffer("rope_compressed", self._rope_table(compressed=True), persistent=False)
+        self.register_buffer("first_pre", first_stream_mix(1, cfg.hc_mult, torch.device("cpu")), persistent=False)
 
     def _rope_table(self, compressed: bool) -> torch.Tensor:
         cfg = self.cfg
@@ -95,7 +96,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         streams = self.cfg.hc_mult
         x = self.embed(ctx.input_ids)
         residual = torch.cat([x] * streams, dim=-1).view(x.shape[0], streams, x.shape[-1])  # cat copies in vectors
-        pre = first_stream_mix(ctx.num_tokens, streams, x.device) if self.cfg.hc_shifted else None
+        pre = self.first_pre.expand(ctx.num_tokens, streams) if self.cfg.hc_shifted else None
         x = x if self.cfg.hc_shifted else None  # the first mix reads stream 0: the embedding itself
         yoco, features = YocoState(), []
         for i, (layer, cache) in enumerate(zip(self.layers, caches.layers)):

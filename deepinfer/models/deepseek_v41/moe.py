@@ -74,7 +74,7 @@ class MoE(nn.Module):
         and up projections come from one ``stacked_linear`` of ``x``."""
         shared = self.shared_experts
         logits, gate, up = stacked(self.ops, x, [self.gate.weight, shared.w1, shared.w3])
-        return self._routed(x, *self._select(logits)) + shared.w2(self.ops.swiglu(gate, up, self.limit))
+        return self._routed(x, *self._select(logits), shared.w2(self.ops.swiglu(gate, up, self.limit)))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights float32 [T, k], expert ids int64 [T, k])`` of the gate (``moe_gate`` reads the
@@ -85,15 +85,16 @@ class MoE(nn.Module):
         """Routed experts (weighted by ``weights``) plus the shared expert."""
         shared = self.shared_experts
         gate, up = stacked(self.ops, x, [shared.w1, shared.w3])
-        return self._routed(x, weights, ids) + shared.w2(self.ops.swiglu(gate, up, self.limit))
+        return self._routed(x, weights, ids, shared.w2(self.ops.swiglu(gate, up, self.limit)))
 
     def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.moe_gate(logits, self.gate.bias, self.top_k, self.routed_scale)
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output in ``x.dtype``: dispatch, the grouped SwiGLU and down GEMMs, combine."""
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output rounded to ``x.dtype``, plus ``shared`` (the shared expert's,
+        in ``x.dtype``): dispatch, the grouped SwiGLU and down GEMMs, combine (which adds it)."""
         ops, experts = self.ops, self.experts
         rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
         hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
                                     x.dtype)
-        return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle).to(x.dtype)
+        return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle, add=shared)
