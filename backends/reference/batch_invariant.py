@@ -40,7 +40,7 @@ KEY_TILE = 128
 
 ROW_TILED = {
     "linear": ("x",),
-    "stacked_linear": ("x",),
+    "stacked_linear": ("x", "positions"),
     "grouped_linear": ("x",),
     "rms_norm": ("x", "residual"),
     "kv_norm_rope_store": ("x", "positions", "slots"),
@@ -155,10 +155,12 @@ def mla_sparse_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
 
 
-def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_format: str | None = "mxfp4"):
+def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_format: str | None = "mxfp4",
+                   weight_scale: float = 1.0):
     """:func:`~deepinfer.hal.ops.indexer.indexer_logits` on tiles of query rows x key columns; with
     per-sequence keys ``[B, S, d]``, sequence by sequence, its key tiles from its first key."""
     indexer.check_indexer_logits(q, k, weights, q_format)
+    weights = indexer.scaled_weights(weights, weight_scale)  # per element: the tiles see scaled weights
     if k.dim() == 2:
         return _shared_key_logits(q, k, weights, q_format)
     per_seq = q.shape[0] // k.shape[0]

@@ -112,7 +112,8 @@ class Sm100Backend(Backend):
             "slices of the width (a bf16 residual against fn's three bf16 parts), then the gates and every Sinkhorn "
             "iteration in one kernel",
             "stacked_linear (several linears of one input) with at most 16 bf16 rows: one Triton launch streams "
-            "every weight (linear_kernel=auto), each product its own contiguous tensor",
+            "every weight (linear_kernel=auto), each product its own contiguous tensor, the query heads' RoPE "
+            "(rope_heads) in its epilogue",
             "grouped_gemm and grouped_swiglu with at most 4 rows per expert: a Triton kernel that streams the "
             "weights (the gate and up weights side by side for grouped_swiglu)",
             "batch invariance: split-KV off and fixed GEMM tiles (INVARIANT says why each op qualifies); "

@@ -182,11 +182,12 @@ def _check_sink(op: str, sink: torch.Tensor, heads: int) -> None:
         raise ValueError(f"{op}: sink must be float32 [h={heads}], got {tuple(sink.shape)}")
 
 
-def indexer_logits(q, k, weights, q_format="mxfp4"):
+def indexer_logits(q, k, weights, q_format="mxfp4", weight_scale: float = 1.0):
     """HAL ``indexer_logits``: q cast through MXFP4 here (exact in bf16; one Triton kernel,
     :mod:`.fused.mxfp4_cast`, for a power-of-two head dim), then one tensor-core
     GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect). Keys
-    ``[S, d]`` are shared by every query, keys ``[B, S, d]`` are one list per sequence.
+    ``[S, d]`` are shared by every query, keys ``[B, S, d]`` are one list per sequence. The
+    weights (float32 or bf16) are read and scaled by ``weight_scale`` in the kernel.
 
     The GEMM reads bf16: float32 keys are rounded to bf16, which is exact for the model's keys
     (decoded from the FP4 index cache: e2m1 times a power of two), as are MXFP4-cast queries."""
@@ -218,13 +219,16 @@ def indexer_logits(q, k, weights, q_format="mxfp4"):
         k_in = torch.zeros(*k.shape[:-1], dim_pad, dtype=torch.bfloat16, device=k.device)
         k_in[..., :dim] = k
     if heads_pad == heads:
-        w_in = weights.float().contiguous()
+        w_in = weights.contiguous()
     else:
-        w_in = torch.zeros(tokens, heads_pad, dtype=torch.float32, device=q.device)
-        w_in[:, :heads] = weights.float()
+        w_in = torch.zeros(tokens, heads_pad, dtype=weights.dtype, device=q.device)
+        w_in[:, :heads] = weights
     logits = torch.empty(tokens, keys, dtype=torch.float32, device=q.device)
     if tokens and keys:
         per_seq = tokens // k.shape[0] if k.dim() == 3 else 0
-        compiled("indexer_logits", "indexer_logits", heads_pad, dim_pad, queries_per_seq=per_seq)(q_in, k_in, w_in,
-                                                                                                   logits)
+        extra = {} if weights.dtype == torch.float32 else {"weights_dtype": "bfloat16"}
+        if weight_scale != 1.0:
+            extra["weight_scale"] = float(torch.tensor(weight_scale, dtype=torch.float32))
+        compiled("indexer_logits", "indexer_logits", heads_pad, dim_pad, queries_per_seq=per_seq, **extra)(
+            q_in, k_in, w_in, logits)
     return logits

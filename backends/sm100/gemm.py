@@ -352,22 +352,39 @@ def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DE
     return y.reshape(*x.shape[:-1], n)
 
 
-def few_rows_linears(x, weights, batch_invariant: bool = False,
-                     options: KernelOptions = DEFAULT) -> tuple[torch.Tensor, ...] | None:
+def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelOptions = DEFAULT,
+                     rope: tuple | None = None, norm: tuple | None = None,
+                     keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:
     """``x`` through each of ``weights`` in one Triton launch (:mod:`.fused.linear_skinny`) under
     ``options.linear_kernel=auto``, outside the batch-invariant mode, for bf16 CUDA ``x`` of at most
     :data:`~.fused.linear_skinny.BLOCK_T` rows and bf16 CUDA weights whose widths the kernel's column
     blocks divide (ahead of cuBLAS on model=small's decode shapes but shared.w2 at 16 rows:
-    ``experiments/results/linear_stacked_h200.csv``); None where it does not serve."""
+    ``experiments/results/linear_stacked_h200.csv``); None where it does not serve. ``rope``
+    (``(positions, cos_sin, head width per weight)``, the HAL ``stacked_linear``'s RoPE) is applied
+    in the kernel's epilogue where the column blocks divide the head widths and their rotated
+    parts; None where it cannot be. ``norm`` (``(weight [K], eps)``) RMS-normalises ``x`` in the
+    kernel's prologue (a float32 ``x`` too: the normalised rows are rounded to bf16), which also
+    stores the normalised ``x`` with ``keep_normed`` (last)."""
     from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, linear_skinny, tiles_for
 
-    if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or x.dtype != torch.bfloat16:
+    readable = x.dtype == torch.bfloat16 or (norm is not None and x.dtype == torch.float32)
+    if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or not readable:
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    tiles = tiles_for([w.shape[0] for w in weights])
     if not 0 < rows <= BLOCK_T or not all(on_device(w) and w.dtype == torch.bfloat16 for w in weights) \
-            or tiles_for([w.shape[0] for w in weights]) is None:
+            or tiles is None:
         return None
-    products = linear_skinny(x.reshape(rows, x.shape[-1]).contiguous(), [w.contiguous() for w in weights])
+    if rope is not None:
+        positions, cos_sin, heads = rope
+        if any(head % tiles["block_n"] or (head - cos_sin.shape[1]) % tiles["block_n"] for head in heads if head):
+            return None
+        rope = (positions.contiguous(), cos_sin.float().contiguous(), list(heads))
+    if norm is not None:
+        norm = (norm[0].contiguous(), norm[1])
+    flat = x.reshape(rows, x.shape[-1])
+    products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(), [w.contiguous() for w in weights],
+                             tiles, rope=rope, norm=norm, keep_normed=keep_normed)
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 

@@ -1,18 +1,36 @@
 """sm100 ``stacked_linear``: bf16 weights read by a few rows in one Triton launch
-(:func:`.gemm.few_rows_linears`: each product its own contiguous block of one buffer); otherwise one
-``linear`` per weight, with the same kernel choice."""
+(:func:`.gemm.few_rows_linears`: each product its own contiguous block of one buffer, RoPE in its
+epilogue); otherwise one ``linear`` per weight, with the same kernel choice, and ``apply_rope``
+on the products that ``rope_heads`` names."""
 from __future__ import annotations
 
-from deepinfer.hal.ops.stacked_linear import check_stacked_linear
+import torch
+
+from deepinfer.hal.ops.stacked_linear import check_stacked_linear, rope_products
 from deepinfer_backends.sm100.gemm import few_rows_linears, linear
+from deepinfer_backends.sm100.norm import rms_norm
 from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
+from deepinfer_backends.sm100.rope import apply_rope
 
 
-def stacked_linear(x, weights, batch_invariant: bool = False, options: KernelOptions = DEFAULT):
-    """HAL ``stacked_linear``: :func:`~.gemm.few_rows_linears` where it serves, else
-    :func:`~.gemm.linear` once per weight."""
-    check_stacked_linear(x, weights)
-    products = few_rows_linears(x, weights, batch_invariant, options)
+def stacked_linear(x, weights, positions=None, cos_sin=None, rope_heads=None, norm_weight=None,
+                   norm_eps: float = 1e-6, keep_normed: bool = False, norm_dtype=None, batch_invariant: bool = False,
+                   options: KernelOptions = DEFAULT):
+    """HAL ``stacked_linear``: :func:`~.gemm.few_rows_linears` where it serves (with the input's
+    RMSNorm and the products' RoPE), else :func:`~.norm.rms_norm`, :func:`~.gemm.linear` once per
+    weight and :func:`~.rope.apply_rope` per product."""
+    check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype)
+    rope = None if rope_heads is None else (positions, cos_sin, rope_heads)
+    norm = None if norm_weight is None else (norm_weight, norm_eps)
+    fused = norm is None or (norm_dtype or x.dtype) == torch.bfloat16
+    products = few_rows_linears(x, weights, batch_invariant, options, rope=rope, norm=norm,
+                                keep_normed=keep_normed) if fused else None
     if products is not None:
         return products
-    return tuple(linear(x, w, batch_invariant=batch_invariant, options=options) for w in weights)
+    if norm is not None:
+        x = rms_norm(x, norm_weight, norm_eps).to(norm_dtype or x.dtype)
+    products = few_rows_linears(x, weights, batch_invariant, options) if rope is not None else None
+    if products is None:
+        products = tuple(linear(x, w, batch_invariant=batch_invariant, options=options) for w in weights)
+    products = rope_products(products, positions, cos_sin, rope_heads, rope=apply_rope)
+    return products + (x,) if keep_normed else products

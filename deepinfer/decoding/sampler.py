@@ -108,16 +108,15 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
         np.asarray([as_int64(chunk.request.seed) for chunk, _ in rows], dtype=np.int64),
         np.asarray([p.top_k for p in params], dtype=np.int64),
         np.asarray([chunk.drafts[j] if j < len(chunk.drafts) else -1 for chunk, j in rows], dtype=np.int64),
-        np.asarray([p.temperature for p in params], dtype=np.float64).view(np.int64),
-        np.asarray([p.top_p for p in params], dtype=np.float64).view(np.int64),
+        np.asarray([p.temperature for p in params] + [p.top_p for p in params], dtype=np.float32).view(np.int64),
         first, np.asarray([chunk.slot for chunk in chunks], dtype=np.int64), verify_rows.reshape(-1),
         np.asarray(verify, dtype=np.int64)])
     moved = runtime.upload(host)
     start, offset, chained, slot, column, seeds, top_k, drafts = moved[:8 * count].view(8, count)
-    temperature, top_p = moved[8 * count:10 * count].view(torch.float64).float().view(2, count)
-    chunk_first, chunk_slot = moved[10 * count:10 * count + 2 * n].view(2, n)
-    chunk_verify = moved[10 * count + 2 * n:10 * count + 2 * n + verify_rows.size].view(verify_rows.shape)
-    index = moved[10 * count + 2 * n + verify_rows.size:]
+    temperature, top_p = moved[8 * count:9 * count].view(torch.float32).view(2, count)  # float32 pairs in int64s
+    chunk_first, chunk_slot = moved[9 * count:9 * count + 2 * n].view(2, n)
+    chunk_verify = moved[9 * count + 2 * n:9 * count + 2 * n + verify_rows.size].view(verify_rows.shape)
+    index = moved[9 * count + 2 * n + verify_rows.size:]
     if slots is not None:
         start = torch.where(chained > 0, slots.length[slot], start)
         if verify:

@@ -40,7 +40,8 @@ class ForwardContext:
     blocks (padding entries are never addressed); ``state_slots[b]`` is its SWA-ring /
     compress-state slot. Per token: ``seq_of_token``, ``chunk_start_of_token`` (the first
     position of its sequence in this step), ``slot_of_token``; ``query_start [B + 1]`` are the
-    sequences' first rows. ``logits_indices`` selects the rows whose logits are returned.
+    sequences' first rows. ``logits_indices`` selects the rows whose logits are returned;
+    ``every_row_logits`` says it is every row in order (``arange``), which needs no gather.
     ``decode`` asks for the decode path (every sequence has ``decode_query_len`` query tokens,
     and compressed keys are laid out per sequence up to the block table's width).
     ``context_lens_host`` and ``query_lens_host`` hold the context and query lengths on the host
@@ -73,6 +74,7 @@ class ForwardContext:
     replay_start: torch.Tensor | None = None
     replay_compact: bool = False
     consumer: ConsumerRows | None = None
+    every_row_logits: bool = False
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -163,7 +165,7 @@ class ForwardContext:
                    query_start=torch.arange(num_seqs + 1, device=device) * query_len, chunk_start=start_positions,
                    chunk_start_of_token=chunk_start_of_token, slot_of_token=state_slots[seq_of_token],
                    num_seqs=num_seqs, decode=True, decode_query_len=query_len, draft_block=draft_block,
-                   write_draft_cache=write_draft_cache, replay_start=replay_start)
+                   write_draft_cache=write_draft_cache, replay_start=replay_start, every_row_logits=True)
 
 
 def _consumer_layout(replay, chunk_start, context_lens, query_start, positions, seq_of_token, logits_rows):

@@ -217,6 +217,40 @@ for widths, k, rows in (((64, 32, 16), 96, 5), ((48,), 64, BLOCK_T + 1), ((16, 3
         want = x.double() @ weight.double().T
         assert product.is_contiguous() and product.shape == want.shape
         assert torch.allclose(product.double(), want, rtol=1e-5, atol=1e-5), (widths, rows)
+# RoPE in the epilogue: the HAL stacked_linear's reference, per head of each named product
+from deepinfer.hal.ops.rope import rope_cos_sin, rope_inv_freq
+from deepinfer.hal.ops.stacked_linear import stacked_linear
+for widths, heads, rope, tiles, rows in (((64, 48, 32), (32, 0, 16), 8, None, 5), ((128, 64), (64, 32), 32, None, 3),
+                                         ((96, 64), (96, 64), 64, {"block_n": 16, "block_k": 32, "warps": 4,
+                                                                   "stages": 2}, BLOCK_T + 2)):
+    x = torch.randn(rows, 40, generator=gen)
+    weights = [torch.randn(n, 40, generator=gen) / 40 ** 0.5 for n in widths]
+    positions = torch.randint(0, 300, (rows,), generator=gen)
+    table = rope_cos_sin(rope_inv_freq(10000.0, rope), 300)
+    got = linear_skinny(x, weights, tiles, rope=(positions, table, list(heads)))
+    want = stacked_linear(x, weights, positions, table, heads)
+    for product, expected, head in zip(got, want, heads, strict=True):
+        assert torch.allclose(product, expected, rtol=1e-5, atol=1e-5), (widths, heads, head)
+        if head:  # the rotation moved the tails, and only them
+            plain = x @ weights[heads.index(head)].T
+            cols = torch.arange(product.shape[1]) % head >= head - rope
+            assert torch.allclose(product[:, ~cols], plain[:, ~cols], atol=1e-5)
+            assert not torch.allclose(product[:, cols], plain[:, cols], atol=1e-3)
+# RMSNorm in the prologue (with RoPE in the epilogue), against the HAL reference
+for widths, heads, rows, k in (((32, 16), None, 3, 300), ((64, 32), (32, 0), BLOCK_T + 3, 96)):
+    x = 5 * torch.randn(rows, k, generator=gen)
+    weights = [torch.randn(n, k, generator=gen) / k ** 0.5 for n in widths]
+    gain = 1 + torch.rand(k, generator=gen)
+    positions = torch.randint(0, 300, (rows,), generator=gen)
+    table = rope_cos_sin(rope_inv_freq(10000.0, 8), 300)
+    rope = None if heads is None else (positions, table, list(heads))
+    got = linear_skinny(x, weights, rope=rope, norm=(gain, 1e-6), keep_normed=True)
+    want = stacked_linear(x, weights, *(rope or (None, None, None)), norm_weight=gain, norm_eps=1e-6,
+                          keep_normed=True)
+    assert got[-1].shape == x.shape and torch.allclose(got[-1], want[-1], rtol=1e-5, atol=1e-5)
+    for product, expected, weight in zip(got[:-1], want[:-1], weights, strict=True):
+        assert torch.allclose(product, expected, rtol=1e-5, atol=1e-5), (widths, rows)
+        assert not torch.allclose(product, x @ weight.T, atol=1e-2)
 print("stacked ok")
 """
 

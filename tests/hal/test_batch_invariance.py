@@ -53,7 +53,7 @@ def test_batch_invariant_ops_match_the_reference(op, case):
     assert not failures, "\n".join(failures)
 
 
-PER_SEQUENCE_KEYS = ("tiny_per_sequence", "tiny_per_sequence_bf16")
+PER_SEQUENCE_KEYS = ("tiny_per_sequence", "tiny_per_sequence_bf16", "tiny_scaled_bf16")
 """indexer_logits cases whose keys are one list per sequence: their rows pair with their sequence's keys."""
 
 
@@ -110,7 +110,8 @@ def test_per_sequence_indexer_logits_have_the_bits_of_the_shared_key_path(case):
     others = torch.randn(70, k.shape[2], generator=torch.Generator().manual_seed(3)).to(k.dtype)
     for b in range(k.shape[0]):
         rows = slice(b * per_seq, (b + 1) * per_seq)
-        flat = INVARIANT["indexer_logits"](q[rows], torch.cat((others, k[b])), weights[rows])
+        flat = INVARIANT["indexer_logits"](q[rows], torch.cat((others, k[b])), weights[rows],
+                                           weight_scale=inputs.get("weight_scale", 1.0))
         assert torch.equal(batched[rows], flat[:, others.shape[0]:]), f"{case}: sequence {b}"
 
 

@@ -7,9 +7,11 @@ from deepinfer.hal.spec import SPECS
 from tests.hal.oracle import check_against_oracle
 
 
-def logits_float64(q, k, weights, q_format="mxfp4"):
+def logits_float64(q, k, weights, q_format="mxfp4", weight_scale=1.0):
     """Query by query and head by head: the dot with every key of its list (the shared one, or its
-    sequence's: T / B consecutive queries per sequence), clipped at zero, weighted."""
+    sequence's: T / B consecutive queries per sequence), clipped at zero, weighted by the weight
+    times ``weight_scale``."""
+    weights = weights * weight_scale
     queries = cast_back(q, "mxfp4", 32).double() if q_format == "mxfp4" else q
     per_seq = q.shape[0] // k.shape[0] if k.dim() == 3 else None
     out = torch.zeros(q.shape[0], k.shape[-2], dtype=torch.float64)
@@ -48,6 +50,16 @@ def test_logits_by_hand():
     assert torch.equal(logits, torch.tensor([[1.5, 0.0, 15.0]]))
 
 
+def test_weight_scale_multiplies_bf16_weights_in_float32_by_hand():
+    """bf16 weight 3 times weight_scale 1/3 (float32: 0.3333333432674408) is 1.0000000298 in
+    float64 and rounds to 1.0 in float32; the logit is that times relu(q . k) = 2."""
+    q, k = torch.tensor([[[1.0, 1.0]]]), torch.tensor([[1.0, 1.0]])
+    logits = indexer_logits(q, k, torch.tensor([[3.0]], dtype=torch.bfloat16), q_format=None, weight_scale=1 / 3)
+    assert logits.dtype == torch.float32 and logits.item() == 2.0
+    halved = indexer_logits(q, k, torch.tensor([[3.0]], dtype=torch.bfloat16), q_format=None, weight_scale=0.5)
+    assert halved.item() == 3.0
+
+
 def test_queries_are_cast_through_mxfp4():
     """1.1 in a block whose scale is 2^-2 is 4.4 units, which rounds to the e2m1 value 4: q = 1.0."""
     q, k, weights = torch.full((1, 1, 32), 1.1), torch.ones(1, 32), torch.ones(1, 1)
@@ -72,8 +84,11 @@ def test_topk_window_longer_than_k_never_returns_padding(gen):
 def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="d=48 is not a multiple"):
         indexer_logits(torch.zeros(1, 2, 48), torch.zeros(3, 48), torch.zeros(1, 2))
-    with pytest.raises(ValueError, match=r"weights must be \[T, nh\] = \(1, 2\), got \(2, 1\)"):
+    with pytest.raises(ValueError, match=r"weights must be float32 or bf16 \[T, nh\] = \(1, 2\), got torch.float32 "
+                                         r"\(2, 1\)"):
         indexer_logits(torch.zeros(1, 2, 32), torch.zeros(3, 32), torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="got torch.float16"):
+        indexer_logits(torch.zeros(1, 2, 32), torch.zeros(3, 32), torch.zeros(1, 2, dtype=torch.float16))
     with pytest.raises(ValueError, match="q_format must be one of"):
         indexer_logits(torch.zeros(1, 2, 32), torch.zeros(3, 32), torch.zeros(1, 2), q_format="fp8")
     with pytest.raises(ValueError, match="must lie in the 4 columns"):

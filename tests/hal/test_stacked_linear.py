@@ -8,16 +8,40 @@ from tests.hal.oracle import check_against_oracle
 from tests.hal.test_grouped_gemm import float64_values
 
 
-def stacked_linear_float64(x, weights):
-    """Each product element by element in float64 from the operands' decoded values."""
+def stacked_linear_float64(x, weights, positions=None, cos_sin=None, rope_heads=None, norm_weight=None,
+                           norm_eps=1e-6, keep_normed=False, norm_dtype=None):
+    """Each product element by element in float64 from the operands' decoded values; with
+    ``norm_weight``, of the rows divided by their root mean square (plus ``norm_eps``) times the
+    weight; with ``rope_heads``, each named product's heads turned by hand (:func:`turn_heads_float64`)."""
     xv = float64_values(x).reshape(-1, x.shape[-1])
+    if norm_weight is not None:
+        xv = torch.stack([row / (sum(float(v) ** 2 for v in row) / len(row) + norm_eps) ** 0.5 for row in xv])
+        xv = xv * norm_weight.double()
+        if norm_dtype is not None:  # the contract rounds the normalised rows to norm_dtype
+            xv = xv.to(norm_dtype).double()
     outs = []
     for weight in weights:
         wv = float64_values(weight)
         out = torch.tensor([[sum(float(a) * float(b) for a, b in zip(row, column)) for column in wv] for row in xv],
                            dtype=torch.float64) if xv.shape[0] * wv.shape[0] <= 4096 else xv @ wv.T
         outs.append(out.reshape(*x.shape[:-1], wv.shape[0]))
-    return tuple(outs)
+    if rope_heads is not None:
+        outs = [turn_heads_float64(out, positions, cos_sin, head) if head else out
+                for out, head in zip(outs, rope_heads)]
+    return tuple(outs) + ((xv.reshape(x.shape),) if keep_normed else ())
+
+
+def turn_heads_float64(out, positions, cos_sin, head):
+    """Pair ``(2i, 2i + 1)`` of each ``head``-wide head's trailing ``R`` columns of row ``t``
+    turned by the angle whose cos and sin are ``cos_sin[positions[t], i]`` and ``[.., R/2 + i]``."""
+    out, half = out.clone(), cos_sin.shape[1] // 2
+    for t, p in enumerate(positions.tolist()):
+        for first in range(head - 2 * half, out.shape[1], head):
+            for i in range(half):
+                c, s = float(cos_sin[p, i]), float(cos_sin[p, half + i])
+                a, b = float(out[t, first + 2 * i]), float(out[t, first + 2 * i + 1])
+                out[t, first + 2 * i], out[t, first + 2 * i + 1] = a * c - b * s, a * s + b * c
+    return out
 
 
 @pytest.mark.parametrize("case", [c.name for c in SPECS["stacked_linear"].cases if c.size != "real"])
@@ -50,3 +74,48 @@ def test_each_product_has_linears_dtype():
 def test_bad_weights_are_refused(weights, message):
     with pytest.raises(ValueError, match=message):
         stacked_linear(torch.zeros(3, 8), weights)
+
+
+def test_rope_heads_turn_only_the_named_products_tails_by_hand():
+    """Two 4-wide heads with R=2: column pairs (2, 3) and (6, 7) turn by the row's angle, the
+    rest and the product with head width 0 stay as plain linears."""
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    w = torch.arange(16.0).view(8, 2)
+    cos_sin = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # position 0: no turn; position 1: a quarter turn
+    turned, plain = stacked_linear(x, [w, w], torch.tensor([0, 1]), cos_sin, [4, 0])
+    assert plain.tolist() == [[0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0], [1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0]]
+    assert turned[0].tolist() == plain[0].tolist()
+    # (a, b) -> (a cos - b sin, a sin + b cos) = (-b, a) at a quarter turn
+    assert turned[1].tolist() == [1.0, 3.0, -7.0, 5.0, 9.0, 11.0, -15.0, 13.0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rope_heads=[4]), "needs positions"),
+    (dict(positions=torch.zeros(3, dtype=torch.long), cos_sin=torch.zeros(8, 2)), "go with rope_heads"),
+    (dict(positions=torch.zeros(3, dtype=torch.long), cos_sin=torch.zeros(8, 2), rope_heads=[4, 4]),
+     "one head width per weight"),
+    (dict(positions=torch.zeros(3, dtype=torch.long), cos_sin=torch.zeros(8, 2), rope_heads=[5]), "divides"),
+    (dict(positions=torch.zeros(3, dtype=torch.long), cos_sin=torch.zeros(8, 4), rope_heads=[2]), "at least"),
+    (dict(positions=torch.zeros(2, dtype=torch.long), cos_sin=torch.zeros(8, 2), rope_heads=[4]), "positions"),
+])
+def test_bad_rope_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        stacked_linear(torch.zeros(3, 8), [torch.zeros(12, 8)], **kwargs)
+
+
+def test_norm_weight_normalises_the_input_by_hand():
+    """Rows (3, 4) and (0, 2), root mean squares 3.5355 and 1.4142: each weight reads the
+    normalised row times the norm weight (2, 0.5)."""
+    x = torch.tensor([[3.0, 4.0], [0.0, 2.0]], dtype=torch.float64)
+    (y,) = stacked_linear(x, [torch.eye(2, dtype=torch.float64)], norm_weight=torch.tensor([2.0, 0.5],
+                                                                                           dtype=torch.float64),
+                          norm_eps=0.0)
+    rms = torch.tensor([[12.5 ** 0.5], [2.0 ** 0.5]], dtype=torch.float64)
+    assert torch.allclose(y, x / rms * torch.tensor([2.0, 0.5], dtype=torch.float64), rtol=1e-6)
+    (y_again, normed) = stacked_linear(x, [torch.eye(2, dtype=torch.float64)], norm_weight=torch.tensor(
+        [2.0, 0.5], dtype=torch.float64), norm_eps=0.0, keep_normed=True)
+    assert torch.equal(normed, y_again)  # the identity weight: the product is the normalised input
+    with pytest.raises(ValueError, match="keep_normed and norm_dtype are about the normalised input"):
+        stacked_linear(x, [torch.eye(2, dtype=torch.float64)], keep_normed=True)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        stacked_linear(x, [torch.eye(2, dtype=torch.float64)], norm_weight=torch.ones(3, dtype=torch.float64))

@@ -2,7 +2,10 @@
 :data:`MAX_WEIGHTS` that share their input: each program takes ``BLOCK_N`` output columns of one
 weight and streams that slice of it through shared memory in ``BLOCK_K`` steps, float32
 accumulation, a bf16 store. Each weight's product is stored as its own contiguous ``[rows, N_i]``
-block of one buffer, so the callers read every product as a plain tensor.
+block of one buffer, so the callers read every product as a plain tensor. A product may leave
+with RoPE applied to its heads (the HAL ``stacked_linear``'s ``rope_heads``): the epilogue rounds
+the tile to bf16, turns the interleaved pairs of each head's trailing dims by the row's angles, and
+stores the turned values.
 
 With a handful of rows a linear reads its weight once and is bound by memory: narrow column
 blocks keep the SMs streaming, and one launch serves several weights that share their input.
@@ -32,71 +35,115 @@ def tiles_for(widths: list[int]) -> dict[str, int] | None:
 
 
 @triton.jit
-def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, end0, end1, end2, end3, end4, WEIGHTS: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr):
+def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1, end2, end3, end4, positions,
+                         cos_sin, table_stride, head0, head1, head2, head3, head4, norm_weight, norm_eps, normed,
+                         WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NUM_STAGES: tl.constexpr, ROPE: tl.constexpr = 0, NORM: tl.constexpr = False,
+                         KEEP_NORMED: tl.constexpr = False):
     """Columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))`` and rows ``[BLOCK_T * pid1, ..)`` of
-    ``x [rows, k] @ cat(w0 .. w{WEIGHTS - 1}).T``; ``end0 ..``: the weights' cumulative widths
-    (each width a multiple of ``BLOCK_N``). The product with weight ``i``, columns
-    ``[start, end)``, is stored as a contiguous ``[rows, end - start]`` block at element
-    ``rows * start`` of ``y``."""
+    ``x [rows, k] @ cat(w0 .. w{WEIGHTS - 1}).T`` (rows of ``x`` ``x_stride`` elements apart);
+    ``end0 ..``: the weights' cumulative widths (each width a multiple of ``BLOCK_N``). The product
+    with weight ``i``, columns ``[start, end)``, is stored as a contiguous ``[rows, end - start]``
+    block at element ``rows * start`` of ``y``. With ``ROPE`` (the rotated dims, 0 for none) and ``head_i`` > 0,
+    the trailing ``ROPE`` columns of each ``head_i``-wide head of product ``i`` are turned in
+    interleaved pairs by row ``positions[r]`` of ``cos_sin`` (cos then sin, ``table_stride`` apart).
+    With ``NORM`` the rows of ``x`` are RMS-normalised first (float32, ``norm_eps``, times
+    ``norm_weight [k]``, rounded to ``y``'s dtype): a first pass over ``k`` sums the squares; with
+    ``KEEP_NORMED`` the programs of the first column block also store them in ``normed [rows, k]``."""
     col0 = tl.program_id(0) * BLOCK_N
     start = end0 * 0
     end = end0
     w = w0
+    head = head0
     if WEIGHTS > 1:
         if col0 >= end0:
-            start, end, w = end0, end1, w1
+            start, end, w, head = end0, end1, w1, head1
     if WEIGHTS > 2:
         if col0 >= end1:
-            start, end, w = end1, end2, w2
+            start, end, w, head = end1, end2, w2, head2
     if WEIGHTS > 3:
         if col0 >= end2:
-            start, end, w = end2, end3, w3
+            start, end, w, head = end2, end3, w3, head3
     if WEIGHTS > 4:
         if col0 >= end3:
-            start, end, w = end3, end4, w4
+            start, end, w, head = end3, end4, w4, head4
     row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = row < rows
     local = col0 - start + tl.arange(0, BLOCK_N)
     depth = tl.arange(0, BLOCK_K)
-    x_rows = x + row[:, None].to(tl.int64) * k
+    x_rows = x + row[:, None].to(tl.int64) * x_stride
     w_rows = w + local[:, None].to(tl.int64) * k
+    if NORM:
+        squares = tl.zeros((BLOCK_T,), tl.float32)
+        for step in tl.range(0, k, BLOCK_K):
+            kk = step + depth
+            a = tl.load(x_rows + kk[None, :], mask=live[:, None] & (kk < k)[None, :], other=0.0).to(tl.float32)
+            squares += tl.sum(a * a, axis=1)
+        scale = 1.0 / tl.sqrt_rn(squares / k + norm_eps)
     acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
     for step in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
         kk = step + depth
         within = kk < k
         a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
+        if NORM:
+            gain = tl.load(norm_weight + kk, mask=within, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * scale[:, None] * gain[None, :]).to(y.dtype.element_ty)
+            if KEEP_NORMED:
+                if tl.program_id(0) == 0:
+                    tl.store(normed + row[:, None].to(tl.int64) * k + kk[None, :], a,
+                             mask=live[:, None] & within[None, :])
         b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc)
     out = y + start.to(tl.int64) * rows + row[:, None].to(tl.int64) * (end - start) + local[None, :]
+    if ROPE:
+        product = acc.to(y.dtype.element_ty).to(tl.float32)
+        even, odd = tl.split(tl.reshape(product, (BLOCK_T, BLOCK_N // 2, 2)))
+        within = (col0 - start + 2 * tl.arange(0, BLOCK_N // 2)) % tl.maximum(head, 1)
+        turning = live[:, None] & ((within >= head - ROPE) & (within * 0 + head > 0))[None, :]
+        position = tl.load(positions + row, mask=live, other=0)
+        angle = cos_sin + position[:, None].to(tl.int64) * table_stride + ((within - (head - ROPE)) // 2)[None, :]
+        cos = tl.load(angle, mask=turning, other=1.0)
+        sin = tl.load(angle + ROPE // 2, mask=turning, other=0.0)
+        acc = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (BLOCK_T, BLOCK_N))
     tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
 
 
-def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor],
-                  tiles: dict[str, int] | None = None) -> list[torch.Tensor]:
-    """``[x @ w.T for w in weights]`` for contiguous bf16 ``x [rows, K]`` and contiguous bf16
+def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str, int] | None = None,
+                  rope: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
+                  norm: tuple[torch.Tensor, float] | None = None, keep_normed: bool = False) -> list[torch.Tensor]:
+    """``[x @ w.T for w in weights]`` for bf16 ``x [rows, K]`` (unit stride along ``K``; float32 with
+    ``norm``, the normalised rows rounded to bf16) and contiguous bf16
     ``weights [N_i, K]`` (each ``N_i`` a multiple of ``tiles["block_n"]``; default
     :func:`tiles_for` the widths): contiguous ``[rows, N_i]`` views of one buffer,
-    :data:`MAX_WEIGHTS` weights a launch."""
+    :data:`MAX_WEIGHTS` weights a launch. ``rope``: ``(positions int64 [rows], cos_sin float32
+    [P, R], head width per weight)`` turns each head's trailing ``R`` columns (the HAL
+    ``stacked_linear``'s ``rope_heads``; widths 0, or multiples of the column block and at least ``R``).
+    ``norm``: ``(weight [K], eps)``, the products of ``x`` RMS-normalised (the HAL ``rms_norm``);
+    ``keep_normed`` appends that normalised ``x`` (contiguous ``[rows, K]``) to the products."""
     rows, k = x.shape
     widths = [w.shape[0] for w in weights]
     tiles = tiles or tiles_for(widths)
-    y = torch.empty(rows * sum(widths), dtype=x.dtype, device=x.device)
+    y = torch.empty(rows * sum(widths), dtype=weights[0].dtype, device=x.device)
+    positions, table, heads = rope if rope is not None else (y, y, [0] * len(weights))
+    rotated = table.shape[1] if rope is not None else 0
+    norm_weight, eps = norm if norm is not None else (x, 0.0)
+    normed = torch.empty(rows, k, dtype=y.dtype, device=x.device) if keep_normed else y
     for first in range(0, len(weights) if rows else 0, MAX_WEIGHTS):
         chunk = weights[first:first + MAX_WEIGHTS]
         ends = list(itertools.accumulate(w.shape[0] for w in chunk))
         base = rows * sum(widths[:first])
         pad = MAX_WEIGHTS - len(chunk)
         linear_skinny_kernel[(ends[-1] // tiles["block_n"], -(-rows // BLOCK_T))](
-            x, *chunk, *[chunk[0]] * pad, y[base:], rows, k, *ends, *[ends[-1]] * pad, WEIGHTS=len(chunk),
-            BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"],
+            x, *chunk, *[chunk[0]] * pad, y[base:], rows, k, x.stride(0), *ends, *[ends[-1]] * pad, positions, table,
+            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, norm_weight, float(eps), normed,
+            WEIGHTS=len(chunk), BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
+            NUM_STAGES=tiles["stages"], ROPE=rotated, NORM=norm is not None, KEEP_NORMED=keep_normed and not first,
             num_warps=tiles["warps"])
     outs, offset = [], 0
     for width in widths:
         outs.append(y[offset:offset + rows * width].view(rows, width))
         offset += rows * width
-    return outs
+    return outs + [normed] if keep_normed else outs
 
 
 def main() -> None:

@@ -11,11 +11,13 @@ import torch
 
 
 @tilelang.jit
-def indexer_logits(heads: int, dim: int, block_keys: int = 128, threads: int = 128, queries_per_seq: int = 0):
+def indexer_logits(heads: int, dim: int, block_keys: int = 128, threads: int = 128, queries_per_seq: int = 0,
+                   weights_dtype: str = "float", weight_scale: float = 1.0):
     """Kernel ``(q bf16 [tokens, heads, dim], k bf16 [keys, dim] (or [seqs, keys, dim] with
-    ``queries_per_seq``), weights f32 [tokens, heads], logits f32 [tokens, keys])``; ``tokens``,
-    ``keys`` and ``seqs`` are dynamic. ``heads`` a multiple of 64 and ``dim`` of 32 (the wrapper
-    pads with zeros)."""
+    ``queries_per_seq``), weights [tokens, heads] (``weights_dtype``: float or bfloat16), logits f32
+    [tokens, keys])``; ``tokens``, ``keys`` and ``seqs`` are dynamic. ``heads`` a multiple of 64 and
+    ``dim`` of 32 (the wrapper pads with zeros). Each weight is read as float32 and multiplied by
+    ``weight_scale`` (a float32 constant) where that is not 1."""
     tokens = T.dynamic("tokens")
     keys = T.dynamic("keys")
     seqs = T.dynamic("seqs")
@@ -23,7 +25,7 @@ def indexer_logits(heads: int, dim: int, block_keys: int = 128, threads: int = 1
 
     @T.prim_func
     def kernel(q: T.Tensor((tokens, heads, dim), "bfloat16"), k: T.Tensor(key_shape, "bfloat16"),
-               weights: T.Tensor((tokens, heads), "float"), logits: T.Tensor((tokens, keys), "float")):
+               weights: T.Tensor((tokens, heads), weights_dtype), logits: T.Tensor((tokens, keys), "float")):
         with T.Kernel(T.ceildiv(keys, block_keys), tokens, threads=threads) as (kb, t):
             q_tile = T.alloc_shared((heads, dim), "bfloat16")
             k_tile = T.alloc_shared((block_keys, dim), "bfloat16")
@@ -37,7 +39,11 @@ def indexer_logits(heads: int, dim: int, block_keys: int = 128, threads: int = 1
             T.clear(scores)
             T.gemm(q_tile, k_tile, scores, transpose_B=True)
             for h, j in T.Parallel(heads, block_keys):
-                scores[h, j] = T.max(scores[h, j], 0.0) * weights[t, h]
+                if weight_scale == 1.0:
+                    scores[h, j] = T.max(scores[h, j], 0.0) * T.Cast("float32", weights[t, h])
+                else:
+                    scores[h, j] = T.max(scores[h, j], 0.0) * (T.Cast("float32", weights[t, h]) *
+                                                                T.float32(weight_scale))
             T.reduce_sum(scores, total, dim=0)
             for j in T.Parallel(block_keys):
                 if kb * block_keys + j < keys:

@@ -11,10 +11,13 @@ Q_FORMATS = ("mxfp4", None)
 
 
 def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
-                   q_format: str | None = "mxfp4") -> torch.Tensor:
-    """``logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])``, float32 ``[T, S]``.
+                   q_format: str | None = "mxfp4", weight_scale: float = 1.0) -> torch.Tensor:
+    """``logits[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])``, float32 ``[T, S]``, where ``w`` is
+    ``weights`` (float32 or bf16 ``[T, nh]``) in float32 times ``weight_scale`` rounded to float32
+    (:func:`scaled_weights`: the indexer's head weights leave their projection in the activation
+    dtype and are scaled in float32).
 
-    ``q [T, nh, d]``, ``weights float32 [T, nh]``; ``k`` holds the dequantized index keys, either
+    ``q [T, nh, d]``; ``k`` holds the dequantized index keys, either
     ``[S, d]`` (every query scores every key) or ``[B, S, d]`` (one key list per sequence: the
     queries are ``T / B`` consecutive rows per sequence, and query ``t`` scores the keys of
     sequence ``t // (T / B)``, as a decode step lays them out). With ``q_format="mxfp4"`` (the
@@ -22,7 +25,7 @@ def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     ``d``, so ``d % 32 == 0``); with None it is used as given. Heads are summed in order."""
     check_indexer_logits(q, k, weights, q_format)
     queries = cast_back(q, "mxfp4", 32) if q_format == "mxfp4" else q.float()
-    weights = weights.float()
+    weights = scaled_weights(weights, weight_scale)
     if k.dim() == 3:
         queries, weights = queries.unflatten(0, (k.shape[0], -1)), weights.unflatten(0, (k.shape[0], -1))
     keys = k.float().transpose(-1, -2)
@@ -30,6 +33,11 @@ def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     for head in range(q.shape[1]):  # head by head: memory [T, S], not [T, nh, S]
         logits.addcmul_(torch.relu(queries[..., head, :] @ keys), weights[..., head, None])
     return logits.reshape(q.shape[0], k.shape[-2])
+
+
+def scaled_weights(weights: torch.Tensor, weight_scale: float) -> torch.Tensor:
+    """``weights`` in float32 times ``weight_scale`` rounded to float32 (a float32 product)."""
+    return weights.float() * torch.tensor(weight_scale, dtype=torch.float32, device=weights.device)
 
 
 def check_indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_format: str | None) -> None:
@@ -41,8 +49,9 @@ def check_indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
                          f"k {tuple(k.shape)}")
     if k.ndim == 3 and (k.shape[0] == 0 or q.shape[0] % k.shape[0]):
         raise ValueError(f"k [B={k.shape[0]}, S, d] needs the T={q.shape[0]} queries to split into B equal runs")
-    if weights.shape != q.shape[:2]:
-        raise ValueError(f"weights must be [T, nh] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
+    if weights.shape != q.shape[:2] or weights.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"weights must be float32 or bf16 [T, nh] = {tuple(q.shape[:2])}, got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
     if q_format == "mxfp4" and q.shape[2] % 32:
         raise ValueError(f"q_format 'mxfp4' quantizes d in blocks of 32; d={q.shape[2]} is not a multiple")
 
@@ -96,22 +105,29 @@ def check_windows(logits, starts, lengths, k, row_table=None) -> None:
                              f"{int(lengths.max())})")
 
 
-def _logits_case(tokens, heads, dim, keys, q_format="mxfp4", dtype=torch.float32):
+def _weights(tokens, heads, gen, device, scaled):
+    """Head weights: float32 of scale ``heads ** -0.5``; ``scaled``: bf16 projections of unit
+    scale with the model's ``weight_scale`` of ``heads`` heads of 128."""
+    if not scaled:
+        return {"weights": (heads ** -0.5 * torch.randn(tokens, heads, generator=gen)).to(device)}
+    return {"weights": torch.randn(tokens, heads, generator=gen).to(device, torch.bfloat16),
+            "weight_scale": (heads * 128) ** -0.5}
+
+
+def _logits_case(tokens, heads, dim, keys, q_format="mxfp4", dtype=torch.float32, scaled=False):
     def make(gen: torch.Generator, device: torch.device):
         return {"q": torch.randn(tokens, heads, dim, generator=gen).to(device, dtype),
                 "k": torch.randn(keys, dim, generator=gen).to(device, dtype),
-                "weights": (heads ** -0.5 * torch.randn(tokens, heads, generator=gen)).to(device),
-                "q_format": q_format}
+                **_weights(tokens, heads, gen, device, scaled), "q_format": q_format}
     return make
 
 
-def _batched_logits_case(seqs, queries_per_seq, heads, dim, keys, dtype=torch.float32):
+def _batched_logits_case(seqs, queries_per_seq, heads, dim, keys, dtype=torch.float32, scaled=False):
     def make(gen: torch.Generator, device: torch.device):
         tokens = seqs * queries_per_seq
         return {"q": torch.randn(tokens, heads, dim, generator=gen).to(device, dtype),
                 "k": torch.randn(seqs, keys, dim, generator=gen).to(device, dtype),
-                "weights": (heads ** -0.5 * torch.randn(tokens, heads, generator=gen)).to(device),
-                "q_format": "mxfp4"}
+                **_weights(tokens, heads, gen, device, scaled), "q_format": "mxfp4"}
     return make
 
 
@@ -153,6 +169,10 @@ register(OpSpec(
                dtype=torch.bfloat16),
         OpCase("v41_decode_bf16", _batched_logits_case(8, 6, 64, 128, 1024, dtype=torch.bfloat16), "real",
                dtype=torch.bfloat16),
+        OpCase("tiny_scaled_bf16", _batched_logits_case(2, 3, 4, 64, 70, dtype=torch.bfloat16, scaled=True),
+               dtype=torch.bfloat16),
+        OpCase("v41_decode_scaled_bf16", _batched_logits_case(4, 1, 64, 128, 512, dtype=torch.bfloat16, scaled=True),
+               "real", dtype=torch.bfloat16),
     ),
 ))
 

@@ -42,8 +42,8 @@ class Compressor(nn.Module):
 
 class Indexer(nn.Module):
     """Lightning-style indexer: index queries from ``q_a``, index keys from pre-RoPE compressed KV.
-    ``weight_scale`` (float32 ``[1]``) scales the head weights: a tensor with a dimension, so its
-    product with the projection's output is computed and kept in float32, in one launch."""
+    ``weight_scale`` (``(heads * 128) ** -0.5``) scales the head weights in float32, inside
+    ``indexer_logits``."""
 
     def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype):
         super().__init__()
@@ -52,7 +52,7 @@ class Indexer(nn.Module):
         self.wk = Linear(ATTENTION_DIM, INDEX_HEAD_DIM, ops, dtype)
         self.k_norm = RMSNorm(INDEX_HEAD_DIM, cfg.rms_norm_eps, ops, dtype)
         self.weights_proj = Linear(cfg.hidden_size, self.heads, ops, dtype)
-        self.register_buffer("weight_scale", torch.full((1,), (self.heads * INDEX_HEAD_DIM) ** -0.5), persistent=False)
+        self.weight_scale = (self.heads * INDEX_HEAD_DIM) ** -0.5
 
 
 class Attention(nn.Module):
@@ -76,8 +76,10 @@ class Attention(nn.Module):
         self.scale = ATTENTION_DIM ** -0.5
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext, cache: LayerCache, cos_sin: torch.Tensor,
-                kv_source: torch.Tensor | None = None, kv_ctx: ForwardContext | None = None) -> torch.Tensor:
-        """``hidden`` is the normed layer input; compressed KV is projected from ``kv_source``
+                kv_source: torch.Tensor | None = None, kv_ctx: ForwardContext | None = None,
+                norm: RMSNorm | None = None) -> torch.Tensor:
+        """``hidden`` is the normed layer input, or with ``norm`` the input that ``norm`` normalises
+        (in the projections' ``stacked_linear``); compressed KV is projected from ``kv_source``
         (the YOCO shared hidden in consumer layers) when given, for every token of ``kv_ctx``
         (default ``ctx``; more rows than ``ctx`` under compact bounded replay). Consumer layers
         see SWA keys only from ``ctx.replay_start`` on, when it is set."""
@@ -85,10 +87,12 @@ class Attention(nn.Module):
         bounded = kv_source is not None and ctx.replay_start is not None
         visible = ctx.derived(("replay_visible",), lambda: ctx.replay_start[ctx.seq_of_token]) if bounded else None
         indexing = bool(self.ratio) and (ctx.decode or not self._windows_fit_topk(ctx))
-        projected = self._project_hidden(hidden, indexing, compressing=bool(self.ratio) and kv_source is None)
-        q_a = self.q_norm(projected["q_a"])
-        q_b = stacked(ops, q_a, [self.wq_b, self.indexer.wq_b] if indexing else [self.wq_b])
-        q = rope_tail(ops, q_b[0].view(ctx.num_tokens, self.heads, ATTENTION_DIM), pos, cos_sin)
+        projected = self._project_hidden(hidden, indexing, compressing=bool(self.ratio) and kv_source is None,
+                                         norm=norm)
+        q_weights, q_heads = ([self.wq_b, self.indexer.wq_b], [ATTENTION_DIM, INDEX_HEAD_DIM]) if indexing else \
+            ([self.wq_b], [ATTENTION_DIM])
+        q_b = stacked(ops, projected["q_a"], q_weights, rope=(pos, cos_sin, q_heads), norm=self.q_norm)
+        q = q_b[0].view(ctx.num_tokens, self.heads, ATTENTION_DIM)
         kv_latent = projected["kv"]
         selected = None
         if self.ratio:
@@ -97,16 +101,18 @@ class Attention(nn.Module):
             else:
                 self._project_and_store(kv_source, kv_ctx or ctx, cache, cos_sin)
             selected = self._select_compressed(q_b[1] if indexing else None, projected.get("head_weights"), ctx,
-                                               cache, cos_sin)
+                                               cache)
         attend = self._attend_decode if ctx.decode else self._attend_prefill
         out = attend(q, kv_latent, selected, ctx, cache, visible, cos_sin)
         out = rope_tail(ops, out, pos, cos_sin, conjugate=True)
         return self._project_out(out)
 
-    def _project_hidden(self, hidden: torch.Tensor, indexing: bool, compressing: bool) -> dict[str, torch.Tensor]:
-        """The projections of ``hidden`` in one ``stacked_linear`` (DeepInfer's fused GEMMs):
-        ``q_a`` and the SWA key ``kv``; ``head_weights`` (the indexer's) when ``indexing``; the
-        compressor's ``latent`` (and, for C2, ``score``) when ``compressing`` ``hidden`` itself."""
+    def _project_hidden(self, hidden: torch.Tensor, indexing: bool, compressing: bool,
+                        norm: RMSNorm | None = None) -> dict[str, torch.Tensor]:
+        """The projections of ``hidden`` (or ``norm(hidden)``) in one ``stacked_linear`` (DeepInfer's
+        fused GEMMs): ``q_a`` and the SWA key ``kv``; ``head_weights`` (the indexer's) when
+        ``indexing``; the compressor's ``latent`` (and, for C2, ``score``) when ``compressing``
+        ``hidden`` itself."""
         named = {"q_a": self.wq_a, "kv": self.wkv}
         if indexing:
             named["head_weights"] = self.indexer.weights_proj
@@ -114,7 +120,7 @@ class Attention(nn.Module):
             named["latent"] = self.compressor.wkv
             if self.compressor.wgate is not None:
                 named["score"] = self.compressor.wgate
-        return dict(zip(named, stacked(self.ops, hidden, list(named.values()))))
+        return dict(zip(named, stacked(self.ops, hidden, list(named.values()), norm=norm)))
 
     def _project_and_store(self, source, ctx, cache, cos_sin) -> None:
         """Project ``source`` (another layer's hidden, with its own rows) through the compressor
@@ -134,8 +140,9 @@ class Attention(nn.Module):
         key_pos, slots = ctx.derived(("compressed_store", self.ratio), lambda: self._store_rows(ctx, cache))
         ops.kv_norm_rope_store(keys, comp.norm.weight, comp.norm.eps, key_pos, cos_sin, cache.compressed, slots,
                                self.cfg.compressed_cache_format)
-        pre_rope, k_norm = comp.norm(keys), self.indexer.k_norm  # the indexer projects the keys before RoPE
-        index_keys = self.indexer.wk(pre_rope.to(source.dtype))  # KProject runs in the activation dtype
+        # the indexer projects the normed keys before RoPE, in the activation dtype
+        index_keys = stacked(ops, keys, [self.indexer.wk], norm=comp.norm, dtype=source.dtype)[0]
+        k_norm = self.indexer.k_norm
         ops.kv_norm_rope_store(index_keys, k_norm.weight, k_norm.eps, key_pos, cos_sin, cache.index_k, slots,
                                "index_fp4")
 
@@ -188,9 +195,9 @@ class Attention(nn.Module):
         index = torch.arange(total, device=counts.device) - first[seq]
         return cache.compressed_slots(ctx.block_tables, seq, index), first
 
-    def _select_compressed(self, index_q, head_weights, ctx, cache, cos_sin) -> torch.Tensor:
+    def _select_compressed(self, index_q, head_weights, ctx, cache) -> torch.Tensor:
         """The compressed keys each query attends to (-1 padding), from the indexer's queries
-        ``index_q`` (before RoPE) and ``head_weights``: offsets among its sequence's keys, or in a
+        ``index_q`` (RoPE applied) and ``head_weights``: offsets among its sequence's keys, or in a
         decode step their cache rows. A decode step scores each sequence's own keys only
         (per-sequence index keys). When no sequence of a prefill step holds more than
         ``index_topk`` compressed keys, the top-k of every query is its whole window, and the
@@ -202,20 +209,20 @@ class Attention(nn.Module):
                 offsets = torch.arange(topk, device=ctx.positions.device, dtype=torch.int32)
                 return torch.where(offsets < self._visible(ctx)[:, None], offsets, -1)
             return ctx.derived(("whole_compressed_windows", self.ratio, topk), whole_windows)
-        q = rope_tail(ops, index_q.view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM), ctx.positions, cos_sin)
-        weights = head_weights * idx.weight_scale  # float32, as the [1]-shaped scale
+        q = index_q.view(ctx.num_tokens, idx.heads, INDEX_HEAD_DIM)
         key_slots, first = self._compressed_keys(ctx, cache)
         if ctx.decode:
             keys = ops.kv_load(cache.index_k, key_slots, "index_fp4", dtype=q.dtype).view(ctx.num_seqs, -1,
                                                                                           INDEX_HEAD_DIM)
             visible = self._decode_layout(ctx, cache)[1]
             starts = ctx.derived(("zeros", visible.shape), lambda: torch.zeros_like(visible))
-            return ops.indexer_topk(ops.indexer_logits(q, keys, weights), starts, visible, topk,
-                                    row_table=self._rows_of_token(ctx, cache))
+            logits = ops.indexer_logits(q, keys, head_weights, weight_scale=idx.weight_scale)
+            return ops.indexer_topk(logits, starts, visible, topk, row_table=self._rows_of_token(ctx, cache))
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
         visible = self._visible(ctx)
         starts = first[ctx.seq_of_token]
-        return torch.cat([ops.indexer_topk(ops.indexer_logits(q[t0:t1], keys[k0:k1], weights[t0:t1]),
+        return torch.cat([ops.indexer_topk(ops.indexer_logits(q[t0:t1], keys[k0:k1], head_weights[t0:t1],
+                                                              weight_scale=idx.weight_scale),
                                            starts[t0:t1] - k0, visible[t0:t1], topk)
                           for t0, t1, k0, k1 in self._indexer_groups(ctx)])
 

@@ -34,12 +34,14 @@ class Block(nn.Module):
         """Returns ``(trunk, pre mix for the next sublayer, its input)`` (:meth:`run`); ``yoco``
         carries the shared hidden."""
         def attention(x):
-            hidden = self.attn_norm(x)
             if yoco.starts_here and yoco.shared_hidden is None:
-                yoco.shared_hidden, yoco.shared_ctx = hidden, ctx
-            return self.attn(hidden, ctx, cache, cos_sin, kv_source=yoco.shared_hidden, kv_ctx=yoco.shared_ctx)
+                yoco.shared_hidden, yoco.shared_ctx = self.attn_norm(x), ctx
+                return self.attn(yoco.shared_hidden, ctx, cache, cos_sin, kv_source=yoco.shared_hidden,
+                                 kv_ctx=yoco.shared_ctx)
+            return self.attn(x, ctx, cache, cos_sin, kv_source=yoco.shared_hidden, kv_ctx=yoco.shared_ctx,
+                             norm=self.attn_norm)  # attn_norm in the projections' stacked_linear
 
-        return self.run(residual, pre, attention, lambda h: self.ffn(self.ffn_norm(h)), x)
+        return self.run(residual, pre, attention, lambda h: self.ffn(h, norm=self.ffn_norm), x)
 
     def run(self, residual, pre, attention, ffn, x=None):
         """The hyper-connection wiring around two sublayer callables (``[T, H] -> [T, H]``, fed the

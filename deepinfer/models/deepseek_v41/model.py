@@ -17,7 +17,7 @@ from deepinfer.models.deepseek_v41.draft import DraftBlock, HyperHead
 from deepinfer.models.deepseek_v41.mhc import first_stream_mix
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.interface import DraftProposal, DraftSampling
-from deepinfer.models.layers import Linear, RMSNorm
+from deepinfer.models.layers import Linear, RMSNorm, stacked
 
 
 class Embedding(nn.Module):
@@ -27,11 +27,13 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=dtype), requires_grad=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, streams: int | None = None) -> torch.Tensor:
+        """``[T, hidden]``, or with ``streams`` the embedding repeated over that many hyper-connection
+        streams, ``[T, streams, hidden]``, in one gather."""
         if value_checks() and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.weight.shape[0]):
             raise ValueError(f"token ids must be in [0, {self.weight.shape[0]}), got range "
                              f"[{int(ids.min())}, {int(ids.max())}]")
-        return self.weight[ids]
+        return self.weight[ids] if streams is None else self.weight[ids.unsqueeze(1).expand(-1, streams)]
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -94,10 +96,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"position {int(ctx.positions.max())} is beyond max_model_len {self.max_model_len} "
                              f"(plus the {self.position_margin} positions speculative rows may reach)")
         streams = self.cfg.hc_mult
-        x = self.embed(ctx.input_ids)
-        residual = torch.cat([x] * streams, dim=-1).view(x.shape[0], streams, x.shape[-1])  # cat copies in vectors
+        residual = self.embed(ctx.input_ids, streams)
         pre = self.first_pre.expand(ctx.num_tokens, streams) if self.cfg.hc_shifted else None
-        x = x if self.cfg.hc_shifted else None  # the first mix reads stream 0: the embedding itself
+        x = residual[:, 0] if self.cfg.hc_shifted else None  # the first mix reads stream 0: the embedding itself
         yoco, features = YocoState(), []
         for i, (layer, cache) in enumerate(zip(self.layers, caches.layers)):
             yoco.starts_here = i == self.cfg.n_prefill_layers
@@ -111,11 +112,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         if ctx.write_draft_cache:
             self._write_draft_main_keys(torch.cat(features, dim=-1), ctx, caches)
         if x is None:
-            residual = residual[ctx.logits_indices]
+            residual = residual if ctx.every_row_logits else residual[ctx.logits_indices]
             x = self.ops.mhc_pre(residual, self.hc_head.weights(residual))
-        else:
+        elif not ctx.every_row_logits:
             x = x[ctx.logits_indices]
-        return self.head(self.norm(x)).float()
+        return stacked(self.ops, x, [self.head], norm=self.norm)[0].float()  # the final norm in the head's prologue
 
     def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
         """Store every draft layer's main keys (from the mean-over-streams target features) in its
@@ -136,14 +137,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         the confidence head reads."""
         if not ctx.draft_block or not ctx.decode:
             raise ValueError("draft_forward needs a decode ForwardContext with draft_block set")
-        x = self.embed(ctx.input_ids)
-        residual = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        residual = self.embed(ctx.input_ids, self.cfg.hc_mult)
         yoco = YocoState()
         for block, cache in zip(self.mtp, caches.draft_layers):
             residual, _, _ = block(residual, None, ctx, cache, self.rope_swa, yoco)
         last = self.mtp[-1]
         hidden = self.ops.mhc_pre(residual, last.hc_head.weights(residual))
-        return self.head(last.norm(hidden)).float(), hidden
+        return stacked(self.ops, hidden, [self.head], norm=last.norm)[0].float(), hidden
 
     def draft(self, ctx: ForwardContext, caches: ModelCaches, sampling: DraftSampling) -> DraftProposal:
         """DSpark drafts: one parallel :meth:`draft_forward`, then token by token the Markov

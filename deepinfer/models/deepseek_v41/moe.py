@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.hal.registry import OpTable
-from deepinfer.models.layers import Linear, quantized_operand, quantized_parameters, stacked
+from deepinfer.models.layers import Linear, RMSNorm, quantized_operand, quantized_parameters, stacked
 
 
 class Gate(nn.Module):
@@ -69,11 +69,16 @@ class MoE(nn.Module):
         self.experts = Experts(experts, hidden, intermediate, dtype)
         self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Routed experts plus the shared expert; the router's logits and the shared expert's gate
-        and up projections come from one ``stacked_linear`` of ``x``."""
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """Routed experts plus the shared expert on ``x`` (or ``norm(x)``, computed in the same
+        ``stacked_linear`` that gives the router's logits and the shared expert's gate and up
+        projections, which also returns it for the dispatch)."""
         shared = self.shared_experts
-        logits, gate, up = stacked(self.ops, x, [self.gate.weight, shared.w1, shared.w3])
+        weights = [self.gate.weight, shared.w1, shared.w3]
+        if norm is None:
+            logits, gate, up = stacked(self.ops, x, weights)
+        else:
+            logits, gate, up, x = stacked(self.ops, x, weights, norm=norm, keep_normed=True)
         return self._routed(x, *self._select(logits), shared.w2(self.ops.swiglu(gate, up, self.limit)))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
