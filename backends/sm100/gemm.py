@@ -28,8 +28,9 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
     that would cost a host sync). ``batch_invariant`` fixes the tiles (:data:`INVARIANT_TILES`);
     there is never a split over K. ``options.tcgen05`` picks the Blackwell variant of the bf16 kernel.
     Otherwise bf16 operands with at most :data:`SKINNY_BF16_ROWS_PER_EXPERT` rows per expert on
-    average take :mod:`.fused.grouped_gemm_skinny`. Calls on the same ``group_sizes`` share one
-    tile schedule launch (:func:`shared_schedule`), or those sharing ``schedules`` when given."""
+    average take :mod:`.fused.grouped_gemm_skinny` (with few experts, no schedule launch). Calls on
+    the same ``group_sizes`` share one tile schedule launch (:func:`shared_schedule`), or those
+    sharing ``schedules`` when given."""
     op = "grouped_gemm"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05,
@@ -109,12 +110,14 @@ def grouped_gemm_few_rows(x: torch.Tensor, weight: torch.Tensor, group_sizes: to
     """bf16 ``grouped_gemm`` of contiguous operands by the Triton kernel for few rows per expert
     (:mod:`.fused.grouped_gemm_skinny`); with ``up`` the SwiGLU of the products with ``weight``
     (gate) and ``up`` (``grouped_swiglu``), in ``dtype`` (default ``x.dtype``)."""
-    from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, grouped_gemm_skinny
+    from deepinfer_backends.sm100.fused.grouped_gemm_skinny import BLOCK_T, SCHEDULE_IN_KERNEL, grouped_gemm_skinny
 
     y = torch.empty(x.shape[0], weight.shape[1], dtype=dtype or x.dtype, device=x.device)
     if x.shape[0]:
-        grouped_gemm_skinny(x, weight, shared_schedule(group_sizes, x.shape[0], BLOCK_T, x.device), y, up=up,
-                            limit=limit)
+        few_experts = weight.shape[0] <= SCHEDULE_IN_KERNEL and on_device(group_sizes)
+        schedule = group_sizes.contiguous() if few_experts else shared_schedule(group_sizes, x.shape[0], BLOCK_T,
+                                                                                x.device)
+        grouped_gemm_skinny(x, weight, schedule, y, up=up, limit=limit)
     return y
 
 

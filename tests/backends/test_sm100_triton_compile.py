@@ -62,13 +62,13 @@ def _kernels():
         dict(DIM=128, BLOCK_ROWS=mxfp4_cast.BLOCK_ROWS)
     yield "swiglu_kernel", swiglu.swiglu_kernel, dict(gate="*fp32", up="*fp32", out="*bf16", count="i64", limit="fp32"), \
         dict(CLAMP=True, BLOCK=swiglu.BLOCK)
-    for width, gated in ((16, False), (64, False), (32, True)):
-        yield f"grouped_gemm_skinny_kernel[{width} columns, gated {gated}]", \
+    for width, gated, block_e in ((16, False, 0), (64, False, 16), (32, True, 0), (32, True, 64)):
+        yield f"grouped_gemm_skinny_kernel[{width} columns, gated {gated}, experts in kernel {block_e}]", \
             grouped_gemm_skinny.grouped_gemm_skinny_kernel, dict(
-                x="*bf16", w="*bf16", w_up="*bf16", y="*bf16", schedule="*i32", tiles="i32", experts="i32", n="i32",
-                k="i32", limit="fp32"), \
+                x="*bf16", w="*bf16", w_up="*bf16", y="*bf16", schedule="*i64" if block_e else "*i32", tiles="i32",
+                experts="i32", n="i32", k="i32", limit="fp32"), \
             dict(BLOCK_T=grouped_gemm_skinny.BLOCK_T, BLOCK_N=width, BLOCK_K=grouped_gemm_skinny.BLOCK_K,
-                 NUM_STAGES=grouped_gemm_skinny.NUM_STAGES, GATED=gated, CLAMP=gated)
+                 NUM_STAGES=grouped_gemm_skinny.NUM_STAGES, GATED=gated, CLAMP=gated, BLOCK_E=block_e)
     variants = ((1, False, 0, False), (5, True, 0, False), (2, True, 64, True), (2, False, 64, False),
                 (3, False, 0, "keep"), (5, True, 0, True), (1, False, 0, "float32"), (1, True, 0, "float32"))
     for (weights, one_row, rope, norm), tiles in zip(variants, [*linear_skinny.TILES.values()] * 4):

@@ -1,5 +1,6 @@
 """The bf16 grouped GEMM for few rows per expert in one Triton kernel: each program takes one
-tile of at most ``BLOCK_T`` rows of one expert (from the device tile schedule) and ``BLOCK_N``
+tile of at most ``BLOCK_T`` rows of one expert (from the device tile schedule, or for few experts
+worked out from the segment sizes by each program) and ``BLOCK_N``
 of its output columns, and streams that slice of the expert's weight through shared memory in
 ``BLOCK_K`` steps, float32 accumulation, a bf16 store. The gated variant streams the gate and up
 weights side by side and stores their SwiGLU (``grouped_swiglu``).
@@ -17,6 +18,9 @@ import triton.language as tl
 BLOCK_T = 16
 BLOCK_K = 128
 NUM_STAGES = 4
+SCHEDULE_IN_KERNEL = 64
+"""Most experts for which each program works out its own tile from the segment sizes (a cumulative
+sum over the experts per program) instead of reading a schedule made by another launch."""
 TARGET_PROGRAMS = 2 * 132
 """Working programs aimed at (two per SM of an H200): the column block narrows until the tiles
 that can hold rows (one an expert, at most one a row) fill that many."""
@@ -25,18 +29,32 @@ that can hold rows (one an expert, at most one a row) fill that many."""
 @triton.jit
 def grouped_gemm_skinny_kernel(x, w, w_up, y, schedule, tiles, experts, n, k, limit,
                                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               NUM_STAGES: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr):
+                               NUM_STAGES: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
+                               BLOCK_E: tl.constexpr = 0):
     """Tile ``pid1`` of ``schedule int32 [3, tiles]`` (expert, first row, end row; expert
-    ``experts`` marks an unused tile), columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))``:
+    ``experts`` marks an unused tile), or with ``BLOCK_E`` (a power of two, at least ``experts``)
+    of the same schedule worked out here from ``schedule`` read as the int64 segment sizes
+    ``[experts]``; columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))``:
     ``y[rows, cols] = x[rows] @ w[expert, cols].T`` for ``x [M, k]``, ``w [experts, n, k]``.
     With ``GATED``, ``y = swiglu(gate, up)`` of the products with ``w`` (gate) and ``w_up`` (up),
     each rounded to ``x``'s dtype first, as a grouped GEMM would store it (``min(gate, limit)`` and
     ``clamp(up, -limit, limit)`` with ``CLAMP``; float32 math)."""
     tile = tl.program_id(1)
-    expert = tl.load(schedule + tile)
-    if expert < experts:
+    if BLOCK_E:
+        e = tl.arange(0, BLOCK_E)
+        size = tl.load(schedule + e, mask=e < experts, other=0).to(tl.int32)
+        per = (size + BLOCK_T - 1) // BLOCK_T
+        ends = tl.cumsum(size, 0)
+        tile_ends = tl.cumsum(per, 0)
+        expert = tl.sum((tile_ends <= tile).to(tl.int32) * (e < experts).to(tl.int32))
+        pick = e == expert
+        end = tl.sum(tl.where(pick, ends, 0))
+        first = end - tl.sum(tl.where(pick, size, 0)) + (tile - tl.sum(tl.where(pick, tile_ends - per, 0))) * BLOCK_T
+    else:
+        expert = tl.load(schedule + tile)
         first = tl.load(schedule + tiles + tile)
         end = tl.load(schedule + 2 * tiles + tile)
+    if expert < experts:
         row = first + tl.arange(0, BLOCK_T)
         live = row < end
         col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,15 +96,20 @@ def block_n(rows: int, experts: int, n: int) -> int:
 def grouped_gemm_skinny(x: torch.Tensor, weight: torch.Tensor, schedule: torch.Tensor, y: torch.Tensor,
                         up: torch.Tensor | None = None, limit: float | None = None) -> None:
     """Launch :func:`grouped_gemm_skinny_kernel` into ``y [M, n]`` for contiguous bf16 ``x [M, k]``,
-    ``weight [experts, n, k]`` and a tile schedule of :data:`BLOCK_T` rows; with ``up`` (a weight
-    like ``weight``) ``y`` is the SwiGLU of the two products (``limit``: its clamp, None for none)."""
+    ``weight [experts, n, k]`` and a tile schedule of :data:`BLOCK_T` rows, or the int64 segment
+    sizes ``[experts]`` (at most :data:`SCHEDULE_IN_KERNEL` experts: each program works out its
+    tile, with no schedule launch); with ``up`` (a weight like ``weight``) ``y`` is the SwiGLU of
+    the two products (``limit``: its clamp, None for none)."""
     experts, n, k = weight.shape
-    tiles = schedule.shape[1]
+    in_kernel = schedule.dim() == 1
+    if in_kernel and not 0 < experts <= SCHEDULE_IN_KERNEL:
+        raise ValueError(f"segment sizes serve up to {SCHEDULE_IN_KERNEL} experts, got {experts}; pass a schedule")
+    tiles = -(-x.shape[0] // BLOCK_T) + experts if in_kernel else schedule.shape[1]
     width = block_n(x.shape[0], experts, n)
     grouped_gemm_skinny_kernel[(-(-n // width), tiles)](
         x, weight, weight if up is None else up, y, schedule, tiles, experts, n, k, float(limit or 0.0),
         BLOCK_T=BLOCK_T, BLOCK_N=width, BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES, GATED=up is not None,
-        CLAMP=limit is not None, num_warps=4)
+        CLAMP=limit is not None, BLOCK_E=max(16, triton.next_power_of_2(experts)) if in_kernel else 0, num_warps=4)
 
 
 def main() -> None:
