@@ -41,7 +41,7 @@ KEY_TILE = 128
 ROW_TILED = {
     "linear": ("x",),
     "stacked_linear": ("x", "positions"),
-    "grouped_linear": ("x",),
+    "grouped_linear": ("x", "positions"),
     "rms_norm": ("x", "residual"),
     "kv_norm_rope_store": ("x", "positions", "slots"),
     "mhc_mixes": ("residual",),

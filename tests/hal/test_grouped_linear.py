@@ -9,9 +9,20 @@ from tests.hal.oracle import check_against_oracle
 from tests.hal.test_grouped_gemm import float64_values
 
 
-def grouped_linear_float64(x, weight):
-    """Token by token, group by group, in float64 from the operands' decoded values."""
+def grouped_linear_float64(x, weight, positions=None, cos_sin=None, rope_head=0, conjugate=False):
+    """Token by token, group by group, in float64 from the operands' decoded values; with
+    ``rope_head``, each head's trailing pairs of ``x`` turned by hand first."""
     xv, wv = float64_values(x), float64_values(weight)
+    if rope_head:
+        xv, half = xv.clone().reshape(xv.shape[0], -1), cos_sin.shape[1] // 2
+        sign = -1.0 if conjugate else 1.0
+        for t, p in enumerate(positions.tolist()):
+            for first in range(rope_head - 2 * half, xv.shape[1], rope_head):
+                for i in range(half):
+                    c, s = float(cos_sin[p, i]), sign * float(cos_sin[p, half + i])
+                    a, b = float(xv[t, first + 2 * i]), float(xv[t, first + 2 * i + 1])
+                    xv[t, first + 2 * i], xv[t, first + 2 * i + 1] = a * c - b * s, a * s + b * c
+        xv = xv.reshape(x.shape)
     out = torch.zeros(xv.shape[0], xv.shape[1], wv.shape[1], dtype=torch.float64)
     for t in range(xv.shape[0]):
         for g in range(xv.shape[1]):
@@ -44,3 +55,17 @@ def test_equals_the_grouped_gemm_on_group_major_rows_bitwise():
 def test_mismatched_shapes_are_refused(x_shape, w_shape):
     with pytest.raises(ValueError, match=r"grouped_linear expects x \[T, G, K\] and weight \[G, N, K\]"):
         grouped_linear(torch.zeros(x_shape), torch.zeros(w_shape))
+
+
+def test_rope_head_turns_each_heads_tail_back_before_the_product_by_hand():
+    """One token, one group of two 4-wide heads, R=2 at a quarter turn: conjugate RoPE takes
+    (a, b) to (b, -a) in columns (2, 3) and (6, 7); the identity weight shows the turned input."""
+    x = torch.arange(1.0, 9.0).view(1, 1, 8)
+    cos_sin = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    got = grouped_linear(x, torch.eye(8).view(1, 8, 8), torch.tensor([1]), cos_sin, rope_head=4, conjugate=True)
+    assert got.flatten().tolist() == [1.0, 2.0, 4.0, -3.0, 5.0, 6.0, 8.0, -7.0]
+    assert x.flatten().tolist() == list(range(1, 9))  # the input is left as it was
+    with pytest.raises(ValueError, match="must divide K"):
+        grouped_linear(x, torch.eye(8).view(1, 8, 8), torch.tensor([1]), cos_sin, rope_head=3)
+    with pytest.raises(ValueError, match="go with rope_head"):
+        grouped_linear(x, torch.eye(8).view(1, 8, 8), torch.tensor([1]), cos_sin)

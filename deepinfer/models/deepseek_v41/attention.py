@@ -20,16 +20,6 @@ INDEXER_SMALL_GROUP = 1 << 20
 """Runs up to this many logits group sequences whatever the waste (one launch beats several)."""
 
 
-def rope_tail(ops: OpTable, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-              conjugate: bool = False) -> torch.Tensor:
-    """``x`` (a tensor the caller owns) with its trailing ``cos_sin.shape[1]`` dims turned in
-    place: only that slice goes through ``apply_rope`` (written back through its ``out``), the
-    rest of each row is never copied."""
-    tail = x[..., x.shape[-1] - cos_sin.shape[1]:]
-    ops.apply_rope(tail, positions, cos_sin, conjugate=conjugate, out=tail)
-    return x
-
-
 class Compressor(nn.Module):
     """Projects the compressed KV stream: ``wkv`` (latent) and, for C2, ``wgate`` (score)."""
 
@@ -104,8 +94,7 @@ class Attention(nn.Module):
                                                cache)
         attend = self._attend_decode if ctx.decode else self._attend_prefill
         out = attend(q, kv_latent, selected, ctx, cache, visible, cos_sin)
-        out = rope_tail(ops, out, pos, cos_sin, conjugate=True)
-        return self._project_out(out)
+        return self._project_out(out, (pos, cos_sin))  # the output's inverse RoPE as wo_a reads it
 
     def _project_hidden(self, hidden: torch.Tensor, indexing: bool, compressing: bool,
                         norm: RMSNorm | None = None) -> dict[str, torch.Tensor]:
@@ -320,8 +309,11 @@ class Attention(nn.Module):
         return ops.swa_decode_indices(ctx.slot_of_token, ctx.positions, cfg.sliding_window, cfg.swa_ring_size,
                                       visible)
 
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
-        """Grouped low-rank projection: each group of heads to ``o_lora_rank``, then to hidden."""
+    def _project_out(self, out: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+        """Grouped low-rank projection: each group of heads to ``o_lora_rank``, then to hidden;
+        ``rope`` (``(positions, cos_sin)``) turns the heads back first (conjugate RoPE)."""
         tokens, groups = out.shape[0], self.cfg.o_groups
-        low_rank = self.ops.grouped_linear(out.reshape(tokens, groups, -1), self.wo_a.operand(groups))
+        turn = {} if rope is None else dict(positions=rope[0], cos_sin=rope[1], rope_head=ATTENTION_DIM,
+                                            conjugate=True)
+        low_rank = self.ops.grouped_linear(out.reshape(tokens, groups, -1), self.wo_a.operand(groups), **turn)
         return self.wo_b(low_rank.reshape(tokens, -1).to(out.dtype))
