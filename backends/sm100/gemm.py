@@ -356,8 +356,8 @@ def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DE
 
 
 def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelOptions = DEFAULT,
-                     rope: tuple | None = None, norm: tuple | None = None,
-                     keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:
+                     rope: tuple | None = None, norm: tuple | None = None, keep_normed: bool = False,
+                     swiglu: tuple[float | None] | None = None) -> tuple[torch.Tensor, ...] | None:
     """``x`` through each of ``weights`` in one Triton launch (:mod:`.fused.linear_skinny`) under
     ``options.linear_kernel=auto``, outside the batch-invariant mode, for bf16 CUDA ``x`` of at most
     :data:`~.fused.linear_skinny.BLOCK_T` rows and bf16 CUDA weights whose widths the kernel's column
@@ -367,8 +367,9 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     in the kernel's epilogue where the column blocks divide the head widths and their rotated
     parts; None where it cannot be. ``norm`` (``(weight [K], eps)``) RMS-normalises ``x`` in the
     kernel's prologue (a float32 ``x`` too: the normalised rows are rounded to bf16), which also
-    stores the normalised ``x`` with ``keep_normed`` (last)."""
-    from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, linear_skinny, tiles_for
+    stores the normalised ``x`` with ``keep_normed`` (last). ``swiglu`` (``(limit,)``): the last two
+    weights are a gate and an up projection whose SwiGLU the kernel stores in place of both."""
+    from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, MAX_WEIGHTS, linear_skinny, tiles_for
 
     readable = x.dtype == torch.bfloat16 or (norm is not None and x.dtype == torch.float32)
     if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or not readable:
@@ -376,7 +377,7 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     tiles = tiles_for([w.shape[0] for w in weights])
     if not 0 < rows <= BLOCK_T or not all(on_device(w) and w.dtype == torch.bfloat16 for w in weights) \
-            or tiles is None:
+            or tiles is None or (swiglu is not None and len(weights) > MAX_WEIGHTS + 1):
         return None
     if rope is not None:
         positions, cos_sin, heads = rope
@@ -387,7 +388,8 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
         norm = (norm[0].contiguous(), norm[1])
     flat = x.reshape(rows, x.shape[-1])
     products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(), [w.contiguous() for w in weights],
-                             tiles, rope=rope, norm=norm, keep_normed=keep_normed)
+                             tiles, rope=rope, norm=norm, keep_normed=keep_normed, gated=swiglu is not None,
+                             limit=swiglu[0] if swiglu is not None else None)
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 

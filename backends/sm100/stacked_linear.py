@@ -1,12 +1,14 @@
 """sm100 ``stacked_linear``: bf16 weights read by a few rows in one Triton launch
-(:func:`.gemm.few_rows_linears`: each product its own contiguous block of one buffer, RoPE in its
-epilogue); otherwise one ``linear`` per weight, with the same kernel choice, and ``apply_rope``
-on the products that ``rope_heads`` names."""
+(:func:`.gemm.few_rows_linears`: each product its own contiguous block of one buffer, the input's
+RMSNorm in its prologue, RoPE or SwiGLU in its epilogue); otherwise ``rms_norm``, one ``linear``
+per weight with the same kernel choice, ``apply_rope`` on the products that ``rope_heads`` names
+and ``swiglu``."""
 from __future__ import annotations
 
 import torch
 
 from deepinfer.hal.ops.stacked_linear import check_stacked_linear, rope_products
+from deepinfer_backends.sm100.activation import swiglu as swiglu_op
 from deepinfer_backends.sm100.gemm import few_rows_linears, linear
 from deepinfer_backends.sm100.norm import rms_norm
 from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
@@ -14,17 +16,17 @@ from deepinfer_backends.sm100.rope import apply_rope
 
 
 def stacked_linear(x, weights, positions=None, cos_sin=None, rope_heads=None, norm_weight=None,
-                   norm_eps: float = 1e-6, keep_normed: bool = False, norm_dtype=None, batch_invariant: bool = False,
-                   options: KernelOptions = DEFAULT):
+                   norm_eps: float = 1e-6, keep_normed: bool = False, norm_dtype=None, swiglu: bool = False,
+                   swiglu_limit: float | None = None, batch_invariant: bool = False, options: KernelOptions = DEFAULT):
     """HAL ``stacked_linear``: :func:`~.gemm.few_rows_linears` where it serves (with the input's
     RMSNorm and the products' RoPE), else :func:`~.norm.rms_norm`, :func:`~.gemm.linear` once per
     weight and :func:`~.rope.apply_rope` per product."""
-    check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype)
+    check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype, swiglu)
     rope = None if rope_heads is None else (positions, cos_sin, rope_heads)
     norm = None if norm_weight is None else (norm_weight, norm_eps)
     fused = norm is None or (norm_dtype or x.dtype) == torch.bfloat16
-    products = few_rows_linears(x, weights, batch_invariant, options, rope=rope, norm=norm,
-                                keep_normed=keep_normed) if fused else None
+    products = few_rows_linears(x, weights, batch_invariant, options, rope=rope, norm=norm, keep_normed=keep_normed,
+                                swiglu=(swiglu_limit,) if swiglu else None) if fused else None
     if products is not None:
         return products
     if norm is not None:
@@ -33,4 +35,6 @@ def stacked_linear(x, weights, positions=None, cos_sin=None, rope_heads=None, no
     if products is None:
         products = tuple(linear(x, w, batch_invariant=batch_invariant, options=options) for w in weights)
     products = rope_products(products, positions, cos_sin, rope_heads, rope=apply_rope)
+    if swiglu:
+        products = products[:-2] + (swiglu_op(products[-2], products[-1], swiglu_limit),)
     return products + (x,) if keep_normed else products

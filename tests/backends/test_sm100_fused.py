@@ -252,6 +252,16 @@ for widths, heads, rows, k in (((32, 16), None, 3, 300), ((64, 32), (32, 0), BLO
     for product, expected, weight in zip(got[:-1], want[:-1], weights, strict=True):
         assert torch.allclose(product, expected, rtol=1e-5, atol=1e-5), (widths, rows)
         assert not torch.allclose(product, x @ weight.T, atol=1e-2)
+# SwiGLU of the last two products in the epilogue, with RMSNorm in the prologue
+for widths, limit, rows in (((16, 32, 32), None, 3), ((64, 64), 1.5, BLOCK_T + 1)):
+    x = 3 * torch.randn(rows, 96, generator=gen)
+    weights = [torch.randn(n, 96, generator=gen) / 96 ** 0.5 for n in widths]
+    gain = 1 + torch.rand(96, generator=gen)
+    got = linear_skinny(x, weights, norm=(gain, 1e-6), keep_normed=True, gated=True, limit=limit)
+    want = stacked_linear(x, weights, norm_weight=gain, keep_normed=True, swiglu=True, swiglu_limit=limit)
+    assert len(got) == len(want) == len(widths), (len(got), len(want))
+    for product, expected in zip(got, want, strict=True):
+        assert product.shape == expected.shape and torch.allclose(product, expected, rtol=1e-5, atol=1e-5), widths
 print("stacked ok")
 """
 

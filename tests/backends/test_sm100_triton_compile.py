@@ -87,10 +87,10 @@ def _kernels():
                 x="*fp32" if norm == "float32" else "*bf16", **{f"w{i}": "*bf16" for i in range(5)}, y="*bf16", **({} if one_row else {"rows": "i32"}),
                 k="i32", x_stride="i32", **{f"end{i}": "i32" for i in range(5)}, positions="*i64", cos_sin="*fp32",
                 table_stride="i32", **{f"head{i}": "i32" for i in range(5)}, norm_weight="*bf16", norm_eps="fp32",
-                normed="*bf16"), \
+                normed="*bf16", w_up="*bf16", gated_from="i32", limit="fp32"), \
             dict(WEIGHTS=weights, BLOCK_T=linear_skinny.BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
                  NUM_STAGES=tiles["stages"], ROPE=rope, NORM=bool(norm), KEEP_NORMED=norm == "keep",
-                 **({"rows": 1} if one_row else {}))
+                 GATED=norm == "keep", CLAMP=norm == "keep", **({"rows": 1} if one_row else {}))
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

@@ -9,7 +9,7 @@ from tests.hal.test_grouped_gemm import float64_values
 
 
 def stacked_linear_float64(x, weights, positions=None, cos_sin=None, rope_heads=None, norm_weight=None,
-                           norm_eps=1e-6, keep_normed=False, norm_dtype=None):
+                           norm_eps=1e-6, keep_normed=False, norm_dtype=None, swiglu=False, swiglu_limit=None):
     """Each product element by element in float64 from the operands' decoded values; with
     ``norm_weight``, of the rows divided by their root mean square (plus ``norm_eps``) times the
     weight; with ``rope_heads``, each named product's heads turned by hand (:func:`turn_heads_float64`)."""
@@ -28,6 +28,11 @@ def stacked_linear_float64(x, weights, positions=None, cos_sin=None, rope_heads=
     if rope_heads is not None:
         outs = [turn_heads_float64(out, positions, cos_sin, head) if head else out
                 for out, head in zip(outs, rope_heads)]
+    if swiglu:  # gate * sigmoid(gate) * up, the gate clamped from above and up on both sides
+        gate, up = outs[-2], outs[-1]
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        outs = outs[:-2] + [gate / (1 + torch.exp(-gate)) * up]
     return tuple(outs) + ((xv.reshape(x.shape),) if keep_normed else ())
 
 
@@ -119,3 +124,20 @@ def test_norm_weight_normalises_the_input_by_hand():
         stacked_linear(x, [torch.eye(2, dtype=torch.float64)], keep_normed=True)
     with pytest.raises(ValueError, match="norm_weight must be"):
         stacked_linear(x, [torch.eye(2, dtype=torch.float64)], norm_weight=torch.ones(3, dtype=torch.float64))
+
+
+def test_swiglu_replaces_the_last_two_products_by_hand():
+    """x = (1, 2); gate weight rows give 3 and -2, up rows 1 and 4: silu(3) * 1 and silu(-2) * 4,
+    and with limit 2: silu(2) * 1 and silu(-2) * 2."""
+    x = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    first = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    gate = torch.tensor([[1.0, 1.0], [0.0, -1.0]], dtype=torch.float64)
+    up = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    silu = lambda v: v / (1 + torch.exp(torch.tensor(-v, dtype=torch.float64)))  # noqa: E731
+    plain, act = stacked_linear(x, [first, gate, up], swiglu=True)
+    assert plain.tolist() == [[1.0]]
+    assert torch.allclose(act, torch.tensor([[silu(3.0) * 1.0, silu(-2.0) * 4.0]], dtype=torch.float64))
+    (clamped,) = stacked_linear(x, [gate, up], swiglu=True, swiglu_limit=2.0)
+    assert torch.allclose(clamped, torch.tensor([[silu(2.0) * 1.0, silu(-2.0) * 2.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="swiglu takes the last two weights"):
+        stacked_linear(x, [gate, first], swiglu=True)

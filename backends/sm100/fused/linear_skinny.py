@@ -37,9 +37,10 @@ def tiles_for(widths: list[int]) -> dict[str, int] | None:
 @triton.jit
 def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1, end2, end3, end4, positions,
                          cos_sin, table_stride, head0, head1, head2, head3, head4, norm_weight, norm_eps, normed,
-                         WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, ROPE: tl.constexpr = 0, NORM: tl.constexpr = False,
-                         KEEP_NORMED: tl.constexpr = False):
+                         w_up, gated_from, limit, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         ROPE: tl.constexpr = 0, NORM: tl.constexpr = False, KEEP_NORMED: tl.constexpr = False,
+                         GATED: tl.constexpr = False, CLAMP: tl.constexpr = False):
     """Columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))`` and rows ``[BLOCK_T * pid1, ..)`` of
     ``x [rows, k] @ cat(w0 .. w{WEIGHTS - 1}).T`` (rows of ``x`` ``x_stride`` elements apart);
     ``end0 ..``: the weights' cumulative widths (each width a multiple of ``BLOCK_N``). The product
@@ -49,7 +50,10 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
     interleaved pairs by row ``positions[r]`` of ``cos_sin`` (cos then sin, ``table_stride`` apart).
     With ``NORM`` the rows of ``x`` are RMS-normalised first (float32, ``norm_eps``, times
     ``norm_weight [k]``, rounded to ``y``'s dtype): a first pass over ``k`` sums the squares; with
-    ``KEEP_NORMED`` the programs of the first column block also store them in ``normed [rows, k]``."""
+    ``KEEP_NORMED`` the programs of the first column block also store them in ``normed [rows, k]``.
+    With ``GATED`` the programs from column ``gated_from`` on (the last weight, a gate) also read
+    the same rows of ``w_up`` and store the SwiGLU of the two products, each rounded to ``y``'s
+    dtype first (``min(gate, limit)`` and ``clamp(up, -limit, limit)`` with ``CLAMP``)."""
     col0 = tl.program_id(0) * BLOCK_N
     start = end0 * 0
     end = end0
@@ -81,6 +85,8 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
             squares += tl.sum(a * a, axis=1)
         scale = 1.0 / tl.sqrt_rn(squares / k + norm_eps)
     acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+    gated = col0 + tl.arange(0, BLOCK_N) >= gated_from  # one value for the whole column block
     for step in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
         kk = step + depth
         within = kk < k
@@ -94,6 +100,10 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
                              mask=live[:, None] & within[None, :])
         b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc)
+        if GATED:  # the other programs' loads are masked off: no traffic, a dot of zeros
+            c = tl.load(w_up + local[:, None].to(tl.int64) * k + kk[None, :], mask=gated[:, None] & within[None, :],
+                        other=0.0)
+            up = tl.dot(a, tl.trans(c), up)
     out = y + start.to(tl.int64) * rows + row[:, None].to(tl.int64) * (end - start) + local[None, :]
     if ROPE:
         product = acc.to(y.dtype.element_ty).to(tl.float32)
@@ -105,12 +115,20 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
         cos = tl.load(angle, mask=turning, other=1.0)
         sin = tl.load(angle + ROPE // 2, mask=turning, other=0.0)
         acc = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (BLOCK_T, BLOCK_N))
+    if GATED:
+        gate = acc.to(y.dtype.element_ty).to(tl.float32)
+        up = up.to(y.dtype.element_ty).to(tl.float32)
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        acc = tl.where(gated[None, :], gate / (1.0 + tl.exp(-gate)) * up, acc)
     tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
 
 
 def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str, int] | None = None,
                   rope: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-                  norm: tuple[torch.Tensor, float] | None = None, keep_normed: bool = False) -> list[torch.Tensor]:
+                  norm: tuple[torch.Tensor, float] | None = None, keep_normed: bool = False,
+                  gated: bool = False, limit: float | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` for bf16 ``x [rows, K]`` (unit stride along ``K``; float32 with
     ``norm``, the normalised rows rounded to bf16) and contiguous bf16
     ``weights [N_i, K]`` (each ``N_i`` a multiple of ``tiles["block_n"]``; default
@@ -119,8 +137,15 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
     [P, R], head width per weight)`` turns each head's trailing ``R`` columns (the HAL
     ``stacked_linear``'s ``rope_heads``; widths 0, or multiples of the column block and at least ``R``).
     ``norm``: ``(weight [K], eps)``, the products of ``x`` RMS-normalised (the HAL ``rms_norm``);
-    ``keep_normed`` appends that normalised ``x`` (contiguous ``[rows, K]``) to the products."""
+    ``keep_normed`` appends that normalised ``x`` (contiguous ``[rows, K]``) to the products.
+    ``gated``: the last two weights are a gate and an up projection of one width, whose SwiGLU
+    (``limit``: its clamp, None for none) takes their place among the products (the HAL
+    ``stacked_linear``'s ``swiglu``; at most :data:`MAX_WEIGHTS` weights besides the up one)."""
     rows, k = x.shape
+    w_up = weights[-1] if gated else None
+    weights = weights[:-1] if gated else weights
+    if gated and len(weights) > MAX_WEIGHTS:
+        raise ValueError(f"a gated call takes at most {MAX_WEIGHTS} weights besides the up projection")
     widths = [w.shape[0] for w in weights]
     tiles = tiles or tiles_for(widths)
     y = torch.empty(rows * sum(widths), dtype=weights[0].dtype, device=x.device)
@@ -136,8 +161,10 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
         linear_skinny_kernel[(ends[-1] // tiles["block_n"], -(-rows // BLOCK_T))](
             x, *chunk, *[chunk[0]] * pad, y[base:], rows, k, x.stride(0), *ends, *[ends[-1]] * pad, positions, table,
             table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, norm_weight, float(eps), normed,
-            WEIGHTS=len(chunk), BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-            NUM_STAGES=tiles["stages"], ROPE=rotated, NORM=norm is not None, KEEP_NORMED=keep_normed and not first,
+            w_up if gated else x, ends[-2] if gated and len(chunk) > 1 else (0 if gated else ends[-1]),
+            float(limit or 0.0), WEIGHTS=len(chunk), BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"],
+            BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rotated, NORM=norm is not None,
+            KEEP_NORMED=keep_normed and not first, GATED=gated, CLAMP=gated and limit is not None,
             num_warps=tiles["warps"])
     outs, offset = [], 0
     for width in widths:

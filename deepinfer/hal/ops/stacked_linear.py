@@ -15,6 +15,7 @@ import torch
 
 from deepinfer.hal.ops.grouped_gemm import (ACTIVATION_FORMATS, WEIGHT_FORMATS, Operand, _operand, linear,
                                             logical_shape)
+from deepinfer.hal.ops import activation
 from deepinfer.hal.ops.norm import rms_norm
 from deepinfer.hal.ops.rope import apply_rope, check_rope_args, rope_cos_sin, rope_inv_freq
 from deepinfer.hal.spec import OpCase, OpSpec, register
@@ -23,7 +24,8 @@ from deepinfer.hal.spec import OpCase, OpSpec, register
 def stacked_linear(x: Operand, weights: Sequence[Operand], positions: torch.Tensor | None = None,
                    cos_sin: torch.Tensor | None = None, rope_heads: Sequence[int] | None = None,
                    norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                   keep_normed: bool = False, norm_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+                   keep_normed: bool = False, norm_dtype: torch.dtype | None = None, swiglu: bool = False,
+                   swiglu_limit: float | None = None) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x, w) for w in weights)``: ``x [..., K]``, each ``weight [N_i, K]`` plain or
     :class:`~deepinfer.hal.formats.Quantized` as :func:`linear` takes it; each product
     ``[..., N_i]`` in :func:`linear`'s dtype (``x.dtype`` for plain operands, float32 if quantized).
@@ -39,11 +41,18 @@ def stacked_linear(x: Operand, weights: Sequence[Operand], positions: torch.Tens
     ``norm_dtype`` when given) instead of ``x``: the normalisation ahead of a layer's projections,
     which a backend may fold into their prologue.
     ``keep_normed`` appends that normalised input to the products (for the MoE's dispatch, which
-    reads it too)."""
-    check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype)
+    reads it too).
+
+    With ``swiglu`` the last two weights are a gate and an up projection of one width: their two
+    products are replaced by one, :func:`~deepinfer.hal.ops.activation.swiglu` of them with
+    ``swiglu_limit`` (the shared expert's activation, which a backend may compute in the
+    products' epilogue)."""
+    check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype, swiglu)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, norm_eps).to(norm_dtype or x.dtype)
     products = rope_products(tuple(linear(x, w) for w in weights), positions, cos_sin, rope_heads)
+    if swiglu:
+        products = products[:-2] + (activation.swiglu(products[-2], products[-1], swiglu_limit),)
     return products + (x,) if keep_normed else products
 
 
@@ -63,11 +72,12 @@ def rope_products(products, positions, cos_sin, rope_heads, rope=apply_rope) -> 
 def check_stacked_linear(x: Operand, weights: Sequence[Operand], positions: torch.Tensor | None = None,
                          cos_sin: torch.Tensor | None = None, rope_heads: Sequence[int] | None = None,
                          norm_weight: torch.Tensor | None = None, keep_normed: bool = False,
-                         norm_dtype: torch.dtype | None = None) -> None:
+                         norm_dtype: torch.dtype | None = None, swiglu: bool = False) -> None:
     """At least one weight, each ``[N_i, K]`` with ``x``'s ``K``; with ``rope_heads``, ``x [T, K]``,
     one head width per weight, each 0 or at least ``R`` and dividing ``N_i``, and ``positions``
     and ``cos_sin`` as ``apply_rope`` takes them; ``norm_weight`` ``[K]`` with a plain ``x``, and
-    with ``keep_normed``."""
+    with ``keep_normed``; with ``swiglu`` at least two weights, the last two of one width, and no
+    ``rope_heads``."""
     x_shape = logical_shape(x, "x", ACTIVATION_FORMATS)
     if (keep_normed or norm_dtype is not None) and norm_weight is None:
         raise ValueError("stacked_linear: keep_normed and norm_dtype are about the normalised input, so they need "
@@ -85,6 +95,9 @@ def check_stacked_linear(x: Operand, weights: Sequence[Operand], positions: torc
             raise ValueError(f"stacked_linear expects x [..., K] and weights [N_i, K]; got x {tuple(x_shape)}, "
                              f"weights[{i}] {tuple(w_shape)}")
         widths.append(w_shape[0])
+    if swiglu and (len(widths) < 2 or widths[-1] != widths[-2] or rope_heads is not None):
+        raise ValueError(f"stacked_linear: swiglu takes the last two weights as a gate and an up projection of one "
+                         f"width, without rope_heads; got widths {widths} and rope_heads {rope_heads}")
     if rope_heads is None:
         if positions is not None or cos_sin is not None:
             raise ValueError("stacked_linear: positions and cos_sin go with rope_heads (one head width per "
@@ -106,7 +119,8 @@ def check_stacked_linear(x: Operand, weights: Sequence[Operand], positions: torc
     check_rope_args(probe, positions, cos_sin)
 
 
-def _case(lead, widths, k, formats=None, dtype=torch.float32, rope_heads=None, rope_dim=64, norm=False):
+def _case(lead, widths, k, formats=None, dtype=torch.float32, rope_heads=None, rope_dim=64, norm=False,
+          swiglu=None):
     def make(gen: torch.Generator, device: torch.device):
         args = {"x": _operand((*lead, k), None, gen, device, dtype),
                 "weights": [_operand((n, k), fmt, gen, device, dtype, spread=k ** -0.5)
@@ -120,6 +134,8 @@ def _case(lead, widths, k, formats=None, dtype=torch.float32, rope_heads=None, r
                         keep_normed=norm == "keep")
             if norm == "bf16":  # float32 rows normalised, rounded to the bf16 weights' dtype
                 args.update(weights=[w.to(torch.bfloat16) for w in args["weights"]], norm_dtype=torch.bfloat16)
+        if swiglu is not None:  # the limit, or 0 for none
+            args.update(swiglu=True, swiglu_limit=swiglu or None)
         return args
     return make
 
@@ -157,6 +173,13 @@ register(OpSpec(
                                              norm=True), "real", torch.bfloat16),
         OpCase("v41_attention_input_norm_bf16", _case((4,), (1280, 512, 64, 512, 512), 4096, dtype=torch.bfloat16,
                                                       norm=True), "real", torch.bfloat16),
+        OpCase("tiny_swiglu", _case((3,), (16, 32, 32), 64, swiglu=0)),
+        OpCase("tiny_norm_swiglu_bf16", _case((2,), (16, 64, 64), 96, dtype=torch.bfloat16, norm="keep", swiglu=1.0),
+               dtype=torch.bfloat16),
+        OpCase("rows_swiglu_bf16", _case((18,), (32, 32), 64, dtype=torch.bfloat16, swiglu=0.5),
+               dtype=torch.bfloat16),
+        OpCase("v41_moe_input_bf16", _case((4,), (16, 2048, 2048), 4096, dtype=torch.bfloat16, norm="keep",
+                                           swiglu=10.0), "real", torch.bfloat16),
         OpCase("v41_q_b_rope_bf16", _case((16,), (32768, 8192), 1280, dtype=torch.bfloat16, rope_heads=(512, 128)),
                "real", torch.bfloat16),
     ),

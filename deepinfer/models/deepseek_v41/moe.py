@@ -71,15 +71,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
         """Routed experts plus the shared expert on ``x`` (or ``norm(x)``, computed in the same
-        ``stacked_linear`` that gives the router's logits and the shared expert's gate and up
-        projections, which also returns it for the dispatch)."""
+        ``stacked_linear`` that gives the router's logits and the shared expert's activation, the
+        SwiGLU of its gate and up projections, which also returns it for the dispatch)."""
         shared = self.shared_experts
         weights = [self.gate.weight, shared.w1, shared.w3]
         if norm is None:
-            logits, gate, up = stacked(self.ops, x, weights)
+            logits, activation = stacked(self.ops, x, weights, swiglu=True, swiglu_limit=self.limit)
         else:
-            logits, gate, up, x = stacked(self.ops, x, weights, norm=norm, keep_normed=True)
-        return self._routed(x, *self._select(logits), shared.w2(self.ops.swiglu(gate, up, self.limit)))
+            logits, activation, x = stacked(self.ops, x, weights, norm=norm, keep_normed=True, swiglu=True,
+                                            swiglu_limit=self.limit)
+        return self._routed(x, *self._select(logits), shared.w2(activation))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights float32 [T, k], expert ids int64 [T, k])`` of the gate (``moe_gate`` reads the
