@@ -366,8 +366,7 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     (``(positions, cos_sin, head width per weight)``, the HAL ``stacked_linear``'s RoPE) is applied
     in the kernel's epilogue where the column blocks divide the head widths and their rotated
     parts; None where it cannot be. ``norm`` (``(weight [K], eps)``) RMS-normalises ``x`` in the
-    kernel's prologue (a float32 ``x`` too: the normalised rows are rounded to bf16), which also
-    stores the normalised ``x`` with ``keep_normed`` (last). ``swiglu`` (``(limit,)``): the last two
+    kernel (a float32 ``x`` too), which also stores the normalised ``x`` with ``keep_normed`` (last). ``swiglu`` (``(limit,)``): the last two
     weights are a gate and an up projection whose SwiGLU the kernel stores in place of both."""
     from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, MAX_WEIGHTS, linear_skinny, tiles_for
 
@@ -375,9 +374,11 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or not readable:
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 0 < rows <= BLOCK_T or not all(isinstance(w, torch.Tensor) and on_device(w) and w.dtype == torch.bfloat16
+                                          for w in weights):
+        return None
     tiles = tiles_for([w.shape[0] for w in weights])
-    if not 0 < rows <= BLOCK_T or not all(on_device(w) and w.dtype == torch.bfloat16 for w in weights) \
-            or tiles is None or (swiglu is not None and len(weights) > MAX_WEIGHTS + 1):
+    if tiles is None or (swiglu is not None and len(weights) > MAX_WEIGHTS + 1):
         return None
     if rope is not None:
         positions, cos_sin, heads = rope

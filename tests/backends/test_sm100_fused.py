@@ -271,35 +271,6 @@ def test_stacked_linear_kernel_stores_each_product_apart_in_the_interpreter():
     assert interpreted(STACKED).split("\n")[0] == "stacked ok"
 
 
-GROUPED_LINEAR = """
-import torch
-from deepinfer.hal.ops.grouped_linear import grouped_linear
-from deepinfer.hal.ops.rope import rope_cos_sin, rope_inv_freq
-from deepinfer_backends.sm100.fused.grouped_linear_skinny import BLOCK_T, grouped_linear_skinny, serves
-
-gen = torch.Generator().manual_seed(0)
-table = rope_cos_sin(rope_inv_freq(10000.0, 16), 300)
-# float32 operands (the interpreter's bf16 tl.dot is not the GPU's); heads across K steps, K past a step
-for tokens, groups, n, k, head in ((3, 2, 32, 512, 64), (BLOCK_T, 3, 64, 96, 48), (1, 1, 32, 300, 0)):
-    x = torch.randn(tokens, groups, k, generator=gen)
-    w = torch.randn(groups, n, k, generator=gen) / k ** 0.5
-    positions = torch.randint(0, 300, (tokens,), generator=gen)
-    rope = (positions, table, head, True) if head else None
-    got = grouped_linear_skinny(x, w, rope)
-    want = grouped_linear(x, w, *(rope or ()))
-    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5), (tokens, groups, n, k, head)
-    if head:
-        assert not torch.allclose(got, grouped_linear(x, w), atol=1e-3)
-assert not serves(torch.zeros(BLOCK_T + 1, 2, 64, dtype=torch.bfloat16), torch.zeros(2, 32, 64, dtype=torch.bfloat16))
-print("grouped linear ok")
-"""
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_grouped_linear_kernel_with_its_inverse_rope_matches_the_reference_in_the_interpreter():
-    assert interpreted(GROUPED_LINEAR).split("\n")[0] == "grouped linear ok"
-
-
 PARTIALS = """
 import torch
 from deepinfer_backends.sm100.fused.mhc_mixes import bf16_parts

@@ -11,9 +11,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _kernels():
-    from deepinfer_backends.sm100.fused import (ep_combine, grouped_gemm_skinny, grouped_linear_skinny, kv_load,
-                                                linear_skinny, mhc_mixes, mhc_streams, mxfp4_cast, rope, swiglu,
-                                                tile_schedule)
+    from deepinfer_backends.sm100.fused import (ep_combine, grouped_gemm_skinny, kv_load, linear_skinny, mhc_mixes,
+                                                mhc_streams, mxfp4_cast, rope, swiglu, tile_schedule)
 
     for x, fn, parts in (("*bf16", "*bf16", 3), ("*fp32", "*fp32", 1)):
         yield f"mhc_mix_partials[{parts} parts]", mhc_mixes.mhc_mix_partials, dict(
@@ -70,14 +69,6 @@ def _kernels():
                 experts="i32", n="i32", k="i32", limit="fp32"), \
             dict(BLOCK_T=grouped_gemm_skinny.BLOCK_T, BLOCK_N=width, BLOCK_K=grouped_gemm_skinny.BLOCK_K,
                  NUM_STAGES=grouped_gemm_skinny.NUM_STAGES, GATED=gated, CLAMP=gated, BLOCK_E=block_e)
-    for rows, head in ((1, 0), (16, 512)):
-        yield f"grouped_linear_skinny_kernel[rows {rows}, head {head}]", \
-            grouped_linear_skinny.grouped_linear_skinny_kernel, dict(
-                x="*bf16", w="*bf16", y="*bf16", **({} if rows == 1 else {"rows": "i32"}), n="i32", k="i32",
-                x_stride="i32", y_stride="i32", positions="*i64", cos_sin="*fp32", table_stride="i32", sign="fp32"), \
-            dict(BLOCK_T=grouped_linear_skinny.BLOCK_T, BLOCK_N=grouped_linear_skinny.BLOCK_N,
-                 BLOCK_K=grouped_linear_skinny.BLOCK_K, NUM_STAGES=grouped_linear_skinny.NUM_STAGES, HEAD=head,
-                 ROPE=64 if head else 0, **({"rows": 1} if rows == 1 else {}))
     variants = ((1, False, 0, False), (5, True, 0, False), (2, True, 64, True), (2, False, 64, False),
                 (3, False, 0, "keep"), (5, True, 0, True), (1, False, 0, "float32"), (1, True, 0, "float32"))
     for (weights, one_row, rope, norm), tiles in zip(variants, [*linear_skinny.TILES.values()] * 4):
@@ -87,7 +78,7 @@ def _kernels():
                 x="*fp32" if norm == "float32" else "*bf16", **{f"w{i}": "*bf16" for i in range(5)}, y="*bf16", **({} if one_row else {"rows": "i32"}),
                 k="i32", x_stride="i32", **{f"end{i}": "i32" for i in range(5)}, positions="*i64", cos_sin="*fp32",
                 table_stride="i32", **{f"head{i}": "i32" for i in range(5)}, norm_weight="*bf16", norm_eps="fp32",
-                normed="*bf16", w_up="*bf16", gated_from="i32", limit="fp32"), \
+                normed="*bf16", normed_block="i32", w_up="*bf16", gated_from="i32", limit="fp32"), \
             dict(WEIGHTS=weights, BLOCK_T=linear_skinny.BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
                  NUM_STAGES=tiles["stages"], ROPE=rope, NORM=bool(norm), KEEP_NORMED=norm == "keep",
                  GATED=norm == "keep", CLAMP=norm == "keep", **({"rows": 1} if one_row else {}))

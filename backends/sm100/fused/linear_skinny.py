@@ -35,9 +35,32 @@ def tiles_for(widths: list[int]) -> dict[str, int] | None:
 
 
 @triton.jit
+def _store_normed(x, normed, norm_weight, norm_eps, rows, k, x_stride, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``[BLOCK_T * pid1, ..)`` of ``x`` RMS-normalised (float32, times ``norm_weight``) and
+    rounded to ``normed``'s dtype: a pass over ``k`` for the squares, a second for the store."""
+    row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = row < rows
+    depth = tl.arange(0, BLOCK_K)
+    x_rows = x + row[:, None].to(tl.int64) * x_stride
+    squares = tl.zeros((BLOCK_T,), tl.float32)
+    for step in tl.range(0, k, BLOCK_K):
+        kk = step + depth
+        a = tl.load(x_rows + kk[None, :], mask=live[:, None] & (kk < k)[None, :], other=0.0).to(tl.float32)
+        squares += tl.sum(a * a, axis=1)
+    inverse_rms = 1.0 / tl.sqrt_rn(squares / k + norm_eps)
+    for step in tl.range(0, k, BLOCK_K):
+        kk = step + depth
+        keep = live[:, None] & (kk < k)[None, :]
+        a = tl.load(x_rows + kk[None, :], mask=keep, other=0.0).to(tl.float32)
+        gain = tl.load(norm_weight + kk, mask=kk < k, other=0.0).to(tl.float32)
+        tl.store(normed + row[:, None].to(tl.int64) * k + kk[None, :],
+                 (a * inverse_rms[:, None] * gain[None, :]).to(normed.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1, end2, end3, end4, positions,
                          cos_sin, table_stride, head0, head1, head2, head3, head4, norm_weight, norm_eps, normed,
-                         w_up, gated_from, limit, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                         normed_block, w_up, gated_from, limit, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                          ROPE: tl.constexpr = 0, NORM: tl.constexpr = False, KEEP_NORMED: tl.constexpr = False,
                          GATED: tl.constexpr = False, CLAMP: tl.constexpr = False):
@@ -45,84 +68,87 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
     ``x [rows, k] @ cat(w0 .. w{WEIGHTS - 1}).T`` (rows of ``x`` ``x_stride`` elements apart);
     ``end0 ..``: the weights' cumulative widths (each width a multiple of ``BLOCK_N``). The product
     with weight ``i``, columns ``[start, end)``, is stored as a contiguous ``[rows, end - start]``
-    block at element ``rows * start`` of ``y``. With ``ROPE`` (the rotated dims, 0 for none) and ``head_i`` > 0,
-    the trailing ``ROPE`` columns of each ``head_i``-wide head of product ``i`` are turned in
-    interleaved pairs by row ``positions[r]`` of ``cos_sin`` (cos then sin, ``table_stride`` apart).
-    With ``NORM`` the rows of ``x`` are RMS-normalised first (float32, ``norm_eps``, times
-    ``norm_weight [k]``, rounded to ``y``'s dtype): a first pass over ``k`` sums the squares; with
-    ``KEEP_NORMED`` the programs of the first column block also store them in ``normed [rows, k]``.
+    block at element ``rows * start`` of ``y``. With ``ROPE`` (the rotated dims, 0 for none) and
+    ``head_i`` > 0, the trailing ``ROPE`` columns of each ``head_i``-wide head of product ``i`` are
+    turned in interleaved pairs by row ``positions[r]`` of ``cos_sin`` (cos then sin,
+    ``table_stride`` apart).
+    With ``NORM`` the products are those of the RMS-normalised rows of ``x`` (``norm_eps``, times
+    ``norm_weight [k]``): the weights read ``x * norm_weight`` rounded to ``y``'s dtype while the
+    loop sums each row's squares, and the row's ``1 / rms`` scales the float32 products (one pass
+    over ``k``; the normalised rows themselves are never rounded). The ``KEEP_NORMED`` program
+    ``normed_block`` (one past the last column block) only stores the normalised rows in
+    ``normed [rows, k]`` (:func:`_store_normed`).
     With ``GATED`` the programs from column ``gated_from`` on (the last weight, a gate) also read
     the same rows of ``w_up`` and store the SwiGLU of the two products, each rounded to ``y``'s
     dtype first (``min(gate, limit)`` and ``clamp(up, -limit, limit)`` with ``CLAMP``)."""
-    col0 = tl.program_id(0) * BLOCK_N
-    start = end0 * 0
-    end = end0
-    w = w0
-    head = head0
-    if WEIGHTS > 1:
-        if col0 >= end0:
-            start, end, w, head = end0, end1, w1, head1
-    if WEIGHTS > 2:
-        if col0 >= end1:
-            start, end, w, head = end1, end2, w2, head2
-    if WEIGHTS > 3:
-        if col0 >= end2:
-            start, end, w, head = end2, end3, w3, head3
-    if WEIGHTS > 4:
-        if col0 >= end3:
-            start, end, w, head = end3, end4, w4, head4
-    row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    live = row < rows
-    local = col0 - start + tl.arange(0, BLOCK_N)
-    depth = tl.arange(0, BLOCK_K)
-    x_rows = x + row[:, None].to(tl.int64) * x_stride
-    w_rows = w + local[:, None].to(tl.int64) * k
-    if NORM:
+    if KEEP_NORMED and tl.program_id(0) == normed_block:
+        _store_normed(x, normed, norm_weight, norm_eps, rows, k, x_stride, BLOCK_T, BLOCK_K)
+    else:
+        col0 = tl.program_id(0) * BLOCK_N
+        start = end0 * 0
+        end = end0
+        w = w0
+        head = head0
+        if WEIGHTS > 1:
+            if col0 >= end0:
+                start, end, w, head = end0, end1, w1, head1
+        if WEIGHTS > 2:
+            if col0 >= end1:
+                start, end, w, head = end1, end2, w2, head2
+        if WEIGHTS > 3:
+            if col0 >= end2:
+                start, end, w, head = end2, end3, w3, head3
+        if WEIGHTS > 4:
+            if col0 >= end3:
+                start, end, w, head = end3, end4, w4, head4
+        row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = row < rows
+        local = col0 - start + tl.arange(0, BLOCK_N)
+        depth = tl.arange(0, BLOCK_K)
+        x_rows = x + row[:, None].to(tl.int64) * x_stride
+        w_rows = w + local[:, None].to(tl.int64) * k
         squares = tl.zeros((BLOCK_T,), tl.float32)
-        for step in tl.range(0, k, BLOCK_K):
+        acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+        gated = col0 + tl.arange(0, BLOCK_N) >= gated_from  # one value for the whole column block
+        for step in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
             kk = step + depth
-            a = tl.load(x_rows + kk[None, :], mask=live[:, None] & (kk < k)[None, :], other=0.0).to(tl.float32)
-            squares += tl.sum(a * a, axis=1)
-        scale = 1.0 / tl.sqrt_rn(squares / k + norm_eps)
-    acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-    up = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-    gated = col0 + tl.arange(0, BLOCK_N) >= gated_from  # one value for the whole column block
-    for step in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
-        kk = step + depth
-        within = kk < k
-        a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
+            within = kk < k
+            a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
+            if NORM:
+                scaled = a.to(tl.float32)
+                squares += tl.sum(scaled * scaled, axis=1)
+                a = (scaled * tl.load(norm_weight + kk, mask=within, other=0.0).to(tl.float32)[None, :]).to(
+                    y.dtype.element_ty)
+            b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+            if GATED:  # the other programs' loads are masked off: no traffic, a dot of zeros
+                c = tl.load(w_up + local[:, None].to(tl.int64) * k + kk[None, :],
+                            mask=gated[:, None] & within[None, :], other=0.0)
+                up = tl.dot(a, tl.trans(c), up)
         if NORM:
-            gain = tl.load(norm_weight + kk, mask=within, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * scale[:, None] * gain[None, :]).to(y.dtype.element_ty)
-            if KEEP_NORMED:
-                if tl.program_id(0) == 0:
-                    tl.store(normed + row[:, None].to(tl.int64) * k + kk[None, :], a,
-                             mask=live[:, None] & within[None, :])
-        b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
-        if GATED:  # the other programs' loads are masked off: no traffic, a dot of zeros
-            c = tl.load(w_up + local[:, None].to(tl.int64) * k + kk[None, :], mask=gated[:, None] & within[None, :],
-                        other=0.0)
-            up = tl.dot(a, tl.trans(c), up)
-    out = y + start.to(tl.int64) * rows + row[:, None].to(tl.int64) * (end - start) + local[None, :]
-    if ROPE:
-        product = acc.to(y.dtype.element_ty).to(tl.float32)
-        even, odd = tl.split(tl.reshape(product, (BLOCK_T, BLOCK_N // 2, 2)))
-        within = (col0 - start + 2 * tl.arange(0, BLOCK_N // 2)) % tl.maximum(head, 1)
-        turning = live[:, None] & ((within >= head - ROPE) & (within * 0 + head > 0))[None, :]
-        position = tl.load(positions + row, mask=live, other=0)
-        angle = cos_sin + position[:, None].to(tl.int64) * table_stride + ((within - (head - ROPE)) // 2)[None, :]
-        cos = tl.load(angle, mask=turning, other=1.0)
-        sin = tl.load(angle + ROPE // 2, mask=turning, other=0.0)
-        acc = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (BLOCK_T, BLOCK_N))
-    if GATED:
-        gate = acc.to(y.dtype.element_ty).to(tl.float32)
-        up = up.to(y.dtype.element_ty).to(tl.float32)
-        if CLAMP:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        acc = tl.where(gated[None, :], gate / (1.0 + tl.exp(-gate)) * up, acc)
-    tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
+            inverse_rms = (1.0 / tl.sqrt_rn(squares / k + norm_eps))[:, None]
+            acc = acc * inverse_rms
+            up = up * inverse_rms
+        out = y + start.to(tl.int64) * rows + row[:, None].to(tl.int64) * (end - start) + local[None, :]
+        if ROPE:
+            product = acc.to(y.dtype.element_ty).to(tl.float32)
+            even, odd = tl.split(tl.reshape(product, (BLOCK_T, BLOCK_N // 2, 2)))
+            within = (col0 - start + 2 * tl.arange(0, BLOCK_N // 2)) % tl.maximum(head, 1)
+            turning = live[:, None] & ((within >= head - ROPE) & (within * 0 + head > 0))[None, :]
+            position = tl.load(positions + row, mask=live, other=0)
+            angle = cos_sin + position[:, None].to(tl.int64) * table_stride + ((within - (head - ROPE)) // 2)[None, :]
+            cos = tl.load(angle, mask=turning, other=1.0)
+            sin = tl.load(angle + ROPE // 2, mask=turning, other=0.0)
+            acc = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (BLOCK_T, BLOCK_N))
+        if GATED:
+            gate = acc.to(y.dtype.element_ty).to(tl.float32)
+            up = up.to(y.dtype.element_ty).to(tl.float32)
+            if CLAMP:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            acc = tl.where(gated[None, :], gate / (1.0 + tl.exp(-gate)) * up, acc)
+        tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
 
 
 def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str, int] | None = None,
@@ -158,13 +184,15 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
         ends = list(itertools.accumulate(w.shape[0] for w in chunk))
         base = rows * sum(widths[:first])
         pad = MAX_WEIGHTS - len(chunk)
-        linear_skinny_kernel[(ends[-1] // tiles["block_n"], -(-rows // BLOCK_T))](
+        blocks = ends[-1] // tiles["block_n"]
+        keep = keep_normed and not first
+        linear_skinny_kernel[(blocks + keep, -(-rows // BLOCK_T))](
             x, *chunk, *[chunk[0]] * pad, y[base:], rows, k, x.stride(0), *ends, *[ends[-1]] * pad, positions, table,
-            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, norm_weight, float(eps), normed,
+            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, norm_weight, float(eps), normed, blocks,
             w_up if gated else x, ends[-2] if gated and len(chunk) > 1 else (0 if gated else ends[-1]),
             float(limit or 0.0), WEIGHTS=len(chunk), BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"],
             BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rotated, NORM=norm is not None,
-            KEEP_NORMED=keep_normed and not first, GATED=gated, CLAMP=gated and limit is not None,
+            KEEP_NORMED=keep, GATED=gated, CLAMP=gated and limit is not None,
             num_warps=tiles["warps"])
     outs, offset = [], 0
     for width in widths:

@@ -36,14 +36,11 @@ def grouped_linear(x: Operand, weight: Operand, positions: torch.Tensor | None =
     return out.view(groups, tokens, out.shape[-1]).transpose(0, 1).contiguous()
 
 
-def rope_heads_of(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head: int, conjugate: bool,
-                  rope=apply_rope) -> torch.Tensor:
-    """``x [T, G, K]`` with ``rope`` (``apply_rope``'s signature) applied to each ``head``-wide head's
-    trailing dims, in a new tensor: the RoPE half of :func:`grouped_linear`."""
-    heads = x.reshape(x.shape[0], -1, head).clone()
-    tail = heads[..., head - cos_sin.shape[1]:]
-    rope(tail, positions, cos_sin, conjugate=conjugate, out=tail)
-    return heads.view(x.shape)
+def rope_heads_of(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head: int,
+                  conjugate: bool) -> torch.Tensor:
+    """``x [T, G, K]`` with ``apply_rope`` applied to each ``head``-wide head's trailing dims, in a
+    new tensor: the RoPE half of :func:`grouped_linear`."""
+    return apply_rope(x.reshape(x.shape[0], -1, head), positions, cos_sin, conjugate=conjugate).view(x.shape)
 
 
 def check_grouped_linear(x: Operand, weight: Operand, positions: torch.Tensor | None = None,
