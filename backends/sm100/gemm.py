@@ -356,7 +356,7 @@ def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DE
 
 
 def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelOptions = DEFAULT,
-                     rope: tuple | None = None, norm: tuple | None = None, keep_normed: bool = False,
+                     rope: tuple | None = None,
                      swiglu: tuple[float | None] | None = None) -> tuple[torch.Tensor, ...] | None:
     """``x`` through each of ``weights`` in one Triton launch (:mod:`.fused.linear_skinny`) under
     ``options.linear_kernel=auto``, outside the batch-invariant mode, for bf16 CUDA ``x`` of at most
@@ -365,13 +365,11 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     ``experiments/results/linear_stacked_h200.csv``); None where it does not serve. ``rope``
     (``(positions, cos_sin, head width per weight)``, the HAL ``stacked_linear``'s RoPE) is applied
     in the kernel's epilogue where the column blocks divide the head widths and their rotated
-    parts; None where it cannot be. ``norm`` (``(weight [K], eps)``) RMS-normalises ``x`` in the
-    kernel (a float32 ``x`` too), which also stores the normalised ``x`` with ``keep_normed`` (last). ``swiglu`` (``(limit,)``): the last two
-    weights are a gate and an up projection whose SwiGLU the kernel stores in place of both."""
+    parts; None where it cannot be. ``swiglu`` (``(limit,)``): the last two weights are a gate and
+    an up projection whose SwiGLU the kernel stores in place of both."""
     from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, MAX_WEIGHTS, linear_skinny, tiles_for
 
-    readable = x.dtype == torch.bfloat16 or (norm is not None and x.dtype == torch.float32)
-    if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or not readable:
+    if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or x.dtype != torch.bfloat16:
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 0 < rows <= BLOCK_T or not all(isinstance(w, torch.Tensor) and on_device(w) and w.dtype == torch.bfloat16
@@ -385,12 +383,9 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
         if any(head % tiles["block_n"] or (head - cos_sin.shape[1]) % tiles["block_n"] for head in heads if head):
             return None
         rope = (positions.contiguous(), cos_sin.float().contiguous(), list(heads))
-    if norm is not None:
-        norm = (norm[0].contiguous(), norm[1])
     flat = x.reshape(rows, x.shape[-1])
     products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(), [w.contiguous() for w in weights],
-                             tiles, rope=rope, norm=norm, keep_normed=keep_normed, gated=swiglu is not None,
-                             limit=swiglu[0] if swiglu is not None else None)
+                             tiles, rope=rope, gated=swiglu is not None, limit=swiglu[0] if swiglu is not None else None)
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 

@@ -1,8 +1,7 @@
-"""sm100 ``stacked_linear``: bf16 weights read by a few rows in one Triton launch
-(:func:`.gemm.few_rows_linears`: each product its own contiguous block of one buffer, the input's
-RMSNorm in its prologue, RoPE or SwiGLU in its epilogue); otherwise ``rms_norm``, one ``linear``
-per weight with the same kernel choice, ``apply_rope`` on the products that ``rope_heads`` names
-and ``swiglu``."""
+"""sm100 ``stacked_linear``: the input's RMSNorm by ``rms_norm`` (when asked), then bf16 weights read
+by a few rows in one Triton launch (:func:`.gemm.few_rows_linears`: each product its own contiguous
+block of one buffer, RoPE or SwiGLU in its epilogue); otherwise one ``linear`` per weight with the
+same kernel choice, ``apply_rope`` on the products that ``rope_heads`` names and ``swiglu``."""
 from __future__ import annotations
 
 import torch
@@ -18,19 +17,17 @@ from deepinfer_backends.sm100.rope import apply_rope
 def stacked_linear(x, weights, positions=None, cos_sin=None, rope_heads=None, norm_weight=None,
                    norm_eps: float = 1e-6, keep_normed: bool = False, norm_dtype=None, swiglu: bool = False,
                    swiglu_limit: float | None = None, batch_invariant: bool = False, options: KernelOptions = DEFAULT):
-    """HAL ``stacked_linear``: :func:`~.gemm.few_rows_linears` where it serves (with the input's
-    RMSNorm and the products' RoPE), else :func:`~.norm.rms_norm`, :func:`~.gemm.linear` once per
-    weight and :func:`~.rope.apply_rope` per product."""
+    """HAL ``stacked_linear``: :func:`~.norm.rms_norm` for ``norm_weight``, then
+    :func:`~.gemm.few_rows_linears` where it serves (with the products' RoPE or SwiGLU), else
+    :func:`~.gemm.linear` once per weight, :func:`~.rope.apply_rope` and :func:`~.activation.swiglu`."""
     check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype, swiglu)
-    rope = None if rope_heads is None else (positions, cos_sin, rope_heads)
-    norm = None if norm_weight is None else (norm_weight, norm_eps)
-    fused = norm is None or (norm_dtype or x.dtype) == torch.bfloat16
-    products = few_rows_linears(x, weights, batch_invariant, options, rope=rope, norm=norm, keep_normed=keep_normed,
-                                swiglu=(swiglu_limit,) if swiglu else None) if fused else None
-    if products is not None:
-        return products
-    if norm is not None:
+    if norm_weight is not None:
         x = rms_norm(x, norm_weight, norm_eps).to(norm_dtype or x.dtype)
+    rope = None if rope_heads is None else (positions, cos_sin, rope_heads)
+    products = few_rows_linears(x, weights, batch_invariant, options, rope=rope,
+                                swiglu=(swiglu_limit,) if swiglu else None)
+    if products is not None:
+        return products + (x,) if keep_normed else products
     products = few_rows_linears(x, weights, batch_invariant, options) if rope is not None else None
     if products is None:
         products = tuple(linear(x, w, batch_invariant=batch_invariant, options=options) for w in weights)

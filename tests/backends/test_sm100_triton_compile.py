@@ -69,19 +69,19 @@ def _kernels():
                 experts="i32", n="i32", k="i32", limit="fp32"), \
             dict(BLOCK_T=grouped_gemm_skinny.BLOCK_T, BLOCK_N=width, BLOCK_K=grouped_gemm_skinny.BLOCK_K,
                  NUM_STAGES=grouped_gemm_skinny.NUM_STAGES, GATED=gated, CLAMP=gated, BLOCK_E=block_e)
-    variants = ((1, False, 0, False), (5, True, 0, False), (2, True, 64, True), (2, False, 64, False),
-                (3, False, 0, "keep"), (5, True, 0, True), (1, False, 0, "float32"), (1, True, 0, "float32"))
-    for (weights, one_row, rope, norm), tiles in zip(variants, [*linear_skinny.TILES.values()] * 4):
+    variants = ((1, False, 0, False), (5, True, 0, False), (2, True, 64, False), (2, False, 64, False),
+                (3, False, 0, True), (3, True, 0, True))
+    for (weights, one_row, rope, gated), tiles in zip(variants, [*linear_skinny.TILES.values()] * 3):
         # Triton passes a row count of 1 as a constant
-        yield f"linear_skinny_kernel[{weights} weights, one row {one_row}, rope {rope}, norm {norm}, " \
+        yield f"linear_skinny_kernel[{weights} weights, one row {one_row}, rope {rope}, gated {gated}, " \
               f"{tiles['block_n']} columns]", linear_skinny.linear_skinny_kernel, dict(
-                x="*fp32" if norm == "float32" else "*bf16", **{f"w{i}": "*bf16" for i in range(5)}, y="*bf16", **({} if one_row else {"rows": "i32"}),
+                x="*bf16", **{f"w{i}": "*bf16" for i in range(5)}, y="*bf16", **({} if one_row else {"rows": "i32"}),
                 k="i32", x_stride="i32", **{f"end{i}": "i32" for i in range(5)}, positions="*i64", cos_sin="*fp32",
-                table_stride="i32", **{f"head{i}": "i32" for i in range(5)}, norm_weight="*bf16", norm_eps="fp32",
-                normed="*bf16", normed_block="i32", w_up="*bf16", gated_from="i32", limit="fp32"), \
+                table_stride="i32", **{f"head{i}": "i32" for i in range(5)}, w_up="*bf16", gated_from="i32",
+                limit="fp32"), \
             dict(WEIGHTS=weights, BLOCK_T=linear_skinny.BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-                 NUM_STAGES=tiles["stages"], ROPE=rope, NORM=bool(norm), KEEP_NORMED=norm == "keep",
-                 GATED=norm == "keep", CLAMP=norm == "keep", **({"rows": 1} if one_row else {}))
+                 NUM_STAGES=tiles["stages"], ROPE=rope, GATED=gated, CLAMP=gated,
+                 **({"rows": 1} if one_row else {}))
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

@@ -35,35 +35,11 @@ def tiles_for(widths: list[int]) -> dict[str, int] | None:
 
 
 @triton.jit
-def _store_normed(x, normed, norm_weight, norm_eps, rows, k, x_stride, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows ``[BLOCK_T * pid1, ..)`` of ``x`` RMS-normalised (float32, times ``norm_weight``) and
-    rounded to ``normed``'s dtype: a pass over ``k`` for the squares, a second for the store."""
-    row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    live = row < rows
-    depth = tl.arange(0, BLOCK_K)
-    x_rows = x + row[:, None].to(tl.int64) * x_stride
-    squares = tl.zeros((BLOCK_T,), tl.float32)
-    for step in tl.range(0, k, BLOCK_K):
-        kk = step + depth
-        a = tl.load(x_rows + kk[None, :], mask=live[:, None] & (kk < k)[None, :], other=0.0).to(tl.float32)
-        squares += tl.sum(a * a, axis=1)
-    inverse_rms = 1.0 / tl.sqrt_rn(squares / k + norm_eps)
-    for step in tl.range(0, k, BLOCK_K):
-        kk = step + depth
-        keep = live[:, None] & (kk < k)[None, :]
-        a = tl.load(x_rows + kk[None, :], mask=keep, other=0.0).to(tl.float32)
-        gain = tl.load(norm_weight + kk, mask=kk < k, other=0.0).to(tl.float32)
-        tl.store(normed + row[:, None].to(tl.int64) * k + kk[None, :],
-                 (a * inverse_rms[:, None] * gain[None, :]).to(normed.dtype.element_ty), mask=keep)
-
-
-@triton.jit
 def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1, end2, end3, end4, positions,
-                         cos_sin, table_stride, head0, head1, head2, head3, head4, norm_weight, norm_eps, normed,
-                         normed_block, w_up, gated_from, limit, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         ROPE: tl.constexpr = 0, NORM: tl.constexpr = False, KEEP_NORMED: tl.constexpr = False,
-                         GATED: tl.constexpr = False, CLAMP: tl.constexpr = False):
+                         cos_sin, table_stride, head0, head1, head2, head3, head4, w_up, gated_from, limit,
+                         WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NUM_STAGES: tl.constexpr, ROPE: tl.constexpr = 0, GATED: tl.constexpr = False,
+                         CLAMP: tl.constexpr = False):
     """Columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))`` and rows ``[BLOCK_T * pid1, ..)`` of
     ``x [rows, k] @ cat(w0 .. w{WEIGHTS - 1}).T`` (rows of ``x`` ``x_stride`` elements apart);
     ``end0 ..``: the weights' cumulative widths (each width a multiple of ``BLOCK_N``). The product
@@ -72,98 +48,75 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
     ``head_i`` > 0, the trailing ``ROPE`` columns of each ``head_i``-wide head of product ``i`` are
     turned in interleaved pairs by row ``positions[r]`` of ``cos_sin`` (cos then sin,
     ``table_stride`` apart).
-    With ``NORM`` the products are those of the RMS-normalised rows of ``x`` (``norm_eps``, times
-    ``norm_weight [k]``): the weights read ``x * norm_weight`` rounded to ``y``'s dtype while the
-    loop sums each row's squares, and the row's ``1 / rms`` scales the float32 products (one pass
-    over ``k``; the normalised rows themselves are never rounded). The ``KEEP_NORMED`` program
-    ``normed_block`` (one past the last column block) only stores the normalised rows in
-    ``normed [rows, k]`` (:func:`_store_normed`).
     With ``GATED`` the programs from column ``gated_from`` on (the last weight, a gate) also read
     the same rows of ``w_up`` and store the SwiGLU of the two products, each rounded to ``y``'s
     dtype first (``min(gate, limit)`` and ``clamp(up, -limit, limit)`` with ``CLAMP``)."""
-    if KEEP_NORMED and tl.program_id(0) == normed_block:
-        _store_normed(x, normed, norm_weight, norm_eps, rows, k, x_stride, BLOCK_T, BLOCK_K)
-    else:
-        col0 = tl.program_id(0) * BLOCK_N
-        start = end0 * 0
-        end = end0
-        w = w0
-        head = head0
-        if WEIGHTS > 1:
-            if col0 >= end0:
-                start, end, w, head = end0, end1, w1, head1
-        if WEIGHTS > 2:
-            if col0 >= end1:
-                start, end, w, head = end1, end2, w2, head2
-        if WEIGHTS > 3:
-            if col0 >= end2:
-                start, end, w, head = end2, end3, w3, head3
-        if WEIGHTS > 4:
-            if col0 >= end3:
-                start, end, w, head = end3, end4, w4, head4
-        row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        live = row < rows
-        local = col0 - start + tl.arange(0, BLOCK_N)
-        depth = tl.arange(0, BLOCK_K)
-        x_rows = x + row[:, None].to(tl.int64) * x_stride
-        w_rows = w + local[:, None].to(tl.int64) * k
-        squares = tl.zeros((BLOCK_T,), tl.float32)
-        acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-        up = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-        gated = col0 + tl.arange(0, BLOCK_N) >= gated_from  # one value for the whole column block
-        for step in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
-            kk = step + depth
-            within = kk < k
-            a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
-            if NORM:
-                scaled = a.to(tl.float32)
-                squares += tl.sum(scaled * scaled, axis=1)
-                a = (scaled * tl.load(norm_weight + kk, mask=within, other=0.0).to(tl.float32)[None, :]).to(
-                    y.dtype.element_ty)
-            b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc)
-            if GATED:  # the other programs' loads are masked off: no traffic, a dot of zeros
-                c = tl.load(w_up + local[:, None].to(tl.int64) * k + kk[None, :],
-                            mask=gated[:, None] & within[None, :], other=0.0)
-                up = tl.dot(a, tl.trans(c), up)
-        if NORM:
-            inverse_rms = (1.0 / tl.sqrt_rn(squares / k + norm_eps))[:, None]
-            acc = acc * inverse_rms
-            up = up * inverse_rms
-        out = y + start.to(tl.int64) * rows + row[:, None].to(tl.int64) * (end - start) + local[None, :]
-        if ROPE:
-            product = acc.to(y.dtype.element_ty).to(tl.float32)
-            even, odd = tl.split(tl.reshape(product, (BLOCK_T, BLOCK_N // 2, 2)))
-            within = (col0 - start + 2 * tl.arange(0, BLOCK_N // 2)) % tl.maximum(head, 1)
-            turning = live[:, None] & ((within >= head - ROPE) & (within * 0 + head > 0))[None, :]
-            position = tl.load(positions + row, mask=live, other=0)
-            angle = cos_sin + position[:, None].to(tl.int64) * table_stride + ((within - (head - ROPE)) // 2)[None, :]
-            cos = tl.load(angle, mask=turning, other=1.0)
-            sin = tl.load(angle + ROPE // 2, mask=turning, other=0.0)
-            acc = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (BLOCK_T, BLOCK_N))
-        if GATED:
-            gate = acc.to(y.dtype.element_ty).to(tl.float32)
-            up = up.to(y.dtype.element_ty).to(tl.float32)
-            if CLAMP:
-                gate = tl.minimum(gate, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-            acc = tl.where(gated[None, :], gate / (1.0 + tl.exp(-gate)) * up, acc)
-        tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
+    col0 = tl.program_id(0) * BLOCK_N
+    start = end0 * 0
+    end = end0
+    w = w0
+    head = head0
+    if WEIGHTS > 1:
+        if col0 >= end0:
+            start, end, w, head = end0, end1, w1, head1
+    if WEIGHTS > 2:
+        if col0 >= end1:
+            start, end, w, head = end1, end2, w2, head2
+    if WEIGHTS > 3:
+        if col0 >= end2:
+            start, end, w, head = end2, end3, w3, head3
+    if WEIGHTS > 4:
+        if col0 >= end3:
+            start, end, w, head = end3, end4, w4, head4
+    row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = row < rows
+    local = col0 - start + tl.arange(0, BLOCK_N)
+    depth = tl.arange(0, BLOCK_K)
+    x_rows = x + row[:, None].to(tl.int64) * x_stride
+    w_rows = w + local[:, None].to(tl.int64) * k
+    acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+    gated = col0 + tl.arange(0, BLOCK_N) >= gated_from  # one value for the whole column block
+    for step in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
+        kk = step + depth
+        within = kk < k
+        a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
+        b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        if GATED:  # the other programs' loads are masked off: no traffic, a dot of zeros
+            c = tl.load(w_up + local[:, None].to(tl.int64) * k + kk[None, :],
+                        mask=gated[:, None] & within[None, :], other=0.0)
+            up = tl.dot(a, tl.trans(c), up)
+    out = y + start.to(tl.int64) * rows + row[:, None].to(tl.int64) * (end - start) + local[None, :]
+    if ROPE:
+        product = acc.to(y.dtype.element_ty).to(tl.float32)
+        even, odd = tl.split(tl.reshape(product, (BLOCK_T, BLOCK_N // 2, 2)))
+        within = (col0 - start + 2 * tl.arange(0, BLOCK_N // 2)) % tl.maximum(head, 1)
+        turning = live[:, None] & ((within >= head - ROPE) & (within * 0 + head > 0))[None, :]
+        position = tl.load(positions + row, mask=live, other=0)
+        angle = cos_sin + position[:, None].to(tl.int64) * table_stride + ((within - (head - ROPE)) // 2)[None, :]
+        cos = tl.load(angle, mask=turning, other=1.0)
+        sin = tl.load(angle + ROPE // 2, mask=turning, other=0.0)
+        acc = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (BLOCK_T, BLOCK_N))
+    if GATED:
+        gate = acc.to(y.dtype.element_ty).to(tl.float32)
+        up = up.to(y.dtype.element_ty).to(tl.float32)
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        acc = tl.where(gated[None, :], gate / (1.0 + tl.exp(-gate)) * up, acc)
+    tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
 
 
 def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str, int] | None = None,
                   rope: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-                  norm: tuple[torch.Tensor, float] | None = None, keep_normed: bool = False,
                   gated: bool = False, limit: float | None = None) -> list[torch.Tensor]:
-    """``[x @ w.T for w in weights]`` for bf16 ``x [rows, K]`` (unit stride along ``K``; float32 with
-    ``norm``, the normalised rows rounded to bf16) and contiguous bf16
-    ``weights [N_i, K]`` (each ``N_i`` a multiple of ``tiles["block_n"]``; default
+    """``[x @ w.T for w in weights]`` for bf16 ``x [rows, K]`` (unit stride along ``K``) and
+    contiguous bf16 ``weights [N_i, K]`` (each ``N_i`` a multiple of ``tiles["block_n"]``; default
     :func:`tiles_for` the widths): contiguous ``[rows, N_i]`` views of one buffer,
     :data:`MAX_WEIGHTS` weights a launch. ``rope``: ``(positions int64 [rows], cos_sin float32
     [P, R], head width per weight)`` turns each head's trailing ``R`` columns (the HAL
     ``stacked_linear``'s ``rope_heads``; widths 0, or multiples of the column block and at least ``R``).
-    ``norm``: ``(weight [K], eps)``, the products of ``x`` RMS-normalised (the HAL ``rms_norm``);
-    ``keep_normed`` appends that normalised ``x`` (contiguous ``[rows, K]``) to the products.
     ``gated``: the last two weights are a gate and an up projection of one width, whose SwiGLU
     (``limit``: its clamp, None for none) takes their place among the products (the HAL
     ``stacked_linear``'s ``swiglu``; at most :data:`MAX_WEIGHTS` weights besides the up one)."""
@@ -174,31 +127,25 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
         raise ValueError(f"a gated call takes at most {MAX_WEIGHTS} weights besides the up projection")
     widths = [w.shape[0] for w in weights]
     tiles = tiles or tiles_for(widths)
-    y = torch.empty(rows * sum(widths), dtype=weights[0].dtype, device=x.device)
+    y = torch.empty(rows * sum(widths), dtype=x.dtype, device=x.device)
     positions, table, heads = rope if rope is not None else (y, y, [0] * len(weights))
     rotated = table.shape[1] if rope is not None else 0
-    norm_weight, eps = norm if norm is not None else (x, 0.0)
-    normed = torch.empty(rows, k, dtype=y.dtype, device=x.device) if keep_normed else y
     for first in range(0, len(weights) if rows else 0, MAX_WEIGHTS):
         chunk = weights[first:first + MAX_WEIGHTS]
         ends = list(itertools.accumulate(w.shape[0] for w in chunk))
         base = rows * sum(widths[:first])
         pad = MAX_WEIGHTS - len(chunk)
-        blocks = ends[-1] // tiles["block_n"]
-        keep = keep_normed and not first
-        linear_skinny_kernel[(blocks + keep, -(-rows // BLOCK_T))](
+        linear_skinny_kernel[(ends[-1] // tiles["block_n"], -(-rows // BLOCK_T))](
             x, *chunk, *[chunk[0]] * pad, y[base:], rows, k, x.stride(0), *ends, *[ends[-1]] * pad, positions, table,
-            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, norm_weight, float(eps), normed, blocks,
-            w_up if gated else x, ends[-2] if gated and len(chunk) > 1 else (0 if gated else ends[-1]),
+            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, w_up if gated else x, ends[-2] if gated and len(chunk) > 1 else (0 if gated else ends[-1]),
             float(limit or 0.0), WEIGHTS=len(chunk), BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"],
-            BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rotated, NORM=norm is not None,
-            KEEP_NORMED=keep, GATED=gated, CLAMP=gated and limit is not None,
+            BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rotated, GATED=gated, CLAMP=gated and limit is not None,
             num_warps=tiles["warps"])
     outs, offset = [], 0
     for width in widths:
         outs.append(y[offset:offset + rows * width].view(rows, width))
         offset += rows * width
-    return outs + [normed] if keep_normed else outs
+    return outs
 
 
 def main() -> None:
