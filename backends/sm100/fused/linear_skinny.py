@@ -149,7 +149,9 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
 
 
 def main() -> None:
-    """Check the kernel against the float64 products on this GPU: one weight and several."""
+    """Check the kernel against the float64 products on this GPU (one weight and several), then
+    the HAL ``stacked_linear`` (its RoPE and SwiGLU epilogues among the cases) against its OpSpec
+    reference and tolerance (:mod:`deepinfer_backends.sm100.selfcheck`)."""
     gen = torch.Generator().manual_seed(0)
     for widths, k, rows in (((1280, 512, 64, 512, 512), 4096, 1), ((4096,), 2048, 3), ((32768, 8192), 1280, 16),
                             ((16, 48, 32, 16, 64, 16, 32), 96, 5)):
@@ -161,6 +163,9 @@ def main() -> None:
             error = (g.cpu().double() - want).abs().max().item()
             assert g.is_contiguous() and error <= 2 ** -7 * want.abs().max().item(), f"{widths}, {rows} rows: {error}"
         print(f"linear_skinny: widths {widths}, K={k}, {rows} rows: ok")
+    from deepinfer_backends.sm100.selfcheck import run
+
+    run("stacked_linear")
 
 
 if __name__ == "__main__":
