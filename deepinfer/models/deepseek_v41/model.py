@@ -116,7 +116,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             x = self.ops.mhc_pre(residual, self.hc_head.weights(residual))
         elif not ctx.every_row_logits:
             x = x[ctx.logits_indices]
-        return stacked(self.ops, x, [self.head], norm=self.norm)[0].float()  # the final norm in the head's prologue
+        return stacked(self.ops, x, [self.head], norm=self.norm)[0].float()  # the final norm and the head in one op
 
     def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
         """Store every draft layer's main keys (from the mean-over-streams target features) in its
