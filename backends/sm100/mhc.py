@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.hal.ops.mhc import SINKHORN_ORDERS
 from deepinfer_backends.sm100.launch import TRITON_INTERPRETED, float32_param, on_device, param_copy, require
 
 MAX_STREAMS = 16
 
 
-def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, batch_invariant: bool = False):
+def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, sinkhorn_order: str = "deepinfer",
+              batch_invariant: bool = False):
     """HAL ``mhc_mixes`` for a CUDA ``residual [T, hc, H]`` (bf16 or float32), ``hc`` a power of
     two up to :data:`MAX_STREAMS`; float32 ``(pre [T, hc], post [T, hc], comb [T, hc, hc])``.
     ``batch_invariant`` keeps the two launches (and their finishing tiles) at every token count."""
@@ -24,18 +26,21 @@ def mhc_mixes(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, batch
                           ("base", base, (hc * (2 + hc),))))
     if sinkhorn_iters < 0:
         raise ValueError(f"mhc_mixes: sinkhorn_iters must be >= 0, got {sinkhorn_iters}")
+    if sinkhorn_order not in SINKHORN_ORDERS:
+        raise ValueError(f"mhc_mixes: sinkhorn_order must be one of {list(SINKHORN_ORDERS)}, got {sinkhorn_order!r}")
+    column_row = sinkhorn_order == "column_row"
     from deepinfer_backends.sm100.fused.mhc_mixes import FINISH_TOKENS, FINISH_WARPS, mhc_mixes_kernel
 
     pre = torch.empty(tokens, hc, dtype=torch.float32, device=residual.device)
     post = torch.empty_like(pre)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=residual.device)
     if tokens and (batch_invariant or not _one_pass(residual, fn, scale, base, norm_eps, hc_eps, pre, post, comb,
-                                                    sinkhorn_iters)):
+                                                    sinkhorn_iters, column_row)):
         dots, squares, splits, rows = _partials(residual, fn)
         mhc_mixes_kernel[(-(-tokens // FINISH_TOKENS),)](
             dots, squares, float32_param(scale), float32_param(base), pre, post, comb, tokens,
             hc * hidden, float(norm_eps), float(hc_eps), SPLITS=splits, HC=hc, ROWS=rows, ITERS=int(sinkhorn_iters),
-            BLOCK=FINISH_TOKENS, num_warps=FINISH_WARPS)
+            BLOCK=FINISH_TOKENS, COLUMN_ROW=column_row, num_warps=FINISH_WARPS)
     return pre, post, comb
 
 
@@ -126,7 +131,7 @@ def _partials(residual, fn, finish: dict | None = None):
                                  finish["pre"], finish["post"], finish["comb"], tokens, width, fn.shape[0],
                                  flat.stride(0), finish["norm_eps"], finish["hc_eps"], SPLITS=splits,
                                  HC=residual.shape[1], ITERS=finish["iters"], HEAD=finish["head"],
-                                 FINISH=ONE_PASS_FINISH, **tiles)
+                                 FINISH=ONE_PASS_FINISH, COLUMN_ROW=finish.get("column_row", False), **tiles)
     return dots, squares, splits, rows
 
 
@@ -138,7 +143,8 @@ ONE_PASS_FINISH = 16
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
-def _one_pass(residual, fn, scale, base, norm_eps, hc_eps, pre, post=None, comb=None, iters=None) -> bool:
+def _one_pass(residual, fn, scale, base, norm_eps, hc_eps, pre, post=None, comb=None, iters=None,
+              column_row: bool = False) -> bool:
     """Run the mixes (``comb`` given) or the head in one launch when there are few tokens; False
     when the caller must run the two launches instead (many tokens, or no arrival counters yet
     while a CUDA graph is being captured: they are made outside a capture, zeroed once)."""
@@ -156,7 +162,8 @@ def _one_pass(residual, fn, scale, base, norm_eps, hc_eps, pre, post=None, comb=
     head = comb is None
     _partials(residual, fn, dict(arrivals=arrivals, scale=float32_param(scale), base=float32_param(base), pre=pre,
                                  post=pre if head else post, comb=pre if head else comb, norm_eps=float(norm_eps),
-                                 hc_eps=float(hc_eps), iters=0 if head else int(iters), head=head))
+                                 hc_eps=float(hc_eps), iters=0 if head else int(iters), head=head,
+                                 column_row=column_row))
     return True
 
 

@@ -55,7 +55,8 @@ from deepinfer_backends.sm100 import mhc
 
 gen = torch.Generator().manual_seed(0)
 hc, hidden = 4, 64
-for op, extra in (("mhc_mixes", {"sinkhorn_iters": 20}), ("mhc_head", {})):
+for op, extra in (("mhc_mixes", {"sinkhorn_iters": 20}), ("mhc_head", {}),
+                  ("mhc_mixes", {"sinkhorn_iters": 8, "sinkhorn_order": "column_row"})):
     rows = hc * (2 + hc) if op == "mhc_mixes" else hc
     args = {"fn": torch.randn(rows, hc * hidden, generator=gen) * 0.02, "scale": torch.rand(3 if extra else 1) + 0.5,
             "base": torch.randn(rows, generator=gen) * 0.1, "norm_eps": 1e-6, "hc_eps": 1e-6, **extra}
@@ -75,7 +76,7 @@ for op, extra in (("mhc_mixes", {"sinkhorn_iters": 20}), ("mhc_head", {})):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_mhc_one_pass_and_two_launches_match_the_reference_in_the_interpreter():
     lines = interpreted(ONE_PASS).splitlines()
-    assert lines == [f"{op} {tokens} ok" for op in ("mhc_mixes", "mhc_head") for tokens in (1, 5, 64, 65)]
+    assert lines == [f"{op} {tokens} ok" for op in ("mhc_mixes", "mhc_head", "mhc_mixes") for tokens in (1, 5, 64, 65)]
 
 
 CAST = """

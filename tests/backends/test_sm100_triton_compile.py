@@ -21,18 +21,19 @@ def _kernels():
                  UPCAST=False)
     gates = dict(dots="*fp32", squares="*fp32", scale="*fp32", base="*fp32")
     scalars = dict(tokens="i32", width="i32", norm_eps="fp32", hc_eps="fp32")
-    yield "mhc_mixes_kernel", mhc_mixes.mhc_mixes_kernel, {**gates, "pre": "*fp32", "post": "*fp32", "comb": "*fp32",
-                                                         **scalars}, \
-        dict(SPLITS=64, HC=4, ROWS=32, ITERS=20, BLOCK=mhc_mixes.FINISH_TOKENS)
+    for column_row in (False, True):
+        yield f"mhc_mixes_kernel[column_row {column_row}]", mhc_mixes.mhc_mixes_kernel, {
+            **gates, "pre": "*fp32", "post": "*fp32", "comb": "*fp32", **scalars}, \
+            dict(SPLITS=64, HC=4, ROWS=32, ITERS=20, BLOCK=mhc_mixes.FINISH_TOKENS, COLUMN_ROW=column_row)
     yield "mhc_head_kernel", mhc_mixes.mhc_head_kernel, {**gates, "weights": "*fp32", **scalars}, \
         dict(SPLITS=64, HC=4, ROWS=16, BLOCK=mhc_mixes.FINISH_TOKENS)
-    for head, rows in ((False, 32), (True, 16)):
-        yield f"mhc_mixes_one_pass[head {head}]", mhc_mixes.mhc_mixes_one_pass, dict(
+    for head, rows, column_row in ((False, 32, False), (False, 32, True), (True, 16, False)):
+        yield f"mhc_mixes_one_pass[head {head}, column_row {column_row}]", mhc_mixes.mhc_mixes_one_pass, dict(
             x="*bf16", fn="*bf16", dots="*fp32", squares="*fp32", arrivals="*i32", scale="*fp32", base="*fp32",
             pre="*fp32", post="*fp32", comb="*fp32", tokens="i32", width="i32", rows="i32", x_stride="i64",
             norm_eps="fp32", hc_eps="fp32"), \
             dict(ROWS=rows, BLOCK=mhc_mixes.BLOCK_TOKENS, SPLIT=mhc_mixes.SPLIT, BLOCK_K=mhc_mixes.BLOCK_K, PARTS=3,
-                 UPCAST=False, SPLITS=64, HC=4, ITERS=0 if head else 20, HEAD=head, FINISH=16)
+                 UPCAST=False, SPLITS=64, HC=4, ITERS=0 if head else 20, HEAD=head, FINISH=16, COLUMN_ROW=column_row)
     yield "mhc_pre_kernel", mhc_streams.mhc_pre_kernel, dict(residual="*bf16", pre="*fp32", out="*bf16", hidden="i32"), \
         dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
     for read_next in (False, True):

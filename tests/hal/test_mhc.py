@@ -19,20 +19,31 @@ def _token_mixes(stream_rows, fn, norm_eps):
     return [float(torch.dot(flat, fn_row)) / rms for fn_row in fn]
 
 
-def _sinkhorn_lists(logits, eps, iters):
+def _sinkhorn_lists(logits, eps, iters, order="deepinfer"):
     n = len(logits)
     matrix = []
     for row in logits:
         exps = [math.exp(v - max(row)) for v in row]
         matrix.append([e / sum(exps) + eps for e in exps])
-    for _ in range(iters):
+    def by_columns(matrix):
         column_sums = [sum(matrix[m][c] for m in range(n)) for c in range(n)]
-        matrix = [[matrix[m][c] / (column_sums[c] + eps) for c in range(n)] for m in range(n)]
-        matrix = [[v / (sum(row) + eps) for v in row] for row in matrix]
+        return [[matrix[m][c] / (column_sums[c] + eps) for c in range(n)] for m in range(n)]
+
+    def by_rows(matrix):
+        return [[v / (sum(row) + eps) for v in row] for row in matrix]
+
+    if order == "column_row":  # iters x (columns, rows)
+        for _ in range(iters):
+            matrix = by_rows(by_columns(matrix))
+        return matrix
+    if iters:  # DeepInfer's: the columns first, then (rows, columns) pairs: 2 * iters - 1 passes
+        matrix = by_columns(matrix)
+    for _ in range(iters - 1):
+        matrix = by_columns(by_rows(matrix))
     return matrix
 
 
-def mhc_mixes_float64(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters):
+def mhc_mixes_float64(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, sinkhorn_order="deepinfer"):
     hc = residual.shape[1]
     scale, base = scale.tolist(), base.tolist()
     pre, post, comb = [], [], []
@@ -42,7 +53,7 @@ def mhc_mixes_float64(residual, fn, scale, base, norm_eps, hc_eps, sinkhorn_iter
         post.append([2 * _sigmoid(scale[1] * m[hc + i] + base[hc + i]) for i in range(hc)])
         flat_logits = [scale[2] * m[2 * hc + j] + base[2 * hc + j] for j in range(hc * hc)]
         logits = [flat_logits[r * hc:(r + 1) * hc] for r in range(hc)]
-        comb.append(_sinkhorn_lists(logits, hc_eps, sinkhorn_iters))
+        comb.append(_sinkhorn_lists(logits, hc_eps, sinkhorn_iters, sinkhorn_order))
     return tuple(torch.tensor(v, dtype=torch.float64) for v in (pre, post, comb))
 
 
@@ -92,8 +103,8 @@ def test_mixes_by_hand():
                                 norm_eps=0.0, hc_eps=0.0, sinkhorn_iters=1)
     assert torch.allclose(pre, torch.tensor([[0.5, 0.5]]))
     assert torch.allclose(post, torch.tensor([[1.0, 1.0]]))
-    # softmax rows [3/4, 1/4], [1/2, 1/2]; columns first: [3/5, 1/3], [2/5, 2/3]; then rows
-    assert torch.allclose(comb, torch.tensor([[[9 / 14, 5 / 14], [3 / 8, 5 / 8]]]))
+    # softmax rows [3/4, 1/4], [1/2, 1/2]; one iteration is one column pass: [3/5, 1/3], [2/5, 2/3]
+    assert torch.allclose(comb, torch.tensor([[[3 / 5, 1 / 3], [2 / 5, 2 / 3]]]))
 
 
 def test_post_mixes_from_stream_m_into_stream_n_by_hand():

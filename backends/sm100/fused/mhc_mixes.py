@@ -92,18 +92,21 @@ def _inverse_rms(squares, token, live, tokens, SPLITS: tl.constexpr, width, norm
 
 @triton.jit
 def mhc_mixes_kernel(dots, squares, scale, base, pre, post, comb, tokens, width, norm_eps, hc_eps, SPLITS: tl.constexpr,
-                     HC: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+                     HC: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+                     COLUMN_ROW: tl.constexpr = False):
     """Tokens ``[BLOCK * pid, BLOCK * (pid + 1))``: the partials of :func:`mhc_mix_partials` to
     ``pre``, ``post`` ``[tokens, HC]`` and ``comb`` ``[tokens, HC, HC]``, with ``ITERS`` Sinkhorn
-    iterations (the reference's arithmetic and order)."""
+    iterations in DeepInfer's order (``COLUMN_ROW``: the ``column_row`` order; the reference's
+    arithmetic and order)."""
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     _finish_mixes(dots, squares, scale, base, pre, post, comb, token, tokens, width, norm_eps, hc_eps, SPLITS, HC,
-                  ROWS, ITERS)
+                  ROWS, ITERS, COLUMN_ROW)
 
 
 @triton.jit
 def _finish_mixes(dots, squares, scale, base, pre, post, comb, token, tokens, width, norm_eps, hc_eps,
-                  SPLITS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr):
+                  SPLITS: tl.constexpr, HC: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr,
+                  COLUMN_ROW: tl.constexpr):
     """``pre``, ``post`` and ``comb`` of the tokens ``token`` (a vector) from the partials."""
     live = token < tokens
     stride = tokens * ROWS
@@ -124,9 +127,15 @@ def _finish_mixes(dots, squares, scale, base, pre, post, comb, token, tokens, wi
     logits = tl.load(scale + 2) * logits + tl.load(base + 2 * HC + cell)[None, :, :]
     shifted = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
     matrix = shifted / tl.sum(shifted, axis=2)[:, :, None] + hc_eps
-    for _ in range(ITERS):
+    if COLUMN_ROW:  # ITERS times the columns and the rows
+        for _ in range(ITERS):
+            matrix = matrix / (tl.sum(matrix, axis=1)[:, None, :] + hc_eps)
+            matrix = matrix / (tl.sum(matrix, axis=2)[:, :, None] + hc_eps)
+    elif ITERS > 0:  # DeepInfer's: the columns, then ITERS - 1 times the rows and the columns
         matrix = matrix / (tl.sum(matrix, axis=1)[:, None, :] + hc_eps)
-        matrix = matrix / (tl.sum(matrix, axis=2)[:, :, None] + hc_eps)
+        for _ in range(ITERS - 1):
+            matrix = matrix / (tl.sum(matrix, axis=2)[:, :, None] + hc_eps)
+            matrix = matrix / (tl.sum(matrix, axis=1)[:, None, :] + hc_eps)
     tl.store(comb + token[:, None, None] * (HC * HC) + cell[None, :, :], matrix, mask=live[:, None, None])
 
 
@@ -155,12 +164,13 @@ def _finish_head(dots, squares, scale, base, weights, token, tokens, width, norm
 def mhc_mixes_one_pass(x, fn, dots, squares, arrivals, scale, base, pre, post, comb, tokens, width, rows, x_stride,
                        norm_eps, hc_eps, ROWS: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
                        BLOCK_K: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr,
-                       HC: tl.constexpr, ITERS: tl.constexpr, HEAD: tl.constexpr, FINISH: tl.constexpr):
+                       HC: tl.constexpr, ITERS: tl.constexpr, HEAD: tl.constexpr, FINISH: tl.constexpr,
+                       COLUMN_ROW: tl.constexpr = False):
     """:func:`mhc_mix_partials` and the finishing kernel in one launch: the program that writes
     the last slice of a token block (counted in ``arrivals[pid0]``, int32, zero before and after
     the launch) finishes that block's tokens, ``FINISH`` at a time: :func:`mhc_mixes_kernel`'s
     outputs, or with ``HEAD`` :func:`mhc_head_kernel`'s (``pre`` the weights; ``post``, ``comb``
-    and ``ITERS`` unused). The same arithmetic in the same order as the two launches."""
+    ``ITERS`` and ``COLUMN_ROW`` unused). The same arithmetic in the same order as the two launches."""
     mhc_mix_partials(x, fn, dots, squares, tokens, width, rows, x_stride, ROWS, BLOCK, SPLIT, BLOCK_K, PARTS, UPCAST)
     tl.debug_barrier()
     block = tl.program_id(0)
@@ -174,7 +184,7 @@ def mhc_mixes_one_pass(x, fn, dots, squares, arrivals, scale, base, pre, post, c
                              ROWS)
             else:
                 _finish_mixes(dots, squares, scale, base, pre, post, comb, token, tokens, width, norm_eps, hc_eps,
-                              SPLITS, HC, ROWS, ITERS)
+                              SPLITS, HC, ROWS, ITERS, COLUMN_ROW)
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from deepinfer.hal.spec import OpCase, OpSpec, register
 
 
 def mhc_mixes(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-              norm_eps: float, hc_eps: float, sinkhorn_iters: int):
+              norm_eps: float, hc_eps: float, sinkhorn_iters: int, sinkhorn_order: str = "deepinfer"):
     """Per-token mixing weights ``(pre [T, hc], post [T, hc], comb [T, hc, hc])``, float32.
 
     ``residual``: ``[T, hc, H]``; ``fn``: float32 ``[hc*(2+hc), hc*H]`` (RMSNorm weight folded
@@ -19,7 +19,8 @@ def mhc_mixes(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     rsqrt(mean(flat^2) + norm_eps)`` over ``flat = residual.flatten(1)``, split as ``hc`` pre,
     ``hc`` post and ``hc*hc`` comb values (row-major: ``comb[m, n]``, from stream m to stream n):
     ``pre = sigmoid(scale[0]*m_pre + base_pre) + hc_eps``, ``post = 2*sigmoid(scale[1]*m_post +
-    base_post)``, ``comb = sinkhorn(scale[2]*m_comb + base_comb)``; see :func:`sinkhorn`."""
+    base_post)``, ``comb = sinkhorn(scale[2]*m_comb + base_comb)`` in ``sinkhorn_order``; see
+    :func:`sinkhorn`."""
     tokens, hc, _ = _check_residual(residual)
     _check_shape("fn", fn, (hc * (2 + hc), residual.shape[1] * residual.shape[2]))
     _check_shape("scale", scale, (3,))
@@ -31,17 +32,40 @@ def mhc_mixes(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     pre = torch.sigmoid(scale[0] * mixes[:, :hc] + base[:hc]) + hc_eps
     post = 2.0 * torch.sigmoid(scale[1] * mixes[:, hc:2 * hc] + base[hc:2 * hc])
     comb_logits = (scale[2] * mixes[:, 2 * hc:] + base[2 * hc:]).reshape(tokens, hc, hc)
-    return pre, post, sinkhorn(comb_logits, hc_eps, sinkhorn_iters)
+    return pre, post, sinkhorn(comb_logits, hc_eps, sinkhorn_iters, sinkhorn_order)
 
 
-def sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
-    """``M = softmax(logits, -1) + eps``, then ``iters`` times: divide each column by its sum
-    plus ``eps``, then each row by its sum plus ``eps``. ``logits``: ``[..., n, n]``."""
+SINKHORN_ORDERS = ("deepinfer", "column_row")
+
+
+def sinkhorn(logits: torch.Tensor, eps: float, iters: int, order: str = "deepinfer") -> torch.Tensor:
+    """``M = softmax(logits, -1) + eps``, then normalisation passes, each dividing every column
+    (or row) by its sum plus ``eps``. ``logits``: ``[..., n, n]``; ``iters`` 0 leaves ``M``.
+
+    - ``order="deepinfer"`` (DeepInfer's, the official checkpoints'): the columns, then
+      ``iters - 1`` times the rows and the columns; the matrix ends column-normalised after
+      ``2 * iters - 1`` passes.
+    - ``order="column_row"``: ``iters`` times the columns and the rows; it ends row-normalised."""
+    if order not in SINKHORN_ORDERS:
+        raise ValueError(f"sinkhorn order must be one of {list(SINKHORN_ORDERS)}, got {order!r}")
     matrix = torch.softmax(logits.float(), dim=-1) + eps
-    for _ in range(iters):
-        matrix = matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
-        matrix = matrix / (matrix.sum(dim=-1, keepdim=True) + eps)
+    if order == "column_row":
+        for _ in range(iters):
+            matrix = _by_rows(_by_columns(matrix, eps), eps)
+        return matrix
+    if iters:
+        matrix = _by_columns(matrix, eps)
+    for _ in range(iters - 1):
+        matrix = _by_columns(_by_rows(matrix, eps), eps)
     return matrix
+
+
+def _by_columns(matrix: torch.Tensor, eps: float) -> torch.Tensor:
+    return matrix / (matrix.sum(dim=-2, keepdim=True) + eps)
+
+
+def _by_rows(matrix: torch.Tensor, eps: float) -> torch.Tensor:
+    return matrix / (matrix.sum(dim=-1, keepdim=True) + eps)
 
 
 def mhc_pre(residual: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -118,12 +142,13 @@ def _weights(gen, rows, hc, hidden, device):
     return fn.to(device), (0.5 * torch.randn(rows, generator=gen)).to(device)
 
 
-def _mixes_case(tokens: int, hc: int, hidden: int, iters: int, dtype=torch.float32, hc_eps: float = 1e-6):
+def _mixes_case(tokens: int, hc: int, hidden: int, iters: int, dtype=torch.float32, hc_eps: float = 1e-6,
+                order: str = "deepinfer"):
     def make(gen: torch.Generator, device: torch.device):
         fn, base = _weights(gen, hc * (2 + hc), hc, hidden, device)
         return {"residual": _residual(gen, tokens, hc, hidden, dtype, device), "fn": fn,
                 "scale": torch.tensor([0.7, 0.9, 1.3], device=device), "base": base,
-                "norm_eps": 1e-6, "hc_eps": hc_eps, "sinkhorn_iters": iters}
+                "norm_eps": 1e-6, "hc_eps": hc_eps, "sinkhorn_iters": iters, "sinkhorn_order": order}
     return make
 
 
@@ -162,6 +187,8 @@ register(OpSpec(
         OpCase("tiny_hc4", _mixes_case(5, 4, 16, 3)),
         OpCase("tiny_hc2_large_eps", _mixes_case(3, 2, 8, 2, hc_eps=0.01)),
         OpCase("tiny_bf16_residual", _mixes_case(4, 4, 16, 5, torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("tiny_column_row_bf16", _mixes_case(6, 4, 16, 8, torch.bfloat16, order="column_row"),
+               dtype=torch.bfloat16),
         OpCase("many_tokens_bf16", _mixes_case(150, 4, 64, 20, torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_hidden", _mixes_case(8, 4, 4096, 20), size="real"),
         OpCase("v41_hidden_bf16", _mixes_case(8, 4, 4096, 20, torch.bfloat16), size="real", dtype=torch.bfloat16),

@@ -20,7 +20,7 @@ class Block(nn.Module):
         super().__init__()
         self.ratio = ratio
         hc = dict(hidden=cfg.hidden_size, streams=cfg.hc_mult, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
-                  sinkhorn_iters=cfg.hc_sinkhorn_iters, ops=ops)
+                  sinkhorn_iters=cfg.hc_sinkhorn_iters, sinkhorn_order=cfg.hc_sinkhorn_order, ops=ops)
         self.hc_attn = HyperConnection(**hc)
         self.hc_ffn = HyperConnection(**hc)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepinfer.hal.ops.mhc import SINKHORN_ORDERS
+
 ATTENTION_DIM = 512
 ROPE_DIM = 64
 INDEX_HEAD_DIM = 128
@@ -46,6 +48,7 @@ class DeepseekV41Config:
     hc_mult: int = 4
     hc_eps: float = 1e-6
     hc_sinkhorn_iters: int = 20
+    hc_sinkhorn_order: str = "deepinfer"  # "column_row": the order the shipped tiny model was trained with
     hc_shifted: bool = True
     n_routed_experts: int = 384
     n_shared_experts: int = 1
@@ -137,6 +140,8 @@ class DeepseekV41Config:
         need(all(0 <= i < self.num_hidden_layers for i in self.dspark_target_layer_ids),
              f"dspark_target_layer_ids {self.dspark_target_layer_ids} must name backbone layers")
         need(self.max_backtracking >= 1, "max_backtracking must be >= 1")
+        need(self.hc_sinkhorn_order in SINKHORN_ORDERS,
+             f"hc_sinkhorn_order must be one of {list(SINKHORN_ORDERS)}, got {self.hc_sinkhorn_order!r}")
         need(not self.engram_layer_ids, "Engram memory is not supported yet; use a config with engram_layer_ids = []")
         need(self.candidate_source_layer_id is None,
              f"candidate_source_layer_id={self.candidate_source_layer_id}: candidate-block top-k (the indexer "

@@ -12,18 +12,20 @@ class HyperConnection(nn.Module):
 
     The owning block registers them under the official names ``hc_{attn,ffn}_{fn,base,scale}``."""
 
-    def __init__(self, hidden: int, streams: int, norm_eps: float, hc_eps: float, sinkhorn_iters: int, ops: OpTable):
+    def __init__(self, hidden: int, streams: int, norm_eps: float, hc_eps: float, sinkhorn_iters: int, ops: OpTable,
+                 sinkhorn_order: str = "deepinfer"):
         super().__init__()
         mixes = streams * (2 + streams)
         self.fn = nn.Parameter(torch.zeros(mixes, streams * hidden), requires_grad=False)
         self.base = nn.Parameter(torch.zeros(mixes), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3), requires_grad=False)
         self.norm_eps, self.hc_eps, self.sinkhorn_iters, self.ops = norm_eps, hc_eps, sinkhorn_iters, ops
+        self.sinkhorn_order = sinkhorn_order
 
     def mixes(self, residual: torch.Tensor):
         """``(pre, post, comb)`` of this sublayer, computed from the trunk entering it."""
         return self.ops.mhc_mixes(residual, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps,
-                                  self.sinkhorn_iters)
+                                  self.sinkhorn_iters, sinkhorn_order=self.sinkhorn_order)
 
     def run(self, residual: torch.Tensor, input_pre: torch.Tensor | None, sublayer,
             x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
