@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_backends.sm100.fused.swiglu import clamped_swiglu
+
 BLOCK_T = 16
 BLOCK_K = 128
 NUM_STAGES = 4
@@ -74,12 +76,8 @@ def grouped_gemm_skinny_kernel(x, w, w_up, y, schedule, tiles, experts, n, k, li
                 c = tl.load(w_up + w_offsets + kk[None, :], mask=inside[:, None] & within[None, :], other=0.0)
                 up = tl.dot(a, tl.trans(c), up)
         if GATED:
-            gate = acc.to(x.dtype.element_ty).to(tl.float32)
-            up = up.to(x.dtype.element_ty).to(tl.float32)
-            if CLAMP:
-                gate = tl.minimum(gate, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-            acc = gate / (1.0 + tl.exp(-gate)) * up
+            acc = clamped_swiglu(acc.to(x.dtype.element_ty).to(tl.float32), up.to(x.dtype.element_ty).to(tl.float32),
+                                 limit, CLAMP)
         tl.store(y + row[:, None].to(tl.int64) * n + col[None, :], acc.to(y.dtype.element_ty),
                  mask=live[:, None] & inside[None, :])
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_backends.sm100.fused.swiglu import clamped_swiglu
+
 BLOCK_T = 16
 """Rows a program holds; a call takes this kernel up to this many rows."""
 MAX_WEIGHTS = 5
@@ -99,12 +101,9 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
         sin = tl.load(angle + ROPE // 2, mask=turning, other=0.0)
         acc = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (BLOCK_T, BLOCK_N))
     if GATED:
-        gate = acc.to(y.dtype.element_ty).to(tl.float32)
-        up = up.to(y.dtype.element_ty).to(tl.float32)
-        if CLAMP:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        acc = tl.where(gated[None, :], gate / (1.0 + tl.exp(-gate)) * up, acc)
+        activation = clamped_swiglu(acc.to(y.dtype.element_ty).to(tl.float32),
+                                    up.to(y.dtype.element_ty).to(tl.float32), limit, CLAMP)
+        acc = tl.where(gated[None, :], activation, acc)
     tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
 
 

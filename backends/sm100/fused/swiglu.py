@@ -8,6 +8,16 @@ BLOCK = 2048
 
 
 @triton.jit
+def clamped_swiglu(gate, up, limit, CLAMP: tl.constexpr):
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` of float32 values (no clamping
+    without ``CLAMP``), shared by the kernels that store a SwiGLU."""
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def swiglu_kernel(gate, up, out, count, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     """``out = silu(min(gate, limit)) * clamp(up, -limit, limit)`` over ``count`` elements
     (no clamping without ``CLAMP``)."""
@@ -15,10 +25,7 @@ def swiglu_kernel(gate, up, out, count, limit, CLAMP: tl.constexpr, BLOCK: tl.co
     inside = i < count
     g = tl.load(gate + i, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(up + i, mask=inside, other=0.0).to(tl.float32)
-    if CLAMP:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    tl.store(out + i, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=inside)
+    tl.store(out + i, clamped_swiglu(g, u, limit, CLAMP).to(out.dtype.element_ty), mask=inside)
 
 
 def main() -> None:

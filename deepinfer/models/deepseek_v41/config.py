@@ -48,7 +48,7 @@ class DeepseekV41Config:
     hc_mult: int = 4
     hc_eps: float = 1e-6
     hc_sinkhorn_iters: int = 20
-    hc_sinkhorn_order: str = "deepinfer"  # "column_row": the order the shipped tiny model was trained with
+    hc_sinkhorn_order: str = "deepinfer"  # or "column_row" (models/tiny/config.json)
     hc_shifted: bool = True
     n_routed_experts: int = 384
     n_shared_experts: int = 1
