@@ -55,7 +55,7 @@ def run_case(backend, op: str, case_name: str) -> dict:
         torch.cuda.synchronize()
     except Exception as error:
         return {"status": "error", "detail": f"{type(error).__name__}: {str(error)[:400]}"}
-    failures = compare(got, want, spec.tolerance(case.dtype), f"{op}/{case_name}")
+    failures = compare(got, want, spec.case_tolerance(case), f"{op}/{case_name}")
     max_err, mean_err = _errors(got, want)
     return {"status": "fail" if failures else "pass", "max_abs_err": max_err, "mean_abs_err": mean_err,
             "detail": "; ".join(failures)}

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from deepinfer.hal.formats import Quantized
+from deepinfer.hal.ops.grouped_gemm import check_out_dtype
 from deepinfer_backends.sm100 import toolchain
 from deepinfer_backends.sm100.launch import compiled, cuda_bf16, on_device, require
 from deepinfer_backends.sm100.options import DEFAULT, SKINNY_ROWS, KernelOptions
@@ -324,12 +325,15 @@ def _operand_kind(operand) -> str:
     return type(operand).__name__
 
 
-def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DEFAULT) -> torch.Tensor:
+def linear(x, weight, out_dtype: torch.dtype | None = None, batch_invariant: bool = False,
+           options: KernelOptions = DEFAULT) -> torch.Tensor:
     """HAL ``linear``, ``y[..., N] = x[..., K] @ weight[N, K].T``: the Triton kernel for few rows
     where it serves (:func:`few_rows_linears`), else the grouped GEMM kernel with one expert (its
     tile schedule built once per row count, with no host sync), or cuBLAS for a bf16 weight where
-    ``options.linear_kernel`` picks it (:func:`linear_kernel`)."""
+    ``options.linear_kernel`` picks it (:func:`linear_kernel`). Each writes its float32
+    accumulator unrounded for ``out_dtype=torch.float32``."""
     op = "linear"
+    check_out_dtype(op, out_dtype)
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _linear_quant(x, weight, batch_invariant)
     cuda_bf16(op, "x", x)
@@ -338,26 +342,35 @@ def linear(x, weight, batch_invariant: bool = False, options: KernelOptions = DE
         raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    products = few_rows_linears(x, [weight], batch_invariant, options)
+    products = few_rows_linears(x, [weight], batch_invariant, options, out_dtype=out_dtype)
     if products is not None:
         return products[0]
-    if linear_kernel(rows, options, batch_invariant) == "cublas":
-        return torch.nn.functional.linear(x, weight)
+    if linear_kernel(rows, options, batch_invariant) == "cublas" and (out_dtype is None or _CUBLAS_FLOAT32_OUT):
+        if out_dtype is None:
+            return torch.nn.functional.linear(x, weight)
+        return torch.mm(x.reshape(rows, x.shape[-1]), weight.t(), out_dtype=out_dtype).view(*x.shape[:-1], -1)
     require(x.shape[-1] % 8 == 0, op, f"K={x.shape[-1]} must be a multiple of 8 (16-byte rows for TMA)")
     flat, weight = x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous()
     n = weight.shape[0]
     tiles = gemm_tiles(rows, 1, n, weight.shape[1], batch_invariant=batch_invariant)
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if rows:
         schedule = _single_expert_schedule(rows, tiles["block_m"], x.device)
-        kernel = compiled("grouped_gemm", "grouped_gemm_bf16", 1, *weight.shape, **tiles)
+        wide = {} if out_dtype is None else {"out_dtype": "float32"}
+        kernel = compiled("grouped_gemm", "grouped_gemm_bf16", 1, *weight.shape, **tiles, **wide)
         kernel(flat, weight.unsqueeze(0), schedule[0], schedule[1], schedule[2], y)
     return y.reshape(*x.shape[:-1], n)
 
 
+_CUBLAS_FLOAT32_OUT = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
+"""Whether this torch's cuBLAS ``mm`` writes a bf16 product in float32 (``out_dtype``); where it
+cannot, a float32 ``linear`` takes the TileLang GEMM."""
+
+
 def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelOptions = DEFAULT,
                      rope: tuple | None = None,
-                     swiglu: tuple[float | None] | None = None) -> tuple[torch.Tensor, ...] | None:
+                     swiglu: tuple[float | None] | None = None,
+                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...] | None:
     """``x`` through each of ``weights`` in one Triton launch (:mod:`.fused.linear_skinny`) under
     ``options.linear_kernel=auto``, outside the batch-invariant mode, for bf16 CUDA ``x`` of at most
     :data:`~.fused.linear_skinny.BLOCK_T` rows and bf16 CUDA weights whose widths the kernel's column
@@ -366,7 +379,8 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     (``(positions, cos_sin, head width per weight)``, the HAL ``stacked_linear``'s RoPE) is applied
     in the kernel's epilogue where the column blocks divide the head widths and their rotated
     parts; None where it cannot be. ``swiglu`` (``(limit,)``): the last two weights are a gate and
-    an up projection whose SwiGLU the kernel stores in place of both."""
+    an up projection whose SwiGLU the kernel stores in place of both. ``out_dtype``: the products'
+    dtype (default ``x.dtype``)."""
     from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, MAX_WEIGHTS, linear_skinny, tiles_for
 
     if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or x.dtype != torch.bfloat16:
@@ -385,7 +399,8 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
         rope = (positions.contiguous(), cos_sin.float().contiguous(), list(heads))
     flat = x.reshape(rows, x.shape[-1])
     products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(), [w.contiguous() for w in weights],
-                             tiles, rope=rope, gated=swiglu is not None, limit=swiglu[0] if swiglu is not None else None)
+                             tiles, rope=rope, gated=swiglu is not None, limit=swiglu[0] if swiglu is not None else None,
+                             out_dtype=out_dtype)
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 

@@ -37,7 +37,7 @@ def check_op(op: str, options: dict | None = None) -> bool:
         inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
         want = spec.reference(**_moved(inputs, torch.device("cpu")))
         try:
-            failures = compare(impl(**_moved(inputs, torch.device("cuda"))), want, spec.tolerance(case.dtype),
+            failures = compare(impl(**_moved(inputs, torch.device("cuda"))), want, spec.case_tolerance(case),
                                f"{op}/{case.name}")
         except Exception as error:  # reported with the case, the other cases still run
             failures = [f"{type(error).__name__}: {error}"]

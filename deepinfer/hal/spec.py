@@ -21,6 +21,7 @@ DEFAULT_TOLERANCES = {
     torch.float32: Tolerance(1e-4, 1e-4),
     torch.bfloat16: Tolerance(2e-2, 2e-2),
 }
+FLOAT32_OUTPUT = DEFAULT_TOLERANCES[torch.float32]  # a case whose result is float32 from inputs of another dtype
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,14 @@ class OpCase:
 
     ``make_inputs(generator, device)`` returns the keyword arguments of one call. ``size`` is
     ``"tiny"`` (seconds on a CPU) or ``"real"`` (V4.1 shapes, may be reduced in count but not in
-    per-row dims)."""
+    per-row dims). ``dtype`` is the activations' dtype, which picks the backends that run the case
+    and, unless ``tolerance`` is given, the tolerance (:meth:`OpSpec.case_tolerance`)."""
 
     name: str
     make_inputs: Callable[[torch.Generator, torch.device], dict[str, Any]]
     size: str = "tiny"
     dtype: torch.dtype = torch.float32
+    tolerance: Tolerance | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class OpSpec:
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         return self.tolerances.get(dtype, DEFAULT_TOLERANCES.get(dtype, Tolerance(1e-4, 1e-4)))
+
+    def case_tolerance(self, case: OpCase) -> Tolerance:
+        """The case's own tolerance, else the op's for the case's dtype."""
+        return case.tolerance or self.tolerance(case.dtype)
 
     def case(self, name: str) -> OpCase:
         for case in self.cases:

@@ -26,7 +26,7 @@ def check_against_oracle(op: str, case_name: str, oracle, seed: int = 0):
     inputs = case.make_inputs(torch.Generator().manual_seed(seed), torch.device("cpu"))
     want = oracle(**as_float64(_clone(inputs)))
     got = spec.reference(**_clone(inputs))
-    failures = compare(got, _cast_like(want, got), spec.tolerance(case.dtype), f"{op}[{case_name}]")
+    failures = compare(got, _cast_like(want, got), spec.case_tolerance(case), f"{op}[{case_name}]")
     assert not failures, "\n".join(failures)
 
 

@@ -35,8 +35,8 @@ def float64_values(operand) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(*scales.shape[:-1], -1))
 
 
-def linear_float64(x, weight):
-    """numpy tensordot over K, in float64."""
+def linear_float64(x, weight, out_dtype=None):
+    """numpy tensordot over K, in float64 (which ``out_dtype`` float32 must match to float32's tolerance)."""
     out = np.tensordot(float64_values(x).numpy(), float64_values(weight).numpy(), axes=([-1], [1]))
     return torch.from_numpy(out)
 

@@ -58,5 +58,5 @@ def test_backend_matches_reference(backend, op, case):
     inputs = c.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
     want = spec.reference(**_clone(inputs))
     got = impl(**_to_device(_clone(inputs), device))
-    failures = compare(got, want, spec.tolerance(c.dtype), f"{backend}/{op}/{case}")
+    failures = compare(got, want, spec.case_tolerance(c), f"{backend}/{op}/{case}")
     assert not failures, "\n".join(failures)

@@ -11,7 +11,8 @@ from tests.hal.test_grouped_gemm import float64_values
 
 
 def stacked_linear_float64(x, weights, positions=None, cos_sin=None, rope_heads=None, norm_weight=None,
-                           norm_eps=1e-6, keep_normed=False, norm_dtype=None, swiglu=False, swiglu_limit=None):
+                           norm_eps=1e-6, keep_normed=False, norm_dtype=None, swiglu=False, swiglu_limit=None,
+                           out_dtype=None):
     """Each product element by element in float64 from the operands' decoded values; with
     ``norm_weight``, of the rows divided by their root mean square (plus ``norm_eps``) times the
     weight; with ``rope_heads``, each named product's heads turned by hand (:func:`turn_heads_float64`)."""

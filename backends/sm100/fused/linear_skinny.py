@@ -109,7 +109,8 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
 
 def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str, int] | None = None,
                   rope: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-                  gated: bool = False, limit: float | None = None) -> list[torch.Tensor]:
+                  gated: bool = False, limit: float | None = None,
+                  out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` for bf16 ``x [rows, K]`` (unit stride along ``K``) and
     contiguous bf16 ``weights [N_i, K]`` (each ``N_i`` a multiple of ``tiles["block_n"]``; default
     :func:`tiles_for` the widths): contiguous ``[rows, N_i]`` views of one buffer,
@@ -118,7 +119,8 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
     ``stacked_linear``'s ``rope_heads``; widths 0, or multiples of the column block and at least ``R``).
     ``gated``: the last two weights are a gate and an up projection of one width, whose SwiGLU
     (``limit``: its clamp, None for none) takes their place among the products (the HAL
-    ``stacked_linear``'s ``swiglu``; at most :data:`MAX_WEIGHTS` weights besides the up one)."""
+    ``stacked_linear``'s ``swiglu``; at most :data:`MAX_WEIGHTS` weights besides the up one).
+    ``out_dtype``: the products' dtype (default ``x.dtype``; float32 stores the accumulator unrounded)."""
     rows, k = x.shape
     w_up = weights[-1] if gated else None
     weights = weights[:-1] if gated else weights
@@ -126,7 +128,7 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
         raise ValueError(f"a gated call takes at most {MAX_WEIGHTS} weights besides the up projection")
     widths = [w.shape[0] for w in weights]
     tiles = tiles or tiles_for(widths)
-    y = torch.empty(rows * sum(widths), dtype=x.dtype, device=x.device)
+    y = torch.empty(rows * sum(widths), dtype=out_dtype or x.dtype, device=x.device)
     positions, table, heads = rope if rope is not None else (y, y, [0] * len(weights))
     rotated = table.shape[1] if rope is not None else 0
     for first in range(0, len(weights) if rows else 0, MAX_WEIGHTS):

@@ -16,9 +16,10 @@ from deepinfer.hal.ops.grouped_gemm import tile_bounds
 
 @tilelang.jit
 def grouped_gemm_bf16(experts: int, n: int, k: int, block_m: int = 128, block_n: int = 256, block_k: int = 64,
-                      num_stages: int = 3, threads: int = 256, swizzle: int = 8):
+                      num_stages: int = 3, threads: int = 256, swizzle: int = 8, out_dtype: str = "bfloat16"):
     """Kernel ``(x [m, k], w [experts, n, k], tile_expert, tile_row, tile_end [tiles], y [m, n])``;
-    ``m`` and ``tiles`` are dynamic. ``tile_expert[t] >= experts`` marks an empty tile."""
+    ``m`` and ``tiles`` are dynamic. ``tile_expert[t] >= experts`` marks an empty tile. ``y`` is
+    ``out_dtype`` (``"float32"``: the accumulator unrounded)."""
     m = T.dynamic("m")
     tiles = T.dynamic("tiles")
     dtype, accum = "bfloat16", "float"
@@ -26,7 +27,7 @@ def grouped_gemm_bf16(experts: int, n: int, k: int, block_m: int = 128, block_n:
     @T.prim_func
     def kernel(x: T.Tensor((m, k), dtype), w: T.Tensor((experts, n, k), dtype),
                tile_expert: T.Tensor((tiles,), "int32"), tile_row: T.Tensor((tiles,), "int32"),
-               tile_end: T.Tensor((tiles,), "int32"), y: T.Tensor((m, n), dtype)):
+               tile_end: T.Tensor((tiles,), "int32"), y: T.Tensor((m, n), out_dtype)):
         with T.Kernel(T.ceildiv(n, block_n), tiles, threads=threads) as (bn, bt):
             x_tile = T.alloc_shared((block_m, block_k), dtype)
             w_tile = T.alloc_shared((block_n, block_k), dtype)
@@ -41,7 +42,7 @@ def grouped_gemm_bf16(experts: int, n: int, k: int, block_m: int = 128, block_n:
                     T.gemm(x_tile, w_tile, acc, transpose_B=True)
                 for i, j in T.Parallel(block_m, block_n):
                     if i < tile_end[bt] - tile_row[bt]:
-                        y[tile_row[bt] + i, bn * block_n + j] = T.cast(acc[i, j], dtype)
+                        y[tile_row[bt] + i, bn * block_n + j] = T.cast(acc[i, j], out_dtype)
 
     return kernel
 

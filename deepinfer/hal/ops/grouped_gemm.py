@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.formats import Quantized, quantize
-from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.spec import FLOAT32_OUTPUT, OpCase, OpSpec, register
 from deepinfer.hal.value_checks import value_checks
 
 Operand = torch.Tensor | Quantized
@@ -20,19 +20,22 @@ WEIGHT_FORMATS = ("fp8", "mxfp4")
 _DATA_DTYPES = {"fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 
 
-def linear(x: Operand, weight: Operand) -> torch.Tensor:
+def linear(x: Operand, weight: Operand, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y[..., N] = x[..., K] @ weight[N, K].T``, accumulated in float32.
 
     Plain tensors give a result in ``x.dtype``. If either operand is :class:`Quantized` (``x``:
     ``"fp8"`` data ``[..., K]``, scale ``[..., K/32]``; ``weight``: ``"fp8"`` data ``[N, K]`` or
     ``"mxfp4"`` data ``uint8 [N, K/2]``, scale ``[N, K/32]``) it is dequantized exactly and the
-    result is float32."""
+    result is float32. ``out_dtype=torch.float32`` writes the float32 accumulator as it is, with
+    no rounding to ``x.dtype`` on the way: the LM head's logits, as DeepInfer's bf16 GEMM writes
+    them."""
     x_shape = logical_shape(x, "x", ACTIVATION_FORMATS)
     w_shape = logical_shape(weight, "weight", WEIGHT_FORMATS)
     if len(x_shape) < 1 or len(w_shape) != 2 or w_shape[1] != x_shape[-1]:
         raise ValueError(f"linear expects x [..., K] and weight [N, K]; got x {tuple(x_shape)}, "
                          f"weight {tuple(w_shape)}")
-    return (values(x) @ values(weight).T).to(result_dtype(x, weight))
+    check_out_dtype("linear", out_dtype)
+    return (values(x) @ values(weight).T).to(out_dtype or result_dtype(x, weight))
 
 
 def grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -154,6 +157,13 @@ def result_dtype(x: Operand, weight: Operand) -> torch.dtype:
     return torch.float32 if quantized else x.dtype
 
 
+def check_out_dtype(op: str, out_dtype: torch.dtype | None) -> None:
+    """``out_dtype`` of a GEMM op: None (the operands' result dtype) or float32."""
+    if out_dtype not in (None, torch.float32):
+        raise ValueError(f"{op}: out_dtype must be None (the result in x's dtype, float32 for quantized operands) "
+                         f"or torch.float32 (the unrounded accumulator), got {out_dtype}")
+
+
 def _check_segment_sizes(group_sizes: torch.Tensor, num_experts: int, num_rows: int) -> None:
     if (not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int64
             or tuple(group_sizes.shape) != (num_experts,)):
@@ -192,10 +202,11 @@ def _operand(shape, fmt, gen, device, dtype=torch.float32, spread=1.0) -> Operan
     return quantize(plain, fmt, BLOCK) if fmt else plain
 
 
-def _linear_case(lead, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32):
+def _linear_case(lead, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32, out_dtype=None):
     def make(gen: torch.Generator, device: torch.device):
-        return {"x": _operand((*lead, k), x_fmt, gen, device, dtype),
+        args = {"x": _operand((*lead, k), x_fmt, gen, device, dtype),
                 "weight": _operand((n, k), w_fmt, gen, device, dtype, spread=k ** -0.5)}
+        return args if out_dtype is None else {**args, "out_dtype": out_dtype}
     return make
 
 
@@ -225,6 +236,13 @@ register(OpSpec(
         OpCase("fp8_mxfp4_bf16", _linear_case((5,), 40, 256, "fp8", "mxfp4", torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_q_a_fp8_bf16", _linear_case((32,), 1280, 4096, "fp8", "fp8", torch.bfloat16), "real",
                torch.bfloat16),
+        # float32 logits of bf16 operands, held to float32's tolerance: a result rounded to bf16 fails
+        OpCase("head_float32_bf16", _linear_case((3,), 96, 256, dtype=torch.bfloat16, out_dtype=torch.float32),
+               dtype=torch.bfloat16, tolerance=FLOAT32_OUTPUT),
+        OpCase("rows_head_float32_bf16", _linear_case((40,), 160, 512, dtype=torch.bfloat16, out_dtype=torch.float32),
+               dtype=torch.bfloat16, tolerance=FLOAT32_OUTPUT),
+        OpCase("v41_head_float32_bf16", _linear_case((16,), 8192, 4096, dtype=torch.bfloat16,
+                                                     out_dtype=torch.float32), "real", torch.bfloat16, FLOAT32_OUTPUT),
     ),
 ))
 

@@ -13,22 +13,23 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer.hal.ops.grouped_gemm import (ACTIVATION_FORMATS, WEIGHT_FORMATS, Operand, _operand, linear,
-                                            logical_shape)
+from deepinfer.hal.ops.grouped_gemm import (ACTIVATION_FORMATS, WEIGHT_FORMATS, Operand, _operand, check_out_dtype,
+                                            linear, logical_shape)
 from deepinfer.hal.ops import activation
 from deepinfer.hal.ops.norm import rms_norm
 from deepinfer.hal.ops.rope import apply_rope, check_rope_args, rope_cos_sin, rope_inv_freq
-from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.spec import FLOAT32_OUTPUT, OpCase, OpSpec, register
 
 
 def stacked_linear(x: Operand, weights: Sequence[Operand], positions: torch.Tensor | None = None,
                    cos_sin: torch.Tensor | None = None, rope_heads: Sequence[int] | None = None,
                    norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
                    keep_normed: bool = False, norm_dtype: torch.dtype | None = None, swiglu: bool = False,
-                   swiglu_limit: float | None = None) -> tuple[torch.Tensor, ...]:
-    """``tuple(linear(x, w) for w in weights)``: ``x [..., K]``, each ``weight [N_i, K]`` plain or
-    :class:`~deepinfer.hal.formats.Quantized` as :func:`linear` takes it; each product
-    ``[..., N_i]`` in :func:`linear`'s dtype (``x.dtype`` for plain operands, float32 if quantized).
+                   swiglu_limit: float | None = None, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x, w, out_dtype) for w in weights)``: ``x [..., K]``, each ``weight [N_i, K]``
+    plain or :class:`~deepinfer.hal.formats.Quantized` as :func:`linear` takes it; each product
+    ``[..., N_i]`` in :func:`linear`'s dtype (``out_dtype``; else ``x.dtype`` for plain operands,
+    float32 if quantized).
 
     With ``rope_heads`` (one head width per weight, 0 for a product left as it is), ``positions``
     (int64 ``[T]``) and ``cos_sin`` (``[P, R]``) as :func:`~deepinfer.hal.ops.rope.apply_rope`
@@ -48,9 +49,10 @@ def stacked_linear(x: Operand, weights: Sequence[Operand], positions: torch.Tens
     ``swiglu_limit`` (the shared expert's activation, which a backend may compute in the
     products' epilogue)."""
     check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype, swiglu)
+    check_out_dtype("stacked_linear", out_dtype)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, norm_eps).to(norm_dtype or x.dtype)
-    products = rope_products(tuple(linear(x, w) for w in weights), positions, cos_sin, rope_heads)
+    products = rope_products(tuple(linear(x, w, out_dtype) for w in weights), positions, cos_sin, rope_heads)
     if swiglu:
         products = products[:-2] + (activation.swiglu(products[-2], products[-1], swiglu_limit),)
     return products + (x,) if keep_normed else products
@@ -120,7 +122,7 @@ def check_stacked_linear(x: Operand, weights: Sequence[Operand], positions: torc
 
 
 def _case(lead, widths, k, formats=None, dtype=torch.float32, rope_heads=None, rope_dim=64, norm=False,
-          swiglu=None):
+          swiglu=None, out_dtype=None):
     def make(gen: torch.Generator, device: torch.device):
         args = {"x": _operand((*lead, k), None, gen, device, dtype),
                 "weights": [_operand((n, k), fmt, gen, device, dtype, spread=k ** -0.5)
@@ -136,6 +138,8 @@ def _case(lead, widths, k, formats=None, dtype=torch.float32, rope_heads=None, r
                 args.update(weights=[w.to(torch.bfloat16) for w in args["weights"]], norm_dtype=torch.bfloat16)
         if swiglu is not None:  # the limit, or 0 for none
             args.update(swiglu=True, swiglu_limit=swiglu or None)
+        if out_dtype is not None:
+            args["out_dtype"] = out_dtype
         return args
     return make
 
@@ -182,5 +186,15 @@ register(OpSpec(
                                            swiglu=10.0), "real", torch.bfloat16),
         OpCase("v41_q_b_rope_bf16", _case((16,), (32768, 8192), 1280, dtype=torch.bfloat16, rope_heads=(512, 128)),
                "real", torch.bfloat16),
+        # LM heads: float32 products of bf16 operands, held to float32's tolerance (the normalised input
+        # is left out there, since one bf16 step of it moves a product by more)
+        OpCase("head_float32_bf16", _case((2,), (128, 64), 256, dtype=torch.bfloat16, out_dtype=torch.float32),
+               dtype=torch.bfloat16, tolerance=FLOAT32_OUTPUT),
+        OpCase("rows_head_float32_bf16", _case((24,), (192,), 128, dtype=torch.bfloat16, out_dtype=torch.float32),
+               dtype=torch.bfloat16, tolerance=FLOAT32_OUTPUT),
+        OpCase("head_norm_float32_bf16", _case((3,), (128,), 256, dtype=torch.bfloat16, norm=True,
+                                               out_dtype=torch.float32), dtype=torch.bfloat16),
+        OpCase("v41_head_float32_bf16", _case((4,), (16384,), 4096, dtype=torch.bfloat16, out_dtype=torch.float32),
+               "real", torch.bfloat16, FLOAT32_OUTPUT),
     ),
 ))

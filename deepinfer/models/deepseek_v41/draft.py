@@ -81,7 +81,7 @@ class DraftBlock(Block):
     def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W1[previous], logit correction W2 @ W1[previous])`` of the bigram head."""
         embedded = self.markov_head.embed.weight[previous]
-        return embedded, self.ops.linear(embedded, self.markov_head.head.weight).float()
+        return embedded, self.ops.linear(embedded, self.markov_head.head.weight, out_dtype=torch.float32)
 
     def confidence(self, hidden: torch.Tensor, embedded: torch.Tensor, temperature: float) -> torch.Tensor:
         """``sigmoid(<[h ; W1[prev]], w> / T)``: the estimated chance the draft is accepted."""

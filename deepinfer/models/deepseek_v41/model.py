@@ -116,7 +116,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             x = self.ops.mhc_pre(residual, self.hc_head.weights(residual))
         elif not ctx.every_row_logits:
             x = x[ctx.logits_indices]
-        return stacked(self.ops, x, [self.head], norm=self.norm)[0].float()  # the final norm and the head in one op
+        return self.logits(x, self.norm)
 
     def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
         """Store every draft layer's main keys (from the mean-over-streams target features) in its
@@ -143,7 +143,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             residual, _, _ = block(residual, None, ctx, cache, self.rope_swa, yoco)
         last = self.mtp[-1]
         hidden = self.ops.mhc_pre(residual, last.hc_head.weights(residual))
-        return stacked(self.ops, hidden, [self.head], norm=last.norm)[0].float(), hidden
+        return self.logits(hidden, last.norm), hidden
+
+    def logits(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """float32 logits of ``hidden [T, D]``: ``norm`` and the LM head in one ``stacked_linear``,
+        its accumulator written unrounded (as DeepInfer's head GEMM writes float32 logits)."""
+        return stacked(self.ops, hidden, [self.head], norm=norm, out_dtype=torch.float32)[0]
 
     def draft(self, ctx: ForwardContext, caches: ModelCaches, sampling: DraftSampling) -> DraftProposal:
         """DSpark drafts: one parallel :meth:`draft_forward`, then token by token the Markov
