@@ -15,6 +15,50 @@ INDEX_HEAD_DIM = 128
 PAGE_TOKENS = 128
 
 
+ROPE_SCALING_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "type", "rope_type"}
+REQUIRED_VALUES = {"attention_bias": False, "attention_dropout": 0.0, "dspark_target_attn_input": True}
+"""Keys of DeepInfer's schema that this build reads only to check: the one value it implements."""
+ENGRAM_DETAILS = ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
+                  "engram_pad_token_id", "engram_compressed_vocab_size")
+"""Engram's table and head sizes: inert while ``engram_layer_ids`` is empty (Engram itself is refused)."""
+HF_BOOKKEEPING = {"architectures", "model_type", "transformers_version", "torch_dtype", "use_cache",
+                  "initializer_range", "auto_map", "_name_or_path"}
+"""HF bookkeeping keys that say nothing about the computation."""
+TOP_LEVEL = {"text_config", "dtype", "quantization_config", "bos_token_id", "eos_token_id", "pad_token_id",
+             "image_token_id", "vision_config", "deepinfer_training"}
+"""Keys beside ``text_config``. ``image_token_id`` and ``vision_config`` describe the vision tower, which
+this text-only build does not load (image inputs are refused by the engine); ``deepinfer_training``
+is the record our trainer writes."""
+QUANTIZATION = {"quant_method": "fp8", "expert_dtype": "fp4", "activation_scheme": "dynamic",
+                "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
+"""The one ``quantization_config`` of V4.1 checkpoints (FP8 32x32 UE8M0 weights, MXFP4 experts)."""
+
+
+def check_config_keys(values: dict[str, Any]) -> None:
+    """Refuse, by name, every key of an HF ``config.json`` dict (its ``text_config`` if present,
+    else the flat dict) that this build neither reads nor checks, and every checked key with a
+    value other than the one implemented."""
+    fields = {f.name for f in dataclasses.fields(DeepseekV41Config)}
+    text, problems = values.get("text_config", values), []
+    unknown = sorted(set(text) - fields - set(REQUIRED_VALUES) - set(ENGRAM_DETAILS) - HF_BOOKKEEPING)
+    if unknown:
+        problems.append(f"unknown keys {unknown} (not in DeepSeek-V4.1's config schema as this build reads it)")
+    for key, value in REQUIRED_VALUES.items():
+        if key in text and text[key] != value:
+            problems.append(f"{key}={text[key]!r} (only {value!r} is implemented)")
+    if "text_config" in values:
+        extra = sorted(set(values) - TOP_LEVEL - HF_BOOKKEEPING)
+        if extra:
+            problems.append(f"unknown top-level keys {extra}")
+        if values.get("dtype", "bfloat16") != "bfloat16":
+            problems.append(f"dtype={values['dtype']!r} (V4.1 checkpoints are bfloat16 beside their FP8 weights)")
+        if "quantization_config" in values and values["quantization_config"] != QUANTIZATION:
+            problems.append(f"quantization_config={values['quantization_config']} (only {QUANTIZATION} is read)")
+    if problems:
+        raise ValueError("config.json: " + "; ".join(problems) + ". Fix the config, or extend "
+                         "deepinfer/models/deepseek_v41/config.py to implement what it asks for")
+
+
 @dataclass
 class DeepseekV41Config:
     """Architecture of a DeepSeek-V4.1-family model (field names follow the HF ``text_config``).
@@ -142,6 +186,13 @@ class DeepseekV41Config:
         need(self.max_backtracking >= 1, "max_backtracking must be >= 1")
         need(self.hc_sinkhorn_order in SINKHORN_ORDERS,
              f"hc_sinkhorn_order must be one of {list(SINKHORN_ORDERS)}, got {self.hc_sinkhorn_order!r}")
+        need(not self.tie_word_embeddings, "tie_word_embeddings=true: V4.1 checkpoints hold their own head.weight "
+                                           "beside embed.weight, and this build never ties them")
+        if self.rope_scaling:
+            extra = sorted(set(self.rope_scaling) - ROPE_SCALING_KEYS)
+            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type", "yarn"))
+            need(not extra and kind == "yarn",
+                 f"rope_scaling is YaRN with keys {sorted(ROPE_SCALING_KEYS)}; got type {kind!r} and unknown keys {extra}")
         need(not self.engram_layer_ids, "Engram memory is not supported yet; use a config with engram_layer_ids = []")
         need(self.candidate_source_layer_id is None,
              f"candidate_source_layer_id={self.candidate_source_layer_id}: candidate-block top-k (the indexer "
@@ -158,7 +209,9 @@ class DeepseekV41Config:
     def from_dict(cls, values: dict[str, Any]) -> "DeepseekV41Config":
         """Build from an HF ``config.json`` dict (``text_config`` if present) or a flat dict.
 
-        Unknown keys are ignored (vision, quantization and Engram details live there)."""
+        Every key is used, checked or refused by name (:func:`check_config_keys`): a key this
+        build does not know is an error, never dropped."""
+        check_config_keys(values)
         flat = dict(values.get("text_config", values))
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if key in values and key not in flat:
