@@ -22,14 +22,6 @@ def test_a_config_without_candidate_blocks_loads_and_writes_the_keys_back():
     assert text["candidate_source_layer_id"] is None and "index_k_source_layer_ids" in text
 
 
-def test_index_key_sharing_across_layers_is_refused_by_name():
-    ratios = DeepseekV41Config.from_dict(_tiny()).layer_ratios
-    compressed = [i for i, r in enumerate(ratios) if r > 0]
-    with pytest.raises(ValueError, match=r"index_k_source_layer_ids=.*cross-layer cache sharing is not supported"):
-        DeepseekV41Config.from_dict(_tiny(index_k_source_layer_ids=[compressed[0]] * len(compressed)))
-    assert DeepseekV41Config.from_dict(_tiny(index_k_source_layer_ids=compressed)).index_k_source_layer_ids == compressed
-
-
 def _official(**text_changes) -> dict:
     """An HF config.json as V4.1 checkpoints lay it out: text_config beside the top-level keys."""
     cfg = DeepseekV41Config.from_dict(_tiny())

@@ -7,7 +7,7 @@ from torch import nn
 
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.deepseek_v41.cache import LayerCache
-from deepinfer.models.deepseek_v41.config import ATTENTION_DIM, INDEX_HEAD_DIM, DeepseekV41Config
+from deepinfer.models.deepseek_v41.config import ATTENTION_DIM, INDEX_HEAD_DIM, DeepseekV41Config, LayerSources
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.layers import Linear, RMSNorm, stacked
 
@@ -31,26 +31,34 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Lightning-style indexer: index queries from ``q_a``, index keys from pre-RoPE compressed KV.
+    """Lightning-style indexer: index queries from ``q_a``, index keys from pre-RoPE compressed KV
+    (``wk``, ``k_norm``: absent where the layer reads another layer's index keys).
     ``weight_scale`` (``(heads * 128) ** -0.5``) scales the head weights in float32, inside
     ``indexer_logits``."""
 
-    def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype):
+    def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype, keys: bool = True):
         super().__init__()
         self.heads = cfg.index_n_heads
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * INDEX_HEAD_DIM, ops, dtype)
-        self.wk = Linear(ATTENTION_DIM, INDEX_HEAD_DIM, ops, dtype)
-        self.k_norm = RMSNorm(INDEX_HEAD_DIM, cfg.rms_norm_eps, ops, dtype)
+        self.wk = Linear(ATTENTION_DIM, INDEX_HEAD_DIM, ops, dtype) if keys else None
+        self.k_norm = RMSNorm(INDEX_HEAD_DIM, cfg.rms_norm_eps, ops, dtype) if keys else None
         self.weights_proj = Linear(cfg.hidden_size, self.heads, ops, dtype)
         self.weight_scale = (self.heads * INDEX_HEAD_DIM) ** -0.5
 
 
 class Attention(nn.Module):
-    """One layer's attention; ``ratio`` 0 is SWA only, 1 and 2 add compressed keys."""
+    """One layer's attention; ``ratio`` 0 is SWA only, 1 and 2 add compressed keys.
 
-    def __init__(self, cfg: DeepseekV41Config, ratio: int, ops: OpTable, dtype: torch.dtype = torch.float32):
+    A compressed layer ``layer`` may share with earlier layers (:attr:`DeepseekV41Config.layer_sources`):
+    its compressed KV (then it has no compressor and stores none), its index keys (no ``wk`` or
+    ``k_norm``) or its selected keys (no indexer). Values passed between the layers of one
+    forward travel in its ``shared`` dict."""
+
+    def __init__(self, cfg: DeepseekV41Config, ratio: int, ops: OpTable, dtype: torch.dtype = torch.float32,
+                 layer: int | None = None):
         super().__init__()
-        self.cfg, self.ratio, self.ops = cfg, ratio, ops
+        self.cfg, self.ratio, self.ops, self.layer = cfg, ratio, ops, layer
+        self.sources = cfg.layer_sources.get(layer, LayerSources(layer, layer, layer)) if ratio else None
         self.heads = cfg.num_attention_heads
         heads_per_group = self.heads // cfg.o_groups
         self.attn_sink = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
@@ -61,23 +69,32 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(ATTENTION_DIM, cfg.rms_norm_eps, ops, dtype)
         self.wo_a = Linear(heads_per_group * ATTENTION_DIM, cfg.o_groups * cfg.o_lora_rank, ops, dtype)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, ops, dtype)
-        self.compressor = Compressor(cfg, ratio, ops, dtype) if ratio else None
-        self.indexer = Indexer(cfg, ops, dtype) if ratio else None
+        self.compressor = Compressor(cfg, ratio, ops, dtype) if ratio and self.sources.kv == layer else None
+        self.indexer = Indexer(cfg, ops, dtype, keys=self.sources.index_k == layer) \
+            if ratio and self.sources.topk == layer else None
         self.scale = ATTENTION_DIM ** -0.5
+
+    @property
+    def shares(self) -> bool:
+        """Whether this layer reads any cache or index of an earlier layer."""
+        return self.sources is not None and self.sources != (self.layer,) * 3
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext, cache: LayerCache, cos_sin: torch.Tensor,
                 kv_source: torch.Tensor | None = None, kv_ctx: ForwardContext | None = None,
-                norm: RMSNorm | None = None) -> torch.Tensor:
+                norm: RMSNorm | None = None, shared: dict | None = None) -> torch.Tensor:
         """``hidden`` is the normed layer input, or with ``norm`` the input that ``norm`` normalises
         (in the projections' ``stacked_linear``); compressed KV is projected from ``kv_source``
         (the YOCO shared hidden in consumer layers) when given, for every token of ``kv_ctx``
         (default ``ctx``; more rows than ``ctx`` under compact bounded replay). Consumer layers
         see SWA keys only from ``ctx.replay_start`` on, when it is set."""
         ops, pos = self.ops, ctx.positions
+        if self.shares and shared is None:
+            raise ValueError(f"layer {self.layer} shares caches with earlier layers ({self.sources}); pass the "
+                             f"forward's shared dict")
         bounded = kv_source is not None and ctx.replay_start is not None
         visible = ctx.derived(("replay_visible",), lambda: ctx.replay_start[ctx.seq_of_token]) if bounded else None
-        indexing = bool(self.ratio) and (ctx.decode or not self._windows_fit_topk(ctx))
-        projected = self._project_hidden(hidden, indexing, compressing=bool(self.ratio) and kv_source is None,
+        indexing = self.indexer is not None and (ctx.decode or not self._windows_fit_topk(ctx))
+        projected = self._project_hidden(hidden, indexing, compressing=self.compressor is not None and kv_source is None,
                                          norm=norm)
         q_weights, q_heads = ([self.wq_b, self.indexer.wq_b], [ATTENTION_DIM, INDEX_HEAD_DIM]) if indexing else \
             ([self.wq_b], [ATTENTION_DIM])
@@ -86,12 +103,20 @@ class Attention(nn.Module):
         kv_latent = projected["kv"]
         selected = None
         if self.ratio:
-            if kv_source is None:
-                self._store_compressed(projected["latent"], projected.get("score"), hidden, ctx, cache, cos_sin)
+            if self.compressor is None:
+                self._store_shared_index_keys(shared, ctx, cache, cos_sin)
+            elif kv_source is None:
+                self._store_compressed(projected["latent"], projected.get("score"), hidden, ctx, cache, cos_sin,
+                                       shared)
             else:
-                self._project_and_store(kv_source, kv_ctx or ctx, cache, cos_sin)
-            selected = self._select_compressed(q_b[1] if indexing else None, projected.get("head_weights"), ctx,
-                                               cache)
+                self._project_and_store(kv_source, kv_ctx or ctx, cache, cos_sin, shared)
+            if self.indexer is None:
+                selected = shared[("selected", self.sources.topk)]
+            else:
+                selected = self._select_compressed(q_b[1] if indexing else None, projected.get("head_weights"), ctx,
+                                                   cache)
+                if shared is not None:
+                    shared[("selected", self.layer)] = selected
         attend = self._attend_decode if ctx.decode else self._attend_prefill
         out = attend(q, kv_latent, selected, ctx, cache, visible, cos_sin)
         return self._project_out(out, (pos, cos_sin))  # the output's inverse RoPE as wo_a reads it
@@ -111,29 +136,45 @@ class Attention(nn.Module):
                 named["score"] = self.compressor.wgate
         return dict(zip(named, stacked(self.ops, hidden, list(named.values()), norm=norm)))
 
-    def _project_and_store(self, source, ctx, cache, cos_sin) -> None:
+    def _project_and_store(self, source, ctx, cache, cos_sin, shared=None) -> None:
         """Project ``source`` (another layer's hidden, with its own rows) through the compressor
         and store its keys (:meth:`_store_compressed`)."""
         comp = self.compressor
         projected = stacked(self.ops, source, [comp.wkv] + ([comp.wgate] if comp.wgate is not None else []))
         self._store_compressed(projected[0], projected[1] if len(projected) > 1 else None, source, ctx, cache,
-                               cos_sin)
+                               cos_sin, shared)
 
-    def _store_compressed(self, latent, score, source, ctx, cache, cos_sin) -> None:
+    def _store_compressed(self, latent, score, source, ctx, cache, cos_sin, shared=None) -> None:
         """Compress the tokens of ``source`` (projected to ``latent`` and, for C2, ``score``) and
         store the keys of the groups they close (every token gets a key row; the rows of tokens
-        that close no group are not stored)."""
+        that close no group are not stored); the keys before RoPE go into ``shared`` for the
+        layers that share this KV but project their own index keys from it."""
         ops, comp = self.ops, self.compressor
         keys, _ = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
                                       ctx.chunk_start_of_token, cache.compress_state, self.ratio)
         key_pos, slots = ctx.derived(("compressed_store", self.ratio), lambda: self._store_rows(ctx, cache))
         ops.kv_norm_rope_store(keys, comp.norm.weight, comp.norm.eps, key_pos, cos_sin, cache.compressed, slots,
                                self.cfg.compressed_cache_format)
-        # the indexer projects the normed keys before RoPE, in the activation dtype
-        index_keys = stacked(ops, keys, [self.indexer.wk], norm=comp.norm, dtype=source.dtype)[0]
+        if shared is not None:
+            shared[("pre_rope_kv", self.layer)] = (keys, comp.norm, source.dtype, ctx)
+        self._store_index_keys(keys, comp.norm, source.dtype, key_pos, slots, cos_sin, cache)
+
+    def _store_index_keys(self, keys, norm, dtype, key_pos, slots, cos_sin, cache) -> None:
+        """The indexer's keys of the compressed ``keys`` (before RoPE), normed by the compressor's
+        ``norm`` and projected in the activation ``dtype``, stored at ``slots``."""
+        index_keys = stacked(self.ops, keys, [self.indexer.wk], norm=norm, dtype=dtype)[0]
         k_norm = self.indexer.k_norm
-        ops.kv_norm_rope_store(index_keys, k_norm.weight, k_norm.eps, key_pos, cos_sin, cache.index_k, slots,
-                               "index_fp4")
+        self.ops.kv_norm_rope_store(index_keys, k_norm.weight, k_norm.eps, key_pos, cos_sin, cache.index_k, slots,
+                                    "index_fp4")
+
+    def _store_shared_index_keys(self, shared, ctx, cache, cos_sin) -> None:
+        """A layer that reads another layer's compressed KV but owns its index keys projects them
+        from that layer's keys of this forward."""
+        if self.indexer is None or self.indexer.wk is None:
+            return
+        keys, norm, dtype, key_ctx = shared[("pre_rope_kv", self.sources.kv)]
+        key_pos, slots = key_ctx.derived(("compressed_store", self.ratio), lambda: self._store_rows(key_ctx, cache))
+        self._store_index_keys(keys, norm, dtype, key_pos, slots, cos_sin, cache)
 
     def _store_rows(self, ctx: ForwardContext, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's compressed key position and cache row; ``-1`` where the token closes no

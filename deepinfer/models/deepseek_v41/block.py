@@ -16,7 +16,7 @@ class Block(nn.Module):
     """One backbone layer: attention and MoE sublayers, each wrapped by a hyper-connection."""
 
     def __init__(self, cfg: DeepseekV41Config, ratio: int, ops: OpTable, dtype: torch.dtype,
-                 experts: int | None = None, top_k: int | None = None):
+                 experts: int | None = None, top_k: int | None = None, layer: int | None = None):
         super().__init__()
         self.ratio = ratio
         hc = dict(hidden=cfg.hidden_size, streams=cfg.hc_mult, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
@@ -25,7 +25,7 @@ class Block(nn.Module):
         self.hc_ffn = HyperConnection(**hc)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.attn = Attention(cfg, ratio, ops, dtype)
+        self.attn = Attention(cfg, ratio, ops, dtype, layer)
         self.ffn = MoE(cfg.hidden_size, experts or cfg.n_routed_experts, top_k or cfg.num_experts_per_tok,
                        cfg.moe_intermediate_size, cfg.shared_width, cfg.routed_scaling_factor,
                        cfg.swiglu_limit, ops, dtype)
@@ -37,9 +37,9 @@ class Block(nn.Module):
             if yoco.starts_here and yoco.shared_hidden is None:
                 yoco.shared_hidden, yoco.shared_ctx = self.attn_norm(x), ctx
                 return self.attn(yoco.shared_hidden, ctx, cache, cos_sin, kv_source=yoco.shared_hidden,
-                                 kv_ctx=yoco.shared_ctx)
+                                 kv_ctx=yoco.shared_ctx, shared=yoco.cross_layer)
             return self.attn(x, ctx, cache, cos_sin, kv_source=yoco.shared_hidden, kv_ctx=yoco.shared_ctx,
-                             norm=self.attn_norm)  # attn_norm in the projections' stacked_linear
+                             norm=self.attn_norm, shared=yoco.cross_layer)  # attn_norm in the projections' stacked_linear
 
         return self.run(residual, pre, attention, lambda h: self.ffn(h, norm=self.ffn_norm), x)
 
@@ -58,9 +58,11 @@ class Block(nn.Module):
 
 class YocoState:
     """Per-forward YOCO state: the shared hidden, captured at the first consumer layer (or
-    before it, on the full token layout, by compact bounded replay), and the context of its rows."""
+    before it, on the full token layout, by compact bounded replay), and the context of its rows;
+    and what layers that share caches hand on (``cross_layer``: selected keys, keys before RoPE)."""
 
     def __init__(self):
         self.shared_hidden = None
         self.shared_ctx = None
         self.starts_here = False
+        self.cross_layer = {}

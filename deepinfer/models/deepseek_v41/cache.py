@@ -13,7 +13,8 @@ from deepinfer.models.deepseek_v41.config import PAGE_TOKENS, DeepseekV41Config
 
 @dataclass
 class LayerCache:
-    """One attention layer's caches.
+    """One attention layer's caches (a layer that shares its compressed KV or index K with an
+    earlier layer holds that layer's tensors, :attr:`DeepseekV41Config.layer_sources`).
 
     ``swa_ring``: uint8 ``[num_state_slots * ring_size, 528]`` (row ``slot * ring + p % ring``).
     ``compressed`` / ``index_k``: uint8 ``[num_blocks, PAGE_TOKENS // ratio, bytes]``.
@@ -70,8 +71,22 @@ class ModelCaches:
                                                    config.head_dim, device=device)
             return cache
 
+        layers = []
+        for i, ratio in enumerate(config.layer_ratios):
+            sources = config.layer_sources.get(i)
+            if sources is None or sources == (i, i, i):
+                layers.append(layer(ratio))
+                continue
+            # a layer that shares reads (and, for the parts it owns, writes) its sources' tensors
+            own = layer(0)
+            own.ratio = ratio
+            kv_source = layers[sources.kv]
+            own.compressed = kv_source.compressed
+            own.index_k = layers[sources.index_k].index_k if sources.index_k != i else \
+                torch.zeros_like(kv_source.index_k)
+            layers.append(own)
         return cls(
-            layers=[layer(r) for r in config.layer_ratios],
+            layers=layers,
             draft_layers=[layer(0) for _ in range(config.num_nextn_predict_layers)],
             num_blocks=num_blocks,
             num_state_slots=num_state_slots,
@@ -82,12 +97,16 @@ class ModelCaches:
         """Paged bytes one 128-token block takes over all layers."""
         kv = token_format(config.compressed_cache_format).bytes_per_token
         idx = token_format("index_fp4").bytes_per_token
-        return sum((PAGE_TOKENS // r) * (kv + idx) for r in config.layer_ratios if r)
+        sources = config.layer_sources
+        return sum((PAGE_TOKENS // r) * (kv * (sources[i].kv == i) + idx * (sources[i].index_k == i))
+                   for i, r in enumerate(config.layer_ratios) if r)
 
     @staticmethod
     def bytes_per_state_slot(config: DeepseekV41Config) -> int:
         """Bytes of one sequence's SWA rings and compress state over all layers."""
         ring = config.swa_ring_size * token_format(config.swa_cache_format).bytes_per_token
         layers = config.num_hidden_layers + config.num_nextn_predict_layers
-        state = sum(config.compress_state_ring(r) * 2 * config.head_dim * 4 for r in config.layer_ratios if r > 1)
+        sources = config.layer_sources
+        state = sum(config.compress_state_ring(r) * 2 * config.head_dim * 4
+                    for i, r in enumerate(config.layer_ratios) if r > 1 and sources[i].kv == i)
         return layers * ring + state

@@ -5,7 +5,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from deepinfer.hal.ops.mhc import SINKHORN_ORDERS
 
@@ -57,6 +57,15 @@ def check_config_keys(values: dict[str, Any]) -> None:
     if problems:
         raise ValueError("config.json: " + "; ".join(problems) + ". Fix the config, or extend "
                          "deepinfer/models/deepseek_v41/config.py to implement what it asks for")
+
+
+class LayerSources(NamedTuple):
+    """The layers whose caches and indices a compressed layer uses: ``kv`` (compressed KV),
+    ``index_k`` (the indexer's keys), ``topk`` (its selected keys)."""
+
+    kv: int
+    index_k: int
+    topk: int
 
 
 @dataclass
@@ -198,12 +207,51 @@ class DeepseekV41Config:
              f"candidate_source_layer_id={self.candidate_source_layer_id}: candidate-block top-k (the indexer "
              f"top-k of later layers restricted to the blocks the source layer chose) is not supported yet; use a "
              f"config with candidate_source_layer_id = null")
-        for key in ("kv_source_layer_ids", "index_source_layer_ids", "index_k_source_layer_ids"):
+        self._check_sources(need)
+
+    def _check_sources(self, need) -> None:
+        """Cross-layer sharing as DeepInfer's ``SharedLayerTopology`` allows it: each list names
+        compressed layers in increasing order, starting with the first; a layer shares with the
+        nearest source at or before it, of its own ratio; top-k sources include the index-K
+        sources, which include the KV sources; the first YOCO consumer is a KV source."""
+        ratios, compressed = self.layer_ratios, [i for i, r in enumerate(self.layer_ratios) if r > 0]
+        for key in ("kv_source_layer_ids", "index_k_source_layer_ids", "index_source_layer_ids"):
             sources = getattr(self, key)
-            compressed = [i for i, r in enumerate(self.layer_ratios) if r > 0]
-            need(sources is None or sorted(sources) == compressed,
-                 f"{key}={sources}: cross-layer cache sharing is not supported yet; every compressed layer "
-                 f"must be its own source ({compressed})")
+            if sources is None:
+                continue
+            need(list(sources) == sorted(set(sources)) and set(sources) <= set(compressed)
+                 and (not compressed or sources[:1] == compressed[:1]),
+                 f"{key}={sources} must list compressed layers (of {compressed}) in increasing order, starting "
+                 f"with the first")
+        kv, index_k, topk = self._source_lists()
+        need(set(kv) <= set(index_k) <= set(topk),
+             f"sharing segments must refine each other: the KV sources {kv} must be index-K sources {index_k}, "
+             f"and those top-k sources {topk}")
+        need(not compressed or self.n_prefill_layers in kv,
+             f"the first YOCO consumer layer {self.n_prefill_layers if compressed else None} must be a KV source "
+             f"({kv}): no cache is shared across the YOCO boundary")
+        for layer, shared in self.layer_sources.items():
+            bad = {name: s for name, s in zip(("kv", "index_k", "topk"), shared) if ratios[s] != ratios[layer]}
+            need(not bad, f"layer {layer} (ratio {ratios[layer]}) would share with layers of another ratio: {bad}")
+
+    def _source_lists(self) -> tuple[list[int], list[int], list[int]]:
+        compressed = [i for i, r in enumerate(self.layer_ratios) if r > 0]
+        kv = list(self.kv_source_layer_ids if self.kv_source_layer_ids is not None else compressed)
+        index_k = list(self.index_k_source_layer_ids if self.index_k_source_layer_ids is not None else kv)
+        topk = list(self.index_source_layer_ids if self.index_source_layer_ids is not None else compressed)
+        return kv, index_k, topk
+
+    @property
+    def layer_sources(self) -> dict[int, "LayerSources"]:
+        """For each compressed backbone layer, the layers whose compressed KV, index K and top-k
+        indices it uses (itself where it is a source): the nearest source at or before it."""
+        lists = self._source_lists()
+
+        def nearest(sources: list[int], layer: int) -> int:
+            return max((s for s in sources if s <= layer), default=layer)
+
+        return {layer: LayerSources(*(nearest(sources, layer) for sources in lists))
+                for layer, ratio in enumerate(self.layer_ratios) if ratio > 0}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DeepseekV41Config":

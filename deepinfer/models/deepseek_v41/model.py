@@ -54,7 +54,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.draft_noise_token = cfg.dspark_noise_token_id if cfg.dspark_noise_token_id is not None \
             else cfg.vocab_size - 1
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(Block(cfg, r, ops, dtype) for r in cfg.layer_ratios)
+        self.layers = nn.ModuleList(Block(cfg, r, ops, dtype, layer=i) for i, r in enumerate(cfg.layer_ratios))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, ops, dtype)
         self.hc_head = None if cfg.hc_shifted else HyperHead(cfg, ops)
