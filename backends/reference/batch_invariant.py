@@ -66,6 +66,7 @@ INVARIANT_AS_IS = {
     "kv_load": "per token: exact decode",
     "kv_cast": "per token: exact encode and decode",
     "indexer_topk": "per row: comparisons only (stable sort, ties to the lower column)",
+    "candidate_blocks": "per row: block maxima and comparisons only (stable sort, ties to the lower block)",
     "ep_dispatch": "a permutation of rows",
     "ep_combine": "per token: the routed slots are summed in slot order",
     "swa_ring_slots": "integer addressing",

@@ -23,6 +23,8 @@ IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "compress
                "swa_prefill_indices", "swa_ring_slots", "swiglu")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
+    "candidate_blocks": "candidate-block top-k runs only for configs with candidate_source_layer_id (not V4.1-Flash's "
+                        "or model=small's), and has " + _NOT_YET,
     "kv_cast": "training rounds keys through a cache format with kv_cast; inference stores them with "
                "kv_norm_rope_store, so kv_cast has " + _NOT_YET,
     "kv_store": "the model stores its SWA, compressed and indexer keys through kv_norm_rope_store (fused kernel "

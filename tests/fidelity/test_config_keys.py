@@ -10,12 +10,6 @@ def _tiny(**changes) -> dict:
     return {**model_preset("tiny")["config"], **changes}
 
 
-def test_candidate_block_top_k_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"candidate_source_layer_id=2: candidate-block top-k .* not supported yet"):
-        DeepseekV41Config.from_dict(_tiny(candidate_source_layer_id=2, candidate_topk_blocks=64,
-                                          candidate_block_size=64))
-
-
 def test_a_config_without_candidate_blocks_loads_and_writes_the_keys_back():
     cfg = DeepseekV41Config.from_dict(_tiny(candidate_source_layer_id=None))
     text = cfg.to_hf_dict()["text_config"]

@@ -2,6 +2,7 @@
 from deepinfer.hal.ops import (  # noqa: F401
     activation,
     all_to_all,
+    candidate_blocks,
     compress,
     compressed_layout,
     grouped_gemm,

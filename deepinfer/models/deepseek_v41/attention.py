@@ -114,7 +114,7 @@ class Attention(nn.Module):
                 selected = shared[("selected", self.sources.topk)]
             else:
                 selected = self._select_compressed(q_b[1] if indexing else None, projected.get("head_weights"), ctx,
-                                                   cache)
+                                                   cache, shared)
                 if shared is not None:
                     shared[("selected", self.layer)] = selected
         attend = self._attend_decode if ctx.decode else self._attend_prefill
@@ -225,7 +225,22 @@ class Attention(nn.Module):
         index = torch.arange(total, device=counts.device) - first[seq]
         return cache.compressed_slots(ctx.block_tables, seq, index), first
 
-    def _select_compressed(self, index_q, head_weights, ctx, cache) -> torch.Tensor:
+    def _candidates(self, logits, starts, visible, group: int, shared: dict | None) -> torch.Tensor:
+        """``logits`` as the two-stage top-k leaves them: the candidate source layer keeps its own
+        and puts its chosen blocks in ``shared``; a later layer scores only inside them."""
+        source = self.cfg.candidate_source_layer_id
+        if source is None or self.layer < source:
+            return logits
+        if shared is None:
+            raise ValueError(f"layer {self.layer} selects inside layer {source}'s candidate blocks; pass the "
+                             f"forward's shared dict")
+        if self.layer == source:
+            shared[("candidates", group)] = self.ops.candidate_blocks(
+                logits, starts, visible, self.cfg.candidate_block_size, self.cfg.candidate_topk_blocks)
+            return logits
+        return logits.masked_fill(~shared[("candidates", group)], float("-inf"))
+
+    def _select_compressed(self, index_q, head_weights, ctx, cache, shared=None) -> torch.Tensor:
         """The compressed keys each query attends to (-1 padding), from the indexer's queries
         ``index_q`` (RoPE applied) and ``head_weights``: offsets among its sequence's keys, or in a
         decode step their cache rows. A decode step scores each sequence's own keys only
@@ -247,14 +262,17 @@ class Attention(nn.Module):
             visible = self._decode_layout(ctx, cache)[1]
             starts = ctx.derived(("zeros", visible.shape), lambda: torch.zeros_like(visible))
             logits = ops.indexer_logits(q, keys, head_weights, weight_scale=idx.weight_scale)
+            logits = self._candidates(logits, starts, visible, 0, shared)
             return ops.indexer_topk(logits, starts, visible, topk, row_table=self._rows_of_token(ctx, cache))
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
         visible = self._visible(ctx)
         starts = first[ctx.seq_of_token]
-        return torch.cat([ops.indexer_topk(ops.indexer_logits(q[t0:t1], keys[k0:k1], head_weights[t0:t1],
-                                                              weight_scale=idx.weight_scale),
-                                           starts[t0:t1] - k0, visible[t0:t1], topk)
-                          for t0, t1, k0, k1 in self._indexer_groups(ctx)])
+        selected = []
+        for group, (t0, t1, k0, k1) in enumerate(self._indexer_groups(ctx)):
+            logits = ops.indexer_logits(q[t0:t1], keys[k0:k1], head_weights[t0:t1], weight_scale=idx.weight_scale)
+            logits = self._candidates(logits, starts[t0:t1] - k0, visible[t0:t1], group, shared)
+            selected.append(ops.indexer_topk(logits, starts[t0:t1] - k0, visible[t0:t1], topk))
+        return torch.cat(selected)
 
     def _windows_fit_topk(self, ctx: ForwardContext) -> bool:
         """Whether every sequence of ``ctx`` holds at most ``index_topk`` compressed keys (host lengths)."""

@@ -203,11 +203,30 @@ class DeepseekV41Config:
             need(not extra and kind == "yarn",
                  f"rope_scaling is YaRN with keys {sorted(ROPE_SCALING_KEYS)}; got type {kind!r} and unknown keys {extra}")
         need(not self.engram_layer_ids, "Engram memory is not supported yet; use a config with engram_layer_ids = []")
-        need(self.candidate_source_layer_id is None,
-             f"candidate_source_layer_id={self.candidate_source_layer_id}: candidate-block top-k (the indexer "
-             f"top-k of later layers restricted to the blocks the source layer chose) is not supported yet; use a "
-             f"config with candidate_source_layer_id = null")
         self._check_sources(need)
+        self._check_candidates(need)
+
+    def _check_candidates(self, need) -> None:
+        """Candidate-block top-k: the source layer selects its own keys; the later layers that
+        select theirs (of the source's ratio, so that the blocks mean the same keys) score only
+        inside the ``candidate_topk_blocks`` blocks it chose, which hold at least ``index_topk``
+        keys whenever they restrict anything."""
+        source = self.candidate_source_layer_id
+        if source is None:
+            return
+        ratios, blocks, size = self.layer_ratios, self.candidate_topk_blocks, self.candidate_block_size
+        topk_sources = self._source_lists()[2]
+        need(source in topk_sources, f"candidate_source_layer_id={source} must be a compressed layer that selects its "
+                                     f"own keys (one of {topk_sources})")
+        need(isinstance(blocks, int) and isinstance(size, int) and blocks >= 1 and size >= 1,
+             f"candidate_topk_blocks and candidate_block_size must be ints >= 1, got {blocks!r} and {size!r}")
+        need(blocks * size >= self.index_topk + size - 1,
+             f"candidate_topk_blocks * candidate_block_size = {blocks * size} must hold index_topk + block_size - 1 "
+             f"= {self.index_topk + size - 1} keys (the last block may be partial), so that restricted layers "
+             f"still find index_topk keys")
+        later = [layer for layer in topk_sources if layer > source and ratios[layer] != ratios[source]]
+        need(not later, f"candidate-block top-k for layers of another ratio than the source's ({later}, source "
+                        f"{source} of ratio {ratios[source]}) is not supported yet")
 
     def _check_sources(self, need) -> None:
         """Cross-layer sharing as DeepInfer's ``SharedLayerTopology`` allows it: each list names
