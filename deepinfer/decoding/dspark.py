@@ -8,17 +8,23 @@ from typing import Callable
 
 import torch
 
-from deepinfer.decoding.verify_schedule import StepTimeCurve, choose_verify_lengths, cumulative_rates
+from deepinfer.decoding.verify_schedule import StepTimeCurve, cumulative_rates, verify_lengths_from_history
 from deepinfer.hal.value_checks import skip_value_checks
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.interface import GenerativeModel
+
+
+HISTORY = 3
+"""Rounds of cumulative rates a request keeps: the judged drafts' and the two before."""
 
 
 class DSpark:
     """Proposes ``num_draft_tokens`` drafts per request with one parallel pass of the draft
     layers (the model's :meth:`draft`: Markov-corrected sampling, confidence head), run by the
     engine's runner. With ``varlen`` the verify length per request comes from the cumulative
-    confidences and a step-time curve measured at warm-up; otherwise every draft is verified."""
+    confidences of earlier rounds (never of the drafts being judged, which would bias the
+    output: :mod:`~deepinfer.decoding.verify_schedule`) and a step-time curve measured at
+    warm-up; otherwise every draft is verified."""
 
     def __init__(self, model: GenerativeModel, runner, num_draft_tokens: int, varlen: bool,
                  confidence_temperature: float, max_rows: int):
@@ -47,13 +53,21 @@ class DSpark:
         if not ready:
             return
         if self.varlen:
-            rates = [cumulative_rates(r.draft_confidences) for r in ready]
-            lengths = choose_verify_lengths(rates, self.step_time)
+            earlier = [self.earlier_rates(r) for r in ready]
+            lengths = verify_lengths_from_history([e[0] for e in earlier], [e[1] for e in earlier], self.step_time)
         else:
             lengths = [self.k if r.pending_drafts else len(r.drafts) for r in ready]
         for request, length in zip(ready, lengths):
             drafts = [PLACEHOLDER] * self.k if request.pending_drafts else request.drafts
             request.verify_drafts = drafts[:max(0, min(length, self.room(request)))]
+
+    def earlier_rates(self, request) -> tuple[list[float], list[float]]:
+        """The cumulative rates of the drafts ``request`` received one and two rounds before the
+        drafts it verifies next (all 1.0 where it has none): what the verify length is chosen
+        from, never the judged drafts' own rates."""
+        history = request.rate_history if request.pending_drafts else request.rate_history[:-1]
+        unknown = [1.0] * self.k
+        return (history[-1] if history else unknown), (history[-2] if len(history) > 1 else unknown)
 
     def room(self, request, unconfirmed: int = 0) -> int:
         """Drafts ``request`` may still verify in one step: its next step must leave room for a
@@ -97,6 +111,7 @@ class DSpark:
                 request.drafts, request.draft_confidences = [], []
             else:
                 request.drafts, request.draft_confidences = tokens[b], confidences[b]
+                request.rate_history = (request.rate_history + [cumulative_rates(confidences[b])])[-HISTORY:]
 
     def measure_step_time(self, max_rows: int) -> StepTimeCurve:
         """Seconds of a decode forward by total query rows (1, 2, 4, ... max_rows), measured on

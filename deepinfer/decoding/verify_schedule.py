@@ -1,4 +1,10 @@
-"""Confidence-scheduled verification: how many drafts each request verifies this step."""
+"""Confidence-scheduled verification: how many drafts each request verifies this step.
+
+The choice must not depend on the drafts it judges: a draft's confidence depends on the draft
+before it, so choosing by the current round's rates would verify a draft more often when it
+raises the next one's rate, and bias the sampled distribution. As in DeepInfer, the batch's
+total comes from the rates of two rounds back and the split between requests from the last
+round's (:func:`verify_lengths_from_history`)."""
 from __future__ import annotations
 
 import bisect
@@ -52,5 +58,19 @@ def choose_verify_lengths(rates: list[list[float]], step_time: StepTimeCurve) ->
             best_rate, best_count = throughput, count
     lengths = [0] * len(rates)
     for _, r, _ in pairs[:best_count]:
+        lengths[r] += 1
+    return lengths
+
+
+def verify_lengths_from_history(split_rates: list[list[float]], total_rates: list[list[float]],
+                                step_time: StepTimeCurve) -> list[int]:
+    """Drafts to verify per request from earlier rounds only: the batch verifies as many drafts
+    as :func:`choose_verify_lengths` gives ``total_rates`` (each request's cumulative rates of
+    two rounds back), shared out in descending ``split_rates`` (the last round's; ties: lower
+    request, then step), a prefix of each request's drafts."""
+    total = sum(choose_verify_lengths(total_rates, step_time))
+    pairs = sorted((-rate, r, i) for r, request_rates in enumerate(split_rates) for i, rate in enumerate(request_rates))
+    lengths = [0] * len(split_rates)
+    for _, r, _ in pairs[:total]:
         lengths[r] += 1
     return lengths

@@ -28,7 +28,9 @@ class Request:
     launched steps are sampling for it, not yet known on the host (each a :data:`PLACEHOLDER`
     at the end of ``token_ids``). ``unconfirmed``: drafts a launched step verifies, which count
     as computed once it is collected (up to that many more tokens than ``num_computed``);
-    ``pending_drafts``: drafts a launched step proposes, on the device until it is collected."""
+    ``pending_drafts``: drafts a launched step proposes, on the device until it is collected;
+    ``rate_history``: the cumulative confidence rates of the last draft rounds received, newest
+    last (varlen verification chooses from the earlier ones)."""
 
     request_id: int
     prompt: str | None
@@ -48,6 +50,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)
     draft_logprobs: object | None = None
     draft_confidences: list[float] = field(default_factory=list)
+    rate_history: list[list[float]] = field(default_factory=list)
     verify_drafts: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0

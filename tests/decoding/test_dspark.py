@@ -5,7 +5,9 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.decoding.dspark import DSpark
-from deepinfer.decoding.verify_schedule import StepTimeCurve, choose_verify_lengths, cumulative_rates
+from deepinfer.decoding.verify_schedule import (
+    StepTimeCurve, choose_verify_lengths, cumulative_rates, verify_lengths_from_history,
+)
 from tests.decoding.forced_drafts import force_rejections
 
 QUIET = ["engine.use_tqdm=false", "engine.max_num_seqs=8"]
@@ -121,5 +123,56 @@ def test_first_verified_token_follows_the_target_distribution_with_wrong_drafts(
         expected += torch.tensor([lp for _, lp in target[s]]).exp()
     accepted = sum(o.num_accepted for o in drafted)
     assert 0.2 * n < accepted < 0.95 * n, f"{accepted} of {n} drafts accepted: both paths must be exercised"
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 13.82, f"chi-square {chi2:.2f} (counts {counts.tolist()}, expected {expected.tolist()})"
+
+
+def test_verify_lengths_from_history_by_hand():
+    """Two rounds back: rates A [0.9, 0.8], B [0.1] on the flat curve -> 3 drafts in all; the last
+    round's rates A [0.2, 0.1], B [0.7, 0.6] share them out: B0, B1, then A0."""
+    flat = StepTimeCurve([1, 2], [1.0, 1.0])
+    assert verify_lengths_from_history([[0.2, 0.1], [0.7, 0.6]], [[0.9, 0.8], [0.1]], flat) == [1, 2]
+    assert verify_lengths_from_history([[0.5], [0.5]], [[0.2], [0.3]],
+                                       StepTimeCurve([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0])) == [0, 0]
+
+
+def test_varlen_verification_does_not_bias_sampling(monkeypatch):
+    """Temperature 1, top-k 3, two drafts from a deliberately wrong p. The second draft's
+    confidence is high only when the first draft is the token p favours, and the step-time curve
+    makes verifying pay only with a high second rate: a length chosen from the judged drafts'
+    own rates would verify the first draft only when it is that token, and over-emit it. The
+    first decoded token's rank under the target must follow the summed target probabilities
+    (chi-square, 2 degrees of freedom)."""
+    n, prompt = 500, [17, 99, 230, 5, 411, 64, 300, 12]
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s, ignore_eos=True, logprobs=3)
+              for s in range(n)]
+    plain = LLM("tiny_random", "reference", QUIET[:1] + ["engine.max_num_seqs=64"]).generate([prompt] * n, params)
+    target = {s: sorted(out.logprobs[1].items(), key=lambda kv: -kv[1])[:3] for s, out in enumerate(plain)}
+    wrong = torch.tensor([0.15, 0.25, 0.6])
+    original = DSpark.receive
+
+    def rigged(self, requests, drafted):
+        original(self, requests, drafted)
+        for request in (r for r in requests if r.drafts):
+            support = [token for token, _ in target[request.seed]]
+            pick = int(torch.multinomial(wrong, 1, generator=torch.Generator().manual_seed(request.seed)))
+            logprobs = torch.full_like(request.draft_logprobs, float("-inf"))
+            logprobs[:, support] = wrong.log()
+            confidences = [0.5, 0.9 if pick == 2 else 0.1]
+            request.drafts, request.draft_logprobs = [support[pick], support[0]], logprobs
+            request.draft_confidences = confidences
+            request.rate_history[-1] = cumulative_rates(confidences)
+
+    monkeypatch.setattr(DSpark, "receive", rigged)
+    monkeypatch.setattr(DSpark, "measure_step_time", lambda self, rows: StepTimeCurve([1, 2, 3], [1.0, 1.8, 1.8]))
+    drafted = LLM("tiny_random", "reference", QUIET[:1] + [
+        "engine.max_num_seqs=1", "decoding=dspark", "decoding.num_draft_tokens=2", "decoding.varlen=true",
+    ]).generate([prompt] * n, params)
+    counts, expected = torch.zeros(3), torch.zeros(3)
+    for s, out in enumerate(drafted):
+        ranked = [token for token, _ in target[s]]
+        counts[ranked.index(out.token_ids[1])] += 1
+        expected += torch.tensor([lp for _, lp in target[s]]).exp()
+    assert sum(o.num_drafted for o in drafted) > 0, "drafts must have been verified"
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 13.82, f"chi-square {chi2:.2f} (counts {counts.tolist()}, expected {expected.tolist()})"
