@@ -1,4 +1,4 @@
-"""The native-FP8 block-scaled grouped GEMM (``kernels/grouped_gemm_fp8_wgmma.py``) without a GPU:
+"""The native-FP8 block-scaled grouped GEMM (``kernels/experimental/grouped_gemm_fp8_wgmma.py``) without a GPU:
 every tile configuration its ``main()`` sweeps compiles for sm_90a, with FP8 and MXFP4 weights,
 within a CTA's limits, on e4m3 wgmma (QGMMA) that ptxas keeps asynchronous; the MXFP4 decode's
 bit placement; and the refusals. The kernel tests need tilelang and nvcc and skip without them."""
@@ -14,7 +14,7 @@ SHAPE = (4, 512, 1024)  # experts, n, k: every swept tile divides them
 
 def _module():
     pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
-    from deepinfer_backends.sm100.kernels import grouped_gemm_fp8_wgmma
+    from deepinfer_backends.sm100.kernels.experimental import grouped_gemm_fp8_wgmma
 
     return grouped_gemm_fp8_wgmma
 
