@@ -150,6 +150,10 @@ BOUNDED_REPLAY_MODES = ("off", "mask", "compact")
 """``engine.bounded_replay.mode`` values."""
 
 
+SEED_SCOPES = ("request", "sampling_params")
+"""``engine.seed_scope`` values."""
+
+
 @dataclass
 class BoundedReplayConfig:
     """SWA bounded replay (YOCO prefill truncation): the YOCO consumer layers process and see only
@@ -218,6 +222,11 @@ class EngineConfig:
     runs each step at its own size)."""
     seed: int = 0
     """Seed of weight initialisation and of per-request seeds not given."""
+    seed_scope: str = "request"
+    """Who shares a seed drawn for ``SamplingParams`` without one: ``request`` (each request
+    draws its own, so repeated prompts sample independently) or ``sampling_params`` (DeepInfer:
+    every request made from one ``SamplingParams`` object shares one seed, so repeated prompts
+    sample identically; this changes pass@k-style numbers)."""
     use_tqdm: bool = True
     """Show a progress bar in generate()."""
     batch_invariant: bool = False
@@ -247,6 +256,7 @@ class EngineConfig:
                  self.num_kv_blocks, "must be null (sized automatically) or >= 1")
         _require(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization,
                  "must lie in (0, 1]")
+        _require(self.seed_scope in SEED_SCOPES, "engine.seed_scope", self.seed_scope, f"use one of {list(SEED_SCOPES)}")
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -93,9 +94,21 @@ class LLM:
             else self.runtime.overlaps_host
         self._inflight: LaunchedStep | None = None
         self._seeds = random.Random(engine.seed)
+        self._params_seeds: dict[int, int] = {}
         self._next_id = 0
         self.grammars: GrammarService | None = None
         self._awaiting_grammar: list[Request] = []
+
+    def _unseeded(self, params: SamplingParams) -> int:
+        """A seed for a request whose ``params`` give none: its own (``engine.seed_scope=request``)
+        or the one every request of this ``params`` object shares (``sampling_params``)."""
+        if self.config.engine.seed_scope == "request":
+            return self._seeds.getrandbits(64)
+        key = id(params)
+        if key not in self._params_seeds:
+            self._params_seeds[key] = self._seeds.getrandbits(64)
+            weakref.finalize(params, self._params_seeds.pop, key, None)
+        return self._params_seeds[key]
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -300,7 +313,7 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {index}: the prompt has {len(ids)} tokens but max_model_len is "
                              f"{self.max_model_len}; shorten it or raise model.max_model_len")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        seed = params.seed if params.seed is not None else self._unseeded(params)
         request = Request(self._next_id, text, ids, params, seed)
         request.detokenizer = IncrementalDecoder(self.tokenizer)
         if params.structured is not None:
