@@ -131,6 +131,14 @@ class DecodingConfig:
     """DSpark confidence-scheduled verify lengths (False verifies every draft token)."""
     confidence_temperature: float = 1.0
     """Temperature of the DSpark confidence head."""
+    confidence_temperatures: Optional[list[float]] = None
+    """One confidence-head temperature per draft step (``num_draft_tokens`` of them), as
+    DeepInfer's comma list allows; None uses ``confidence_temperature`` at every step."""
+
+    @property
+    def confidence_temperature_per_step(self) -> float | tuple[float, ...]:
+        """The confidence-head temperature the draft pass takes: one, or one per draft step."""
+        return tuple(self.confidence_temperatures) if self.confidence_temperatures else self.confidence_temperature
 
     def __post_init__(self) -> None:
         _require(self.temperature >= 0, "decoding.temperature", self.temperature, "must be >= 0 (0 is greedy)")
@@ -144,6 +152,10 @@ class DecodingConfig:
                  "must be >= 0 (0 turns DSpark off)")
         _require(self.confidence_temperature > 0, "decoding.confidence_temperature",
                  self.confidence_temperature, "must be > 0")
+        per_step = self.confidence_temperatures
+        _require(per_step is None or (len(per_step) == self.num_draft_tokens and all(t > 0 for t in per_step)),
+                 "decoding.confidence_temperatures", per_step,
+                 f"must be null or num_draft_tokens ({self.num_draft_tokens}) temperatures, each > 0")
 
 
 BOUNDED_REPLAY_MODES = ("off", "mask", "compact")

@@ -27,7 +27,7 @@ class DSpark:
     warm-up; otherwise every draft is verified."""
 
     def __init__(self, model: GenerativeModel, runner, num_draft_tokens: int, varlen: bool,
-                 confidence_temperature: float, max_rows: int):
+                 confidence_temperature: float | tuple[float, ...], max_rows: int):
         if not model.max_draft_tokens:
             raise ValueError("decoding.num_draft_tokens > 0 needs a model with DSpark draft layers "
                              "(num_nextn_predict_layers > 0)")
@@ -35,8 +35,10 @@ class DSpark:
             raise ValueError(f"decoding.num_draft_tokens={num_draft_tokens}: this model drafts at most "
                              f"{model.max_draft_tokens} tokens at once (a verify step must fit in the "
                              f"backtracking room of its SWA rings); lower decoding.num_draft_tokens")
-        if confidence_temperature <= 0:
-            raise ValueError(f"decoding.confidence_temperature must be > 0, got {confidence_temperature}")
+        per_step = confidence_temperature if isinstance(confidence_temperature, tuple) else (confidence_temperature,)
+        if min(per_step) <= 0 or len(per_step) not in (1, num_draft_tokens):
+            raise ValueError(f"decoding.confidence_temperature must be > 0, one value or one per draft step "
+                             f"({num_draft_tokens}); got {confidence_temperature}")
         self.model, self.runner = model, runner
         self.k, self.varlen = num_draft_tokens, varlen
         self.max_model_len = model.max_model_len

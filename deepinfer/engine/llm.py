@@ -76,13 +76,13 @@ class LLM:
                                    engine.prefill_chunk_tokens, whole_verify=engine.batch_invariant)
         self.runner = ModelRunner(self.model, self.runtime, num_blocks, engine.max_num_seqs + 1, engine.max_num_seqs,
                                   num_draft_tokens=decoding.num_draft_tokens,
-                                  confidence_temperature=decoding.confidence_temperature,
+                                  confidence_temperature=decoding.confidence_temperature_per_step,
                                   bounded_replay=engine.bounded_replay, padded_decode=padded,
                                   filter_order=decoding.filter_order)
         self.dspark = None
         if decoding.num_draft_tokens:
             self.dspark = DSpark(self.model, self.runner, decoding.num_draft_tokens, decoding.varlen,
-                                 decoding.confidence_temperature,
+                                 decoding.confidence_temperature_per_step,
                                  max_rows=engine.max_num_seqs * (decoding.num_draft_tokens + 1))
         if graphs:
             bar = tqdm(total=self.runner.num_graphs, desc="capture CUDA graphs", disable=not engine.use_tqdm,

@@ -37,7 +37,8 @@ class ModelRunner:
     draft from ``drafts``), and a chained sequence's start from ``length``."""
 
     def __init__(self, model: GenerativeModel, runtime: Runtime, num_blocks: int, num_state_slots: int,
-                 max_num_seqs: int, num_draft_tokens: int = 0, confidence_temperature: float = 1.0,
+                 max_num_seqs: int, num_draft_tokens: int = 0,
+                 confidence_temperature: float | tuple[float, ...] = 1.0,
                  bounded_replay=None, padded_decode: bool = False, filter_order: str = "deepinfer"):
         self.model, self.runtime = model, runtime
         self.bounded_replay = bounded_replay

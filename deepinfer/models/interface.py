@@ -17,14 +17,14 @@ from deepinfer.models.forward_context import ForwardContext
 class DraftSampling:
     """How a draft pass samples, one entry per sequence (device tensors): ``temperature``,
     ``top_p``, ``top_k``, ``seeds`` (the requests' own), ``confidence_temperature`` (the
-    confidence head's), and ``filter_order`` (``decoding.filter_order``: how top-p and top-k
+    confidence head's: one, or one per draft step), and ``filter_order`` (``decoding.filter_order``: how top-p and top-k
     combine in the distributions drafts are drawn from)."""
 
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
     seeds: torch.Tensor
-    confidence_temperature: float
+    confidence_temperature: float | tuple[float, ...]
     filter_order: str = "deepinfer"
 
 

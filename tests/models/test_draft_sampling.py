@@ -24,13 +24,14 @@ def _kept(probs: torch.Tensor, top_p: torch.Tensor, top_k: int, order: str) -> t
     return kept
 
 
-def _draft(model, top_p: torch.Tensor, top_k: int, order: str):
+def _draft(model, top_p: torch.Tensor, top_k: int, order: str, confidence_temperature=1.0):
     runner = SequenceRunner(model, 2, 64)
     runner.step({0: PROMPT, 1: PROMPT[::-1]})
     ctx = ForwardContext.for_sequences([[PROMPT[-1]] + [NOISE] * (BLOCK - 1), [PROMPT[0]] + [NOISE] * (BLOCK - 1)],
                                        [len(PROMPT)] * 2, [1, 2], [runner.blocks(0), runner.blocks(1)], decode=True)
     ctx.draft_block = BLOCK
-    sampling = DraftSampling(torch.ones(2), top_p, torch.full((2,), top_k), torch.tensor([1, 2]), 1.0, order)
+    sampling = DraftSampling(torch.ones(2), top_p, torch.full((2,), top_k), torch.tensor([1, 2]),
+                             confidence_temperature, order)
     with torch.no_grad():
         return model.draft(ctx, runner.caches, sampling)
 
@@ -48,3 +49,16 @@ def test_draft_tokens_come_from_the_configured_filter_order():
         assert torch.equal(proposal.logprobs[:, 0].isfinite(), expected), order
         assert expected[torch.arange(2), proposal.tokens[:, 0]].all()
     assert not torch.equal(_kept(full, top_p, 2, "deepinfer"), _kept(full, top_p, 2, "vllm"))
+
+
+def test_each_draft_step_takes_its_own_confidence_temperature():
+    """With temperatures T_i per step, step i's confidence is sigmoid(score_i / T_i), where
+    score_i = logit(the confidence at T = 1); the drafts themselves do not change."""
+    model = tiny_model(seed=3)
+    plain = _draft(model, torch.ones(2), 0, "deepinfer")
+    temperatures = (0.5, 2.0, 4.0)
+    scaled = _draft(model, torch.ones(2), 0, "deepinfer", temperatures)
+    assert torch.equal(plain.tokens, scaled.tokens)
+    scores = torch.logit(plain.confidences.double())
+    want = torch.sigmoid(scores / torch.tensor(temperatures, dtype=torch.float64))
+    assert torch.allclose(scaled.confidences.double(), want, atol=1e-6)

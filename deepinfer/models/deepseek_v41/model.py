@@ -166,7 +166,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             ids, step_logprobs = self.ops.sample(logits[:, i] + correction, sampling.temperature, sampling.top_p,
                                                  sampling.top_k, sampling.seeds, ctx.chunk_start + 1 + i,
                                                  namespace=SEED_NAMESPACE_DRAFT, filter_order=sampling.filter_order)
-            confidences.append(head.confidence(hidden[:, i], embedded, sampling.confidence_temperature))
+            temperature = sampling.confidence_temperature
+            temperature = temperature[i] if isinstance(temperature, tuple) else temperature
+            confidences.append(head.confidence(hidden[:, i], embedded, temperature))
             tokens.append(ids)
             logprobs.append(step_logprobs)
             previous = ids
