@@ -1,10 +1,13 @@
 """``python -m deepinfer model=tiny backend=reference prompt="..."``: the Hydra app.
 
 Composes ``configs/config.yaml`` (the tree and schema :func:`deepinfer.config.compose.compose`
-uses), turns it into an :class:`~deepinfer.config.schema.AppConfig` and runs its ``task``."""
+uses), turns it into an :class:`~deepinfer.config.schema.AppConfig` and runs its ``task``.
+Prompts are raw text: ``prompt=TEXT`` and bare arguments (a positional prompt) never go through
+Hydra's override grammar, so parentheses, quotes, commas, brackets and ``=`` need no escaping."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import hydra
@@ -16,6 +19,26 @@ from deepinfer.config.store import register_schemas
 from deepinfer.models.registry import CONFIG_ROOT
 
 TASKS = ("generate",)
+HYDRA_VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+                     "--config-dir", "--info", "--experimental-rerun"}
+"""Hydra's flags that take the next argument as their value."""
+RAW_PROMPTS: list[str] = []
+"""Prompts taken off the command line before Hydra parses it (:func:`split_prompts`)."""
+
+
+def split_prompts(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(prompts, hydra arguments)``: each ``prompt=TEXT`` and each bare argument (no ``=``, not a
+    flag or a flag's value) is a prompt taken as it is; the rest are Hydra's."""
+    prompts, rest = [], []
+    for i, arg in enumerate(argv):
+        flag_value = i > 0 and argv[i - 1] in HYDRA_VALUE_FLAGS
+        if arg.startswith("prompt=") and not flag_value:
+            prompts.append(arg[len("prompt="):])
+        elif arg.startswith("-") or "=" in arg or flag_value:
+            rest.append(arg)
+        else:
+            prompts.append(arg)
+    return prompts, rest
 
 register_schemas()
 
@@ -48,7 +71,12 @@ def run_app(app) -> None:
 
 
 def read_prompts(app) -> list[str]:
-    """``prompts_file`` (one prompt per non-empty line) or ``prompt``."""
+    """The command line's raw prompts (:data:`RAW_PROMPTS`), ``prompts_file`` (one prompt per
+    non-empty line) or ``prompt``."""
+    if RAW_PROMPTS:
+        if app.prompts_file:
+            raise ValueError("give prompts on the command line or prompts_file=path, not both")
+        return list(RAW_PROMPTS)
     if app.prompts_file:
         prompts = [line for line in Path(app.prompts_file).read_text().splitlines() if line.strip()]
         if not prompts:
@@ -60,4 +88,5 @@ def read_prompts(app) -> list[str]:
 
 
 if __name__ == "__main__":
+    RAW_PROMPTS[:], sys.argv[1:] = split_prompts(sys.argv[1:])
     main()
