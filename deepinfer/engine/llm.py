@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import random
 import time
 import weakref
@@ -251,6 +252,27 @@ class LLM:
         self.scheduler.restart(request)
         return True
 
+    def abort(self, request_id: int) -> bool:
+        """Stop a queued or running request: it finishes with reason "abort" and keeps the tokens
+        it emitted; its blocks and state slot return to the free lists (once the step in flight,
+        if it writes there, is collected). False when no unfinished request has that id."""
+        scheduler = self.scheduler
+        for request in [*scheduler.running, *scheduler.waiting, *self._awaiting_grammar]:
+            if request.request_id != request_id or request.finished:
+                continue
+            if request in scheduler.running:
+                self._finish(request, "abort")
+            else:
+                if request in scheduler.waiting:
+                    scheduler.waiting.remove(request)
+                else:
+                    self._awaiting_grammar.remove(request)
+                request.status, request.finish_reason = Status.FINISHED, "abort"
+                scheduler.kv.release(request)
+            request.text += request.detokenizer.finish() if request.detokenizer is not None else ""
+            return True
+        return False
+
     def drain(self) -> list[Request]:
         """Collect the step in flight, if any; returns the requests that finished."""
         stats = StepStats()
@@ -322,6 +344,20 @@ class LLM:
         return request
 
     def _run_until_done(self, requests: list[Request], show: bool) -> None:
+        """Step until ``requests`` finish; on KeyboardInterrupt (or any error) abort the unfinished
+        ones and collect the step in flight, so that every block and state slot is free again,
+        then re-raise."""
+        try:
+            self._step_until_done(requests, show)
+        except BaseException:
+            for request in requests:
+                if not request.finished:
+                    self.abort(request.request_id)
+            with contextlib.suppress(Exception):  # the error being raised is the one to report
+                self.drain()
+            raise
+
+    def _step_until_done(self, requests: list[Request], show: bool) -> None:
         bar = tqdm(total=len(requests), desc="generate", disable=not show, dynamic_ncols=True)
         started, prefilled = time.perf_counter(), 0
         produced = sum(len(r.output_token_ids) for r in requests)

@@ -10,7 +10,8 @@ class RequestOutput:
     """One finished request: generated ``text`` and ``token_ids``, ``finish_reason`` ("stop" for
     EOS, a stop token, a stop string or a completed grammar; "length" for max_tokens or
     max_model_len; "error" when the request could not run, or its structured output would break
-    its grammar or JSON schema, with ``error`` saying why), optional per-token ``logprobs``
+    its grammar or JSON schema, with ``error`` saying why; "abort" for :meth:`LLM.abort` and an
+    interrupted ``generate``, with the tokens emitted until then), optional per-token ``logprobs``
     ({token id: logprob}), DSpark counts (drafts verified, drafts accepted, and per verify step
     ``(verified, accepted)`` in ``verify_log``) and ``metrics``: preemptions, DSpark verify
     statistics, under a grammar ``structured_backend`` (the library that enforced it, None if it
