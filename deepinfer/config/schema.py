@@ -143,6 +143,7 @@ class DecodingConfig:
     def __post_init__(self) -> None:
         _require(self.temperature >= 0, "decoding.temperature", self.temperature, "must be >= 0 (0 is greedy)")
         _require(0 < self.top_p <= 1, "decoding.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.top_k >= -1, "decoding.top_k", self.top_k, "must be >= -1 (-1 or 0 disables it)")
         _require(self.filter_order in FILTER_ORDERS, "decoding.filter_order", self.filter_order,
                  f"use one of {list(FILTER_ORDERS)}")
         _require(self.max_tokens >= 1, "decoding.max_tokens", self.max_tokens, "must be >= 1")

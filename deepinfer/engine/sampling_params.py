@@ -55,14 +55,19 @@ class SamplingParams:
         self.structured = check_structured(self.structured)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple, set)):
+                raise ValueError(f"{name} must be a list ({'strings' if name == 'stop' else 'token ids'}), "
+                                 f"got {type(value).__name__} {value!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an int (<= 0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (-1 or 0 disables it), got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

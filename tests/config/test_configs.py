@@ -67,6 +67,7 @@ def test_unknown_option_lists_the_available_ones(group):
 @pytest.mark.parametrize("override,expected", [
     ("decoding.top_p=1.5", "decoding.top_p=1.5"),
     ("decoding.top_p=0", "decoding.top_p=0.0"),
+    ("decoding.top_k=-2", "decoding.top_k=-2"),
     ("decoding.max_tokens=-1", "decoding.max_tokens=-1"),
     ("decoding.temperature=-0.1", "decoding.temperature=-0.1"),
     ("model.dtype=fp8", "model.dtype='fp8'"),

@@ -100,6 +100,13 @@ def test_bad_requests_are_refused_and_queued_requests_finish_unharmed(alone, pro
     (dict(max_tokens=-3), "max_tokens must be a positive int, got -3"),
     (dict(temperature=-1.0), "temperature must be >= 0, got -1.0"),
     (dict(logprobs=100), "logprobs must be an int in"),
+    (dict(top_k=-2), r"top_k must be an int >= -1 \(-1 or 0 disables it\), got -2"),
+    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64\), got -1"),
+    (dict(seed=2**64), r"seed must be an int in \[0, 2\*\*64\)"),
+    (dict(stop=5), "stop must be a list \\(strings\\), got int 5"),
+    (dict(stop=[1, 2]), "stop must hold non-empty strings"),
+    (dict(stop_token_ids=7), "stop_token_ids must be a list \\(token ids\\), got int 7"),
+    (dict(structured={"type": "xml", "schema": "a"}), "structured must be a dict with 'type' one of"),
 ])
 def test_bad_sampling_params_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
