@@ -1,6 +1,7 @@
 """SamplingParams: how one request's tokens are chosen and when it stops."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from deepinfer.decoding.structured import check_structured
@@ -62,6 +63,10 @@ class SamplingParams:
                                  f"got {type(value).__name__} {value!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
