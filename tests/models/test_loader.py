@@ -252,6 +252,17 @@ def test_unexpected_dtype(saved, name, stored_as, found):
     assert_loader_error(saved, file, name, found)
 
 
+def test_a_tensor_stored_in_two_shards_is_refused(saved):
+    """The same name in two shards (one of them listing it in the index): the loader names both."""
+    embed_file = weight_map(saved)[EMBED]
+    other = next(f for f in sorted(set(weight_map(saved).values())) if f != embed_file)
+    with safe_open(str(saved / embed_file), framework="pt") as shard:
+        embed = shard.get_tensor(EMBED)
+    some_key = next(k for k, f in weight_map(saved).items() if f == other)
+    edit_shard(saved, some_key, lambda tensors: tensors.update({EMBED: embed}))
+    assert_loader_error(saved, EMBED, "also stored in", embed_file, other)
+
+
 def test_index_lists_a_tensor_its_shard_lacks(saved):
     index = json.loads((saved / INDEX_FILE).read_text())
     index["weight_map"]["head.weight"] = index["weight_map"][EMBED]
