@@ -108,6 +108,10 @@ def request_output(request: Request) -> RequestOutput:
                                   if request.calibration_errors else 0.0),
         },
     )
+    if request.verify_log:
+        depth = max(verified for verified, _ in request.verify_log)
+        output.metrics["verified_by_draft"] = [sum(v > j for v, _ in request.verify_log) for j in range(depth)]
+        output.metrics["accepted_by_draft"] = [sum(a > j for _, a in request.verify_log) for j in range(depth)]
     if request.grammar is not None:
         output.metrics["structured_backend"] = request.grammar.backend
     if request.grammar is not None and request.grammar.spec["type"] == "json":

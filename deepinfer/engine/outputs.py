@@ -14,7 +14,8 @@ class RequestOutput:
     interrupted ``generate``, with the tokens emitted until then), optional per-token ``logprobs``
     ({token id: logprob}), DSpark counts (drafts verified, drafts accepted, and per verify step
     ``(verified, accepted)`` in ``verify_log``) and ``metrics``: preemptions, DSpark verify
-    statistics, under a grammar ``structured_backend`` (the library that enforced it, None if it
+    statistics (per draft position ``j``, ``verified_by_draft[j]`` and ``accepted_by_draft[j]``:
+    the verify steps that verified and accepted the ``j``-th draft), under a grammar ``structured_backend`` (the library that enforced it, None if it
     never compiled), and under a JSON schema ``structured_validation_only``: the schema's
     keywords the grammar does not enforce, checked only by validating the finished output
     (``"keyword at #/path"``)."""

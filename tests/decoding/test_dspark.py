@@ -64,6 +64,10 @@ def test_sampled_outputs_are_reproducible_and_report_metrics():
         assert out.metrics["mean_accepted_length"] == pytest.approx(out.num_accepted / steps)
         assert out.num_accepted + steps <= len(out.token_ids) - 1, "each verify step emits accepted drafts + 1"
         assert 0.0 <= out.metrics["calibration_error"] <= 1.0
+        verified, accepted = out.metrics["verified_by_draft"], out.metrics["accepted_by_draft"]
+        assert sum(verified) == out.num_drafted and sum(accepted) == out.num_accepted
+        assert verified[0] == steps and all(a <= v for a, v in zip(accepted, verified))
+        assert accepted == sorted(accepted, reverse=True), "a draft is accepted only after the ones before it"
 
 
 def test_too_many_drafts_for_the_ring_are_refused():
@@ -176,3 +180,15 @@ def test_varlen_verification_does_not_bias_sampling(monkeypatch):
     assert sum(o.num_drafted for o in drafted) > 0, "drafts must have been verified"
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 13.82, f"chi-square {chi2:.2f} (counts {counts.tolist()}, expected {expected.tolist()})"
+
+
+def test_per_draft_counters_by_hand():
+    """Verify steps (5 verified, 2 accepted) and (3, 3): drafts 0-2 verified twice, 3-4 once;
+    accepted: draft 0 and 1 twice, draft 2 once."""
+    from deepinfer.engine.output_processor import request_output
+    from deepinfer.engine.request import Request
+
+    request = Request(0, None, [5], SamplingParams(), seed=0, finish_reason="length")
+    request.verify_log = [(5, 2), (3, 3)]
+    metrics = request_output(request).metrics
+    assert metrics["verified_by_draft"] == [2, 2, 2, 1, 1] and metrics["accepted_by_draft"] == [2, 2, 1, 0, 0]
