@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from deepinfer.decoding.dspark import DSpark, PendingDrafts
 from deepinfer.decoding.sampler import PendingEmissions, emit
 from deepinfer.decoding.grammar_service import GrammarService
-from deepinfer.decoding.structured import step_bitmasks
+from deepinfer.decoding.step_masks import step_masks
 from deepinfer.engine.device import make_runtime
 from deepinfer.engine.kv_manager import KVManager
 from deepinfer.engine.kv_sizing import plan_kv_blocks
@@ -188,7 +188,7 @@ class LLM:
             chunk.request.unconfirmed += len(chunk.drafts)
         for chunk in drafting:
             chunk.request.pending_drafts += self.dspark.k
-        masks = step_bitmasks(sampling, self.model.vocab_size)
+        masks = step_masks(sampling, self.model.vocab_size, self.outputs.eos_token_ids)
 
         def device_work():
             emissions = emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks, self.runner.slots,
@@ -218,7 +218,7 @@ class LLM:
         both steps are the ones the synchronous engine would run."""
         running = self.scheduler.running
         if not (self.async_scheduling and step.batch.decode and len(step.batch.chunks) == len(running)
-                and all(c.request.grammar is None for c in step.sampling)):
+                and all(c.request.grammar is None and not _masks_tokens(c.request) for c in step.sampling)):
             return False
         if self.dspark is None:
             return not any(c.drafts for c in step.sampling) and len(self.scheduler.kv.free_blocks) >= len(running)
@@ -335,6 +335,9 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {index}: the prompt has {len(ids)} tokens but max_model_len is "
                              f"{self.max_model_len}; shorten it or raise model.max_model_len")
+        out_of_vocab = [t for t in params.banned_token_ids if t >= vocab]
+        if out_of_vocab:
+            raise ValueError(f"request {index}: banned token id {out_of_vocab[0]} is outside the vocabulary [0, {vocab})")
         seed = params.seed if params.seed is not None else self._unseeded(params)
         request = Request(self._next_id, text, ids, params, seed)
         request.detokenizer = IncrementalDecoder(self.tokenizer)
@@ -418,6 +421,12 @@ class LaunchedStep:
     sampling: list
     pending: Callable[[], "tuple[PendingEmissions, PendingDrafts | None]"]
     release_after: list[Request] = field(default_factory=list)
+
+
+def _masks_tokens(request: Request) -> bool:
+    """Whether ``request`` bans tokens in its next step (built from its collected outputs, so the
+    step before it must have been collected)."""
+    return bool(request.params.banned_token_ids) or len(request.output_token_ids) < request.params.min_tokens
 
 
 def _is_token_list(value) -> bool:

@@ -31,6 +31,10 @@ class SamplingParams:
 
     ``stop`` strings end the text
     (the stop string itself is not returned); ``stop_token_ids`` end it like EOS.
+    ``min_tokens``: no end token (EOS, ``stop_token_ids``) among the first ``min_tokens`` outputs
+    (DeepInfer's ``first_n_token_no_eos``); ``banned_token_ids``: tokens never emitted (its decode
+    token blacklist). Both mask the target distribution, which DSpark drafts are verified
+    against, so its steps run with the host in step.
     ``seed`` makes sampling reproducible: each draw is a pure function of (seed, position).
     ``logprobs`` = N returns, per output token, the log-probabilities (of the processed
     distribution) of the sampled token and the N most likely ones.
@@ -51,18 +55,21 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     structured: dict | None = None
+    min_tokens: int = 0
+    banned_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.structured = check_structured(self.structured)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "banned_token_ids"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple, set)):
                 raise ValueError(f"{name} must be a list ({'strings' if name == 'stop' else 'token ids'}), "
                                  f"got {type(value).__name__} {value!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.banned_token_ids = list(self.banned_token_ids or [])
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -81,6 +88,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.banned_token_ids):
+            raise ValueError(f"banned_token_ids must be non-negative ints, got {self.banned_token_ids!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

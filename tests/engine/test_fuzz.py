@@ -12,7 +12,8 @@ from deepinfer.engine.sampling_params import MAX_LOGPROBS
 
 ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**65, 2**65), st.floats(allow_nan=True),
                 st.text(max_size=4), st.lists(st.one_of(st.integers(-3, 600), st.text(max_size=3)), max_size=3))
-FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs", "stop", "stop_token_ids", "structured")
+FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs", "stop", "stop_token_ids", "structured",
+          "min_tokens", "banned_token_ids")
 
 
 @settings(max_examples=300, deadline=None)
@@ -29,6 +30,8 @@ def test_sampling_params_are_valid_or_refused_with_a_value_error(kwargs):
     assert params.logprobs is None or 0 <= params.logprobs <= MAX_LOGPROBS
     assert all(isinstance(s, str) and s for s in params.stop)
     assert all(isinstance(t, int) and t >= 0 for t in params.stop_token_ids)
+    assert all(isinstance(t, int) and t >= 0 for t in params.banned_token_ids)
+    assert isinstance(params.min_tokens, int) and params.min_tokens >= 0
 
 
 @pytest.fixture(scope="module")
