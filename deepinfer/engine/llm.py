@@ -335,9 +335,10 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {index}: the prompt has {len(ids)} tokens but max_model_len is "
                              f"{self.max_model_len}; shorten it or raise model.max_model_len")
-        out_of_vocab = [t for t in params.banned_token_ids if t >= vocab]
-        if out_of_vocab:
-            raise ValueError(f"request {index}: banned token id {out_of_vocab[0]} is outside the vocabulary [0, {vocab})")
+        for name in ("banned_token_ids", "golden_token_ids"):
+            out_of_vocab = [t for t in getattr(params, name) or () if t >= vocab]
+            if out_of_vocab:
+                raise ValueError(f"request {index}: {name} holds {out_of_vocab[0]}, outside the vocabulary [0, {vocab})")
         seed = params.seed if params.seed is not None else self._unseeded(params)
         request = Request(self._next_id, text, ids, params, seed)
         request.detokenizer = IncrementalDecoder(self.tokenizer)
@@ -424,9 +425,11 @@ class LaunchedStep:
 
 
 def _masks_tokens(request: Request) -> bool:
-    """Whether ``request`` bans tokens in its next step (built from its collected outputs, so the
-    step before it must have been collected)."""
-    return bool(request.params.banned_token_ids) or len(request.output_token_ids) < request.params.min_tokens
+    """Whether ``request``'s next step masks tokens (bans, ``min_tokens``, teacher forcing): its
+    masks are built from its collected outputs, so the step before it must have been collected."""
+    params = request.params
+    return bool(params.banned_token_ids) or params.golden_token_ids is not None or \
+        len(request.output_token_ids) < params.min_tokens
 
 
 def _is_token_list(value) -> bool:

@@ -89,6 +89,8 @@ class OutputProcessor:
         produced = len(request.output_token_ids)
         if produced >= params.max_tokens or len(request.prompt_token_ids) + produced >= self.max_model_len:
             return "length"
+        if params.golden_token_ids is not None and produced >= len(params.golden_token_ids):
+            return "length"
         return None
 
 

@@ -35,6 +35,9 @@ class SamplingParams:
     (DeepInfer's ``first_n_token_no_eos``); ``banned_token_ids``: tokens never emitted (its decode
     token blacklist). Both mask the target distribution, which DSpark drafts are verified
     against, so its steps run with the host in step.
+    ``golden_token_ids`` (teacher forcing, DeepInfer's): the outputs are these tokens (up to
+    ``max_tokens``), and a DSpark draft is accepted exactly when it is the golden token at its
+    position, as if the target put all its mass there: the acceptance of a drafter on a given text.
     ``seed`` makes sampling reproducible: each draw is a pure function of (seed, position).
     ``logprobs`` = N returns, per output token, the log-probabilities (of the processed
     distribution) of the sampled token and the N most likely ones.
@@ -57,6 +60,7 @@ class SamplingParams:
     structured: dict | None = None
     min_tokens: int = 0
     banned_token_ids: list[int] = field(default_factory=list)
+    golden_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.structured = check_structured(self.structured)
@@ -92,6 +96,15 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.banned_token_ids):
             raise ValueError(f"banned_token_ids must be non-negative ints, got {self.banned_token_ids!r}")
+        if self.golden_token_ids is not None:
+            golden = self.golden_token_ids
+            if not isinstance(golden, (list, tuple)) or not golden or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in golden):
+                raise ValueError(f"golden_token_ids must be a non-empty list of non-negative ints, got {golden!r}")
+            if self.logprobs is not None or self.structured is not None:
+                raise ValueError("golden_token_ids (teacher forcing) cannot go with logprobs or structured: the forced "
+                                 "rows' distribution is the golden token alone")
+            self.golden_token_ids = list(golden)
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

@@ -72,5 +72,5 @@ def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="banned_token_ids must be non-negative ints"):
         SamplingParams(banned_token_ids=[-3])
     llm = LLM("tiny_random", "reference", QUIET)
-    with pytest.raises(ValueError, match="banned token id 600 is outside the vocabulary"):
+    with pytest.raises(ValueError, match="banned_token_ids holds 600, outside the vocabulary"):
         llm.generate([[5, 6]], SamplingParams(banned_token_ids=[600]))
