@@ -163,6 +163,8 @@ BOUNDED_REPLAY_MODES = ("off", "mask", "compact")
 """``engine.bounded_replay.mode`` values."""
 
 
+SCHEDULERS = ("default", "deepinfer")
+"""``engine.scheduler`` values."""
 SEED_SCOPES = ("request", "sampling_params")
 """``engine.seed_scope`` values."""
 
@@ -235,6 +237,12 @@ class EngineConfig:
     runs each step at its own size)."""
     seed: int = 0
     """Seed of weight initialisation and of per-request seeds not given."""
+    scheduler: str = "default"
+    """``default`` (decodes and prefill chunks mixed in every step; preempt the latest admitted) or
+    ``deepinfer`` (DeepInfer's: all-prefill or all-decode steps, a prefill attempt every 70 decode
+    steps while the cache is at most 0.9 full, whole-prompt FIFO admission with one chunked
+    prompt at a time, preempt the longest output and stop a structured request):
+    :mod:`~deepinfer.engine.scheduler_deepinfer`."""
     seed_scope: str = "request"
     """Who shares a seed drawn for ``SamplingParams`` without one: ``request`` (each request
     draws its own, so repeated prompts sample independently) or ``sampling_params`` (DeepInfer:
@@ -269,6 +277,7 @@ class EngineConfig:
                  self.num_kv_blocks, "must be null (sized automatically) or >= 1")
         _require(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization,
                  "must lie in (0, 1]")
+        _require(self.scheduler in SCHEDULERS, "engine.scheduler", self.scheduler, f"use one of {list(SCHEDULERS)}")
         _require(self.seed_scope in SEED_SCOPES, "engine.seed_scope", self.seed_scope, f"use one of {list(SEED_SCOPES)}")
 
 

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from deepinfer.config.schema import ConfigError
 from deepinfer.decoding.dspark import DSpark, PendingDrafts
 from deepinfer.decoding.sampler import PendingEmissions, emit
 from deepinfer.decoding.grammar_service import GrammarService
@@ -25,6 +26,7 @@ from deepinfer.engine.request import Request, Status
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Batch, Scheduler
+from deepinfer.engine.scheduler_deepinfer import DeepInferScheduler
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.registry import build_model, resolve_checkpoint
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
@@ -73,8 +75,17 @@ class LLM:
         num_blocks = plan_kv_blocks(self.model, self.ops, self.runtime, engine, decoding.num_draft_tokens, graphs,
                                     weight_bytes)
         kv = KVManager(num_blocks, engine.max_num_seqs + 1, self.model.page_tokens)
-        self.scheduler = Scheduler(kv, engine.max_num_seqs, engine.max_num_batched_tokens,
-                                   engine.prefill_chunk_tokens, whole_verify=engine.batch_invariant)
+        if engine.scheduler == "deepinfer":
+            need = engine.max_num_seqs * (1 + decoding.num_draft_tokens)
+            if engine.max_num_batched_tokens < need:
+                raise ConfigError(f"engine.scheduler=deepinfer runs every decoding request in one step: "
+                                  f"engine.max_num_batched_tokens={engine.max_num_batched_tokens} must be at least "
+                                  f"max_num_seqs x (1 + num_draft_tokens) = {need}")
+            self.scheduler = DeepInferScheduler(kv, engine.max_num_seqs, engine.max_num_batched_tokens,
+                                                engine.prefill_chunk_tokens, engine.batch_invariant, stop=self._finish)
+        else:
+            self.scheduler = Scheduler(kv, engine.max_num_seqs, engine.max_num_batched_tokens,
+                                       engine.prefill_chunk_tokens, whole_verify=engine.batch_invariant)
         self.runner = ModelRunner(self.model, self.runtime, num_blocks, engine.max_num_seqs + 1, engine.max_num_seqs,
                                   num_draft_tokens=decoding.num_draft_tokens,
                                   confidence_temperature=decoding.confidence_temperature_per_step,
