@@ -62,6 +62,7 @@ class DSpark:
         for request, length in zip(ready, lengths):
             drafts = [PLACEHOLDER] * self.k if request.pending_drafts else request.drafts
             request.verify_drafts = drafts[:max(0, min(length, self.room(request)))]
+            request.num_clipped_drafts += max(0, min(length, len(drafts)) - len(request.verify_drafts))
 
     def earlier_rates(self, request) -> tuple[list[float], list[float]]:
         """The cumulative rates of the drafts ``request`` received one and two rounds before the

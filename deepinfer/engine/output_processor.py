@@ -105,6 +105,7 @@ def request_output(request: Request) -> RequestOutput:
         metrics={
             "preemptions": request.num_preemptions,
             "verify_steps": request.num_verify_steps,
+            "clipped_drafts": request.num_clipped_drafts,
             "mean_accepted_length": request.num_accepted / request.num_verify_steps if request.num_verify_steps else 0.0,
             "calibration_error": (sum(request.calibration_errors) / len(request.calibration_errors)
                                   if request.calibration_errors else 0.0),

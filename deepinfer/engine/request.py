@@ -55,6 +55,7 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0
+    num_clipped_drafts: int = 0
     calibration_errors: list[float] = field(default_factory=list)
     verify_log: list[tuple[int, int]] = field(default_factory=list)
     grammar: object | None = None

@@ -64,10 +64,21 @@ def test_sampled_outputs_are_reproducible_and_report_metrics():
         assert out.metrics["mean_accepted_length"] == pytest.approx(out.num_accepted / steps)
         assert out.num_accepted + steps <= len(out.token_ids) - 1, "each verify step emits accepted drafts + 1"
         assert 0.0 <= out.metrics["calibration_error"] <= 1.0
+        assert out.num_drafted + out.metrics["clipped_drafts"] >= 5 * steps, "DeepInfer's count: 5 a verify step"
         verified, accepted = out.metrics["verified_by_draft"], out.metrics["accepted_by_draft"]
         assert sum(verified) == out.num_drafted and sum(accepted) == out.num_accepted
         assert verified[0] == steps and all(a <= v for a, v in zip(accepted, verified))
         assert accepted == sorted(accepted, reverse=True), "a draft is accepted only after the ones before it"
+
+
+def test_drafts_clipped_at_the_end_are_counted():
+    """Ten tokens with five drafts a step: near max_tokens the room clips the verify length; the
+    clipped drafts plus the verified ones are DeepInfer's count, five for every step with drafts."""
+    llm = LLM("tiny_random", "reference", QUIET + ["decoding=dspark"])
+    for out in llm.generate(_prompts(3, seed=2), GREEDY):
+        clipped = out.metrics["clipped_drafts"]
+        assert clipped > 0
+        assert (out.num_drafted + clipped) % 5 == 0 and out.num_drafted + clipped >= 5 * out.metrics["verify_steps"]
 
 
 def test_too_many_drafts_for_the_ring_are_refused():
