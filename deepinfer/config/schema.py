@@ -129,6 +129,10 @@ class DecodingConfig:
     """DSpark draft tokens per step; 0 turns speculative decoding off."""
     varlen: bool = False
     """DSpark confidence-scheduled verify lengths (False verifies every draft token)."""
+    verify_cost: str = "deepinfer"
+    """What varlen prices a verify step of N rows at: ``deepinfer`` (baseline + slope x the padded
+    size N runs as, the slope the median of live per-step estimates) or ``measured`` (the warm-up
+    measurement, interpolated)."""
     confidence_temperature: float = 1.0
     """Temperature of the DSpark confidence head."""
     confidence_temperatures: Optional[list[float]] = None
@@ -151,6 +155,8 @@ class DecodingConfig:
                  "must be null or an unsigned 64-bit integer")
         _require(self.num_draft_tokens >= 0, "decoding.num_draft_tokens", self.num_draft_tokens,
                  "must be >= 0 (0 turns DSpark off)")
+        _require(self.verify_cost in VERIFY_COSTS, "decoding.verify_cost", self.verify_cost,
+                 f"use one of {list(VERIFY_COSTS)}")
         _require(self.confidence_temperature > 0, "decoding.confidence_temperature",
                  self.confidence_temperature, "must be > 0")
         per_step = self.confidence_temperatures
@@ -163,6 +169,8 @@ BOUNDED_REPLAY_MODES = ("off", "mask", "compact")
 """``engine.bounded_replay.mode`` values."""
 
 
+VERIFY_COSTS = ("deepinfer", "measured")
+"""``decoding.verify_cost`` values."""
 SCHEDULERS = ("default", "deepinfer")
 """``engine.scheduler`` values."""
 SEED_SCOPES = ("request", "sampling_params")

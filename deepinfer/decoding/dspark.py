@@ -8,7 +8,10 @@ from typing import Callable
 
 import torch
 
-from deepinfer.decoding.verify_schedule import StepTimeCurve, cumulative_rates, verify_lengths_from_history
+from deepinfer.decoding.verify_schedule import (
+    StepTimeCurve, VerifyCost, cumulative_rates, verify_lengths_from_history,
+)
+from deepinfer.engine.graphs import graph_batch_sizes
 from deepinfer.hal.value_checks import skip_value_checks
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.interface import GenerativeModel
@@ -27,7 +30,7 @@ class DSpark:
     warm-up; otherwise every draft is verified."""
 
     def __init__(self, model: GenerativeModel, runner, num_draft_tokens: int, varlen: bool,
-                 confidence_temperature: float | tuple[float, ...], max_rows: int):
+                 confidence_temperature: float | tuple[float, ...], max_rows: int, verify_cost: str = "deepinfer"):
         if not model.max_draft_tokens:
             raise ValueError("decoding.num_draft_tokens > 0 needs a model with DSpark draft layers "
                              "(num_nextn_predict_layers > 0)")
@@ -43,6 +46,13 @@ class DSpark:
         self.k, self.varlen = num_draft_tokens, varlen
         self.max_model_len = model.max_model_len
         self.step_time = self.measure_step_time(max_rows) if varlen else None
+        if varlen and verify_cost == "deepinfer":
+            self.step_time = VerifyCost.fit(self.step_time, graph_batch_sizes(max_rows))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A verify step of ``rows`` rows took ``seconds`` (DeepInfer's cost model learns from it)."""
+        if isinstance(self.step_time, VerifyCost):
+            self.step_time.observe(rows, seconds)
 
     def assign_verify_drafts(self, requests) -> None:
         """Set each decoding request's ``verify_drafts`` (a prefix of its drafts; placeholders

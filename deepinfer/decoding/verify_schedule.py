@@ -8,7 +8,9 @@ round's (:func:`verify_lengths_from_history`)."""
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 
 def cumulative_rates(confidences: list[float]) -> list[float]:
@@ -37,6 +39,47 @@ class StepTimeCurve:
             return self.seconds[0]
         t0, t1, s0, s1 = self.tokens[lo], self.tokens[hi], self.seconds[lo], self.seconds[hi]
         return max(s0 + (s1 - s0) * (total - t0) / (t1 - t0), 1e-9)
+
+
+@dataclass
+class VerifyCost:
+    """DeepInfer's cost of a verify step of ``total`` rows: ``baseline + slope * bucket(total)``,
+    where ``bucket`` is the padded size (a CUDA graph's) a step of that many rows runs as, and
+    ``slope`` the median of the live estimates ``(seconds - baseline) / bucket`` of the last
+    ``window`` observed steps (:meth:`observe`), seeded by a least-squares line through the
+    warm-up measurement (:meth:`fit`). DeepInfer adds a sampler term; here the sampling is inside
+    every measured and observed step, so the line holds it."""
+
+    buckets: list[int]
+    baseline: float
+    slope: float
+    window: int = 64
+    estimates: deque = field(default_factory=deque)
+
+    def bucket(self, total: int) -> int:
+        i = bisect.bisect_left(self.buckets, total)
+        return self.buckets[i] if i < len(self.buckets) else total
+
+    def __call__(self, total: int) -> float:
+        return max(self.baseline + self.slope * self.bucket(total), 1e-9)
+
+    def observe(self, total: int, seconds: float) -> None:
+        """A step of ``total`` rows took ``seconds``: one more estimate of the slope."""
+        self.estimates.append((seconds - self.baseline) / self.bucket(total))
+        while len(self.estimates) > self.window:
+            self.estimates.popleft()
+        self.slope = max(statistics.median(self.estimates), 0.0)
+
+    @classmethod
+    def fit(cls, curve: StepTimeCurve, buckets: list[int]) -> "VerifyCost":
+        """The least-squares line through ``curve``'s points, as buckets' costs."""
+        xs, ys = curve.tokens, curve.seconds
+        if len(xs) < 2:
+            return cls(list(buckets), ys[0] if ys else 0.0, 0.0)
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread, 0.0)
+        return cls(list(buckets), mean_y - slope * mean_x, slope)
 
 
 def choose_verify_lengths(rates: list[list[float]], step_time: StepTimeCurve) -> list[int]:

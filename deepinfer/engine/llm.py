@@ -95,7 +95,8 @@ class LLM:
         if decoding.num_draft_tokens:
             self.dspark = DSpark(self.model, self.runner, decoding.num_draft_tokens, decoding.varlen,
                                  decoding.confidence_temperature_per_step,
-                                 max_rows=engine.max_num_seqs * (decoding.num_draft_tokens + 1))
+                                 max_rows=engine.max_num_seqs * (decoding.num_draft_tokens + 1),
+                                 verify_cost=decoding.verify_cost)
         if graphs:
             bar = tqdm(total=self.runner.num_graphs, desc="capture CUDA graphs", disable=not engine.use_tqdm,
                        dynamic_ncols=True)
@@ -177,12 +178,15 @@ class LLM:
             return stats
         if self.dspark:
             self.dspark.assign_verify_drafts(self.scheduler.running)
+        started = time.perf_counter()
         self._inflight = self._launch(self.scheduler.schedule(), stats)
         if previous is not None:
             self._collect(previous, stats)
         if not self._can_overlap(self._inflight):
             current, self._inflight = self._inflight, None
             self._collect(current, stats)
+            if previous is None and self.dspark and current.batch.decode and any(c.drafts for c in current.batch.chunks):
+                self.dspark.observe(current.batch.num_tokens, time.perf_counter() - started)
         return stats
 
     def _launch(self, batch: Batch, stats: "StepStats") -> "LaunchedStep":

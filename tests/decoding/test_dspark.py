@@ -6,7 +6,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.decoding.dspark import DSpark
 from deepinfer.decoding.verify_schedule import (
-    StepTimeCurve, choose_verify_lengths, cumulative_rates, verify_lengths_from_history,
+    StepTimeCurve, VerifyCost, choose_verify_lengths, cumulative_rates, verify_lengths_from_history,
 )
 from tests.decoding.forced_drafts import force_rejections
 
@@ -203,3 +203,15 @@ def test_per_draft_counters_by_hand():
     request.verify_log = [(5, 2), (3, 3)]
     metrics = request_output(request).metrics
     assert metrics["verified_by_draft"] == [2, 2, 2, 1, 1] and metrics["accepted_by_draft"] == [2, 2, 1, 0, 0]
+
+
+def test_deepinfers_verify_cost_by_hand():
+    """Warm-up points (1, 1.5), (2, 2.0), (4, 3.0), (8, 5.0) lie on 1 + 0.5 x: 3 rows run as the
+    4-row bucket, 3.0 s. Live steps of 4 rows taking 5, 3 and 9 s give slopes 1.0, 0.5 and 2.0:
+    their median 1.0 prices 3 rows at 1 + 4 = 5 s."""
+    cost = VerifyCost.fit(StepTimeCurve([1, 2, 4, 8], [1.5, 2.0, 3.0, 5.0]), [1, 2, 4, 8, 16])
+    assert cost.baseline == pytest.approx(1.0) and cost.slope == pytest.approx(0.5)
+    assert cost(3) == pytest.approx(3.0) and cost(20) == pytest.approx(11.0)
+    for seconds in (5.0, 3.0, 9.0):
+        cost.observe(4, seconds)
+    assert cost.slope == pytest.approx(1.0) and cost(3) == pytest.approx(5.0)
