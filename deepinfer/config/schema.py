@@ -249,7 +249,8 @@ class EngineConfig:
     """``default`` (decodes and prefill chunks mixed in every step; preempt the latest admitted) or
     ``deepinfer`` (DeepInfer's: all-prefill or all-decode steps, a prefill attempt every 70 decode
     steps while the cache is at most 0.9 full, whole-prompt FIFO admission with one chunked
-    prompt at a time, preempt the longest output and stop a structured request):
+    prompt at a time, preempt the longest output and stop a structured request; DSpark drafts
+    only after decode steps, so the first decode after a prefill verifies none):
     :mod:`~deepinfer.engine.scheduler_deepinfer`."""
     seed_scope: str = "request"
     """Who shares a seed drawn for ``SamplingParams`` without one: ``request`` (each request

@@ -75,6 +75,7 @@ class LLM:
         num_blocks = plan_kv_blocks(self.model, self.ops, self.runtime, engine, decoding.num_draft_tokens, graphs,
                                     weight_bytes)
         kv = KVManager(num_blocks, engine.max_num_seqs + 1, self.model.page_tokens)
+        self._draft_after_decode_only = engine.scheduler == "deepinfer"  # its first decode verifies padding
         if engine.scheduler == "deepinfer":
             need = engine.max_num_seqs * (1 + decoding.num_draft_tokens)
             if engine.max_num_batched_tokens < need:
@@ -195,7 +196,8 @@ class LLM:
         each sampling chunk's next token becomes a placeholder until the step is collected."""
         stats.count_launch(batch)
         sampling = [c for c in batch.chunks if c.samples]
-        drafting = [c for c in sampling if self.dspark is not None and self.dspark.drafts_after(c)]
+        drafting = [c for c in sampling if self.dspark is not None and self.dspark.drafts_after(c)
+                    and not (self._draft_after_decode_only and c.start < len(c.request.prompt_token_ids))]
         for chunk in batch.chunks:
             chunk.request.num_computed += len(chunk.token_ids) - len(chunk.drafts)
         for chunk in sampling:

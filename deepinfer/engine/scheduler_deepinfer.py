@@ -4,6 +4,8 @@ prefill or all decode; while requests decode, a prefill is tried only every
 full (a chunked prompt already admitted goes on at once, so that its blocks do not wait); admission is whole-prompt FIFO with blocks reserved for the whole prompt, and at most one
 prompt per step is chunked (the one that does not fit what is left of the step); preemption
 evicts the request with the longest output, and stops a structured one instead of requeueing it.
+The engine drafts only after decode steps under this scheduler, so the first decode after a
+prefill verifies no drafts (DeepInfer's padding drafts).
 
 The default scheduler (:class:`~deepinfer.engine.scheduler.Scheduler`) mixes decodes and
 prefill chunks in every step and preempts the most recently admitted request."""

@@ -113,3 +113,24 @@ def test_the_preset_generates_what_the_default_scheduler_does(decoding):
     deepinfer = LLM("tiny_random", "reference", QUIET + decoding + ["engine=deepinfer", "engine.max_num_seqs=4"])
     outputs = deepinfer.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in default]
+
+
+def test_the_first_decode_after_prefill_verifies_no_drafts(monkeypatch):
+    """DeepInfer drafts only after decode steps: no draft pass follows a prefill chunk."""
+    from deepinfer.decoding.dspark import DSpark
+
+    after_prefill, original = [], DSpark.launch
+
+    def spy(self, chunks):
+        after_prefill.extend(c.start < len(c.request.prompt_token_ids) for c in chunks)
+        return original(self, chunks)
+
+    monkeypatch.setattr(DSpark, "launch", spy)
+    prompt = [[17, 99, 230, 5]]
+    ours = LLM("tiny_random", "reference", QUIET + ["decoding=dspark"]).generate(prompt, GREEDY)[0]
+    assert after_prefill[0] and not any(after_prefill[1:])
+    after_prefill.clear()
+    deepinfer = LLM("tiny_random", "reference", QUIET + ["decoding=dspark", "engine=deepinfer"]).generate(prompt,
+                                                                                                       GREEDY)[0]
+    assert after_prefill and not any(after_prefill)
+    assert deepinfer.token_ids == ours.token_ids and deepinfer.verify_log
