@@ -29,6 +29,8 @@ class Request:
     at the end of ``token_ids``). ``unconfirmed``: drafts a launched step verifies, which count
     as computed once it is collected (up to that many more tokens than ``num_computed``);
     ``pending_drafts``: drafts a launched step proposes, on the device until it is collected;
+    ``replay_length``: the tokens bounded replay counts as the prompt (None: the prompt; DeepInfer's
+    scheduler sets prompt plus outputs when it preempts the request);
     ``rate_history``: the cumulative confidence rates of the last draft rounds received, newest
     last (varlen verification chooses from the earlier ones)."""
 
@@ -56,6 +58,7 @@ class Request:
     num_accepted: int = 0
     num_verify_steps: int = 0
     num_clipped_drafts: int = 0
+    replay_length: int | None = None
     calibration_errors: list[float] = field(default_factory=list)
     verify_log: list[tuple[int, int]] = field(default_factory=list)
     grammar: object | None = None

@@ -177,7 +177,7 @@ class ModelRunner:
         return arrays
 
     def _replay_starts(self, requests) -> list[int]:
-        return [max(0, len(r.prompt_token_ids) - self.replay.keep_tokens) for r in requests]
+        return [max(0, (r.replay_length or len(r.prompt_token_ids)) - self.replay.keep_tokens) for r in requests]
 
     def _context(self, batch: Batch) -> ForwardContext:
         chunks = batch.chunks

@@ -5,7 +5,8 @@ full (a chunked prompt already admitted goes on at once, so that its blocks do n
 prompt per step is chunked (the one that does not fit what is left of the step); preemption
 evicts the request with the longest output, and stops a structured one instead of requeueing it.
 The engine drafts only after decode steps under this scheduler, so the first decode after a
-prefill verifies no drafts (DeepInfer's padding drafts).
+prefill verifies no drafts (DeepInfer's padding drafts), and bounded replay of a recomputed
+request counts its prompt and the outputs it had (ours replays the original prompt's window).
 
 The default scheduler (:class:`~deepinfer.engine.scheduler.Scheduler`) mixes decodes and
 prefill chunks in every step and preempts the most recently admitted request."""
@@ -99,6 +100,11 @@ class DeepInferScheduler(Scheduler):
             if victim is request:
                 return False
         return True
+
+    def _preempt(self, request: Request) -> None:
+        """Requeue ``request`` to recompute; bounded replay then counts its prompt and outputs."""
+        request.replay_length = len(request.prompt_token_ids) + len(request.output_token_ids)
+        super()._preempt(request)
 
     def _evict(self, victim: Request) -> None:
         if victim.grammar is not None and self.stop is not None:

@@ -96,6 +96,7 @@ def test_preemption_evicts_the_longest_output_and_stops_a_structured_one(structu
         assert stopped == [(1, "error")] and b.finished and "preempted" in b.error
     else:
         assert not stopped and b.status is Status.WAITING and b.num_computed == 0 and b in scheduler.waiting
+        assert b.replay_length == 70 + 30, "bounded replay of the recompute counts prompt and outputs"
 
 
 def test_the_decode_budget_must_hold_every_request_with_its_drafts():
