@@ -86,3 +86,45 @@ def test_add_step_abort_keep_the_books(tight, ops):
         assert request.finished
         if request.finish_reason != "abort":
             assert request.finish_reason == "length" and len(request.output_token_ids) == request.params.max_tokens
+
+
+SCHEMAS = st.one_of(
+    st.none(), st.text(max_size=8),
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "object", "array", "nosuch", 3])}),
+    st.fixed_dictionaries({"type": st.just("object"),
+                           "properties": st.dictionaries(st.text("abc", min_size=1, max_size=3),
+                                                         st.fixed_dictionaries({"type": st.sampled_from(
+                                                             ["integer", "string", "boolean"])}), max_size=2)}),
+)
+SPECS = st.one_of(
+    st.fixed_dictionaries({"type": st.just("json"), "schema": SCHEMAS}),
+    st.fixed_dictionaries({"type": st.just("regex"), "schema": st.sampled_from(["[a-z]{1,4}", "(", "a|b", "[", "x*"])}),
+    st.fixed_dictionaries({"type": st.just("ebnf"), "schema": st.sampled_from(['root ::= "a"', "root ::=", "nonsense",
+                                                                               'root ::= [0-9]+'])}),
+    st.dictionaries(st.sampled_from(["type", "schema", "extra"]), ANY, max_size=3),
+)
+
+
+@pytest.fixture(scope="module")
+def structured_llm():
+    pytest.importorskip("xgrammar")
+    return LLM("tiny_random", "reference", ["engine.use_tqdm=false", "engine.max_num_seqs=4"])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(SPECS, min_size=1, max_size=3))
+def test_structured_specs_run_or_fail_alone(structured_llm, specs):
+    """Any spec either is refused by SamplingParams with a ValueError, or runs: a grammar that does
+    not compile ends its request "error" with a message, and the plain request beside it is unharmed."""
+    params = []
+    for spec in specs:
+        try:
+            params.append(SamplingParams(temperature=0, max_tokens=4, structured=spec))
+        except ValueError:
+            continue
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = structured_llm.generate([[5, 6, 7]] * (len(params) + 1), params + [plain])
+    for out in outputs[:-1]:
+        assert out.finish_reason in ("stop", "length", "error")
+        assert out.finish_reason != "error" or out.error
+    assert outputs[-1].finish_reason == "length" and len(outputs[-1].token_ids) == 4
