@@ -399,8 +399,8 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
         rope = (positions.contiguous(), cos_sin.float().contiguous(), list(heads))
     flat = x.reshape(rows, x.shape[-1])
     products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(), [w.contiguous() for w in weights],
-                             tiles, rope=rope, gated=swiglu is not None, limit=swiglu[0] if swiglu is not None else None,
-                             out_dtype=out_dtype)
+                             tiles, rope=rope, gated=swiglu is not None,
+                             limit=swiglu[0] if swiglu is not None else None, out_dtype=out_dtype)
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 

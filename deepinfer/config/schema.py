@@ -287,7 +287,8 @@ class EngineConfig:
         _require(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization,
                  "must lie in (0, 1]")
         _require(self.scheduler in SCHEDULERS, "engine.scheduler", self.scheduler, f"use one of {list(SCHEDULERS)}")
-        _require(self.seed_scope in SEED_SCOPES, "engine.seed_scope", self.seed_scope, f"use one of {list(SEED_SCOPES)}")
+        _require(self.seed_scope in SEED_SCOPES, "engine.seed_scope", self.seed_scope,
+                 f"use one of {list(SEED_SCOPES)}")
 
 
 @dataclass

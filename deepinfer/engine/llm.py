@@ -186,7 +186,8 @@ class LLM:
         if not self._can_overlap(self._inflight):
             current, self._inflight = self._inflight, None
             self._collect(current, stats)
-            if previous is None and self.dspark and current.batch.decode and any(c.drafts for c in current.batch.chunks):
+            verified = self.dspark is not None and any(c.drafts for c in current.batch.chunks)
+            if previous is None and verified and current.batch.decode:
                 self.dspark.observe(current.batch.num_tokens, time.perf_counter() - started)
         return stats
 
@@ -355,7 +356,8 @@ class LLM:
         for name in ("banned_token_ids", "golden_token_ids"):
             out_of_vocab = [t for t in getattr(params, name) or () if t >= vocab]
             if out_of_vocab:
-                raise ValueError(f"request {index}: {name} holds {out_of_vocab[0]}, outside the vocabulary [0, {vocab})")
+                raise ValueError(f"request {index}: {name} holds {out_of_vocab[0]}, outside the vocabulary "
+                                 f"[0, {vocab})")
         seed = params.seed if params.seed is not None else self._unseeded(params)
         request = Request(self._next_id, text, ids, params, seed)
         request.detokenizer = IncrementalDecoder(self.tokenizer)

@@ -9,17 +9,18 @@ from typing import Any
 class RequestOutput:
     """One finished request: generated ``text`` and ``token_ids``, ``finish_reason`` ("stop" for
     EOS, a stop token, a stop string or a completed grammar; "length" for max_tokens or
-    max_model_len; "error" when the request could not run, or its structured output would break
-    its grammar or JSON schema, with ``error`` saying why; "abort" for :meth:`LLM.abort` and an
+    max_model_len; "error" when the request could not run, or its structured output would break its
+    grammar or JSON schema, with ``error`` saying why; "abort" for :meth:`LLM.abort` and an
     interrupted ``generate``, with the tokens emitted until then), optional per-token ``logprobs``
     ({token id: logprob}), DSpark counts (drafts verified, drafts accepted, and per verify step
     ``(verified, accepted)`` in ``verify_log``) and ``metrics``: preemptions, DSpark verify
     statistics (``clipped_drafts``: drafts not verified because the request had no room left for
     them within ``max_tokens`` or ``max_model_len``, which DeepInfer verifies and drops at the stop
-    check, so that its drafted count is ``num_drafted + clipped_drafts``; per draft position ``j``, ``verified_by_draft[j]`` and ``accepted_by_draft[j]``:
-    the verify steps that verified and accepted the ``j``-th draft), under a grammar ``structured_backend`` (the library that enforced it, None if it
-    never compiled), and under a JSON schema ``structured_validation_only``: the schema's
-    keywords the grammar does not enforce, checked only by validating the finished output
+    check, so that its drafted count is ``num_drafted + clipped_drafts``; per draft position ``j``,
+    ``verified_by_draft[j]`` and ``accepted_by_draft[j]``: the verify steps that verified and
+    accepted the ``j``-th draft), under a grammar ``structured_backend`` (the library that enforced
+    it, None if it never compiled), and under a JSON schema ``structured_validation_only``: the
+    schema's keywords the grammar does not enforce, checked only by validating the finished output
     (``"keyword at #/path"``)."""
 
     request_id: int

@@ -1,15 +1,16 @@
 """DeepInfer's scheduling (``engine.scheduler=deepinfer``), to reproduce its runs: each step is all
-prefill or all decode; while requests decode, a prefill is tried only every
-``prefill_interval`` decode steps and only while the cache is at most ``prefill_max_usage``
-full (a chunked prompt already admitted goes on at once, so that its blocks do not wait); admission is whole-prompt FIFO with blocks reserved for the whole prompt, and at most one
-prompt per step is chunked (the one that does not fit what is left of the step); preemption
-evicts the request with the longest output, and stops a structured one instead of requeueing it.
-The engine drafts only after decode steps under this scheduler, so the first decode after a
-prefill verifies no drafts (DeepInfer's padding drafts), and bounded replay of a recomputed
-request counts its prompt and the outputs it had (ours replays the original prompt's window).
+prefill or all decode; while requests decode, a prefill is tried only every ``prefill_interval``
+decode steps and only while the cache is at most ``prefill_max_usage`` full (a chunked prompt
+already admitted goes on at once, so that its blocks do not wait); admission is whole-prompt FIFO
+with blocks reserved for the whole prompt, and at most one prompt per step is chunked (the one that
+does not fit what is left of the step); preemption evicts the request with the longest output, and
+stops a structured one instead of requeueing it. The engine drafts only after decode steps under
+this scheduler, so the first decode after a prefill verifies no drafts (DeepInfer's padding drafts),
+and bounded replay of a recomputed request counts its prompt and the outputs it had (ours replays
+the original prompt's window).
 
-The default scheduler (:class:`~deepinfer.engine.scheduler.Scheduler`) mixes decodes and
-prefill chunks in every step and preempts the most recently admitted request."""
+The default scheduler (:class:`~deepinfer.engine.scheduler.Scheduler`) mixes decodes and prefill
+chunks in every step and preempts the most recently admitted request."""
 from __future__ import annotations
 
 from typing import Callable

@@ -94,8 +94,8 @@ class Attention(nn.Module):
         bounded = kv_source is not None and ctx.replay_start is not None
         visible = ctx.derived(("replay_visible",), lambda: ctx.replay_start[ctx.seq_of_token]) if bounded else None
         indexing = self.indexer is not None and (ctx.decode or not self._windows_fit_topk(ctx))
-        projected = self._project_hidden(hidden, indexing, compressing=self.compressor is not None and kv_source is None,
-                                         norm=norm)
+        compressing = self.compressor is not None and kv_source is None
+        projected = self._project_hidden(hidden, indexing, compressing=compressing, norm=norm)
         q_weights, q_heads = ([self.wq_b, self.indexer.wq_b], [ATTENTION_DIM, INDEX_HEAD_DIM]) if indexing else \
             ([self.wq_b], [ATTENTION_DIM])
         q_b = stacked(ops, projected["q_a"], q_weights, rope=(pos, cos_sin, q_heads), norm=self.q_norm)

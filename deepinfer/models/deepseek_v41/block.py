@@ -38,8 +38,9 @@ class Block(nn.Module):
                 yoco.shared_hidden, yoco.shared_ctx = self.attn_norm(x), ctx
                 return self.attn(yoco.shared_hidden, ctx, cache, cos_sin, kv_source=yoco.shared_hidden,
                                  kv_ctx=yoco.shared_ctx, shared=yoco.cross_layer)
+            # attn_norm runs in the projections' stacked_linear
             return self.attn(x, ctx, cache, cos_sin, kv_source=yoco.shared_hidden, kv_ctx=yoco.shared_ctx,
-                             norm=self.attn_norm, shared=yoco.cross_layer)  # attn_norm in the projections' stacked_linear
+                             norm=self.attn_norm, shared=yoco.cross_layer)
 
         return self.run(residual, pre, attention, lambda h: self.ffn(h, norm=self.ffn_norm), x)
 

@@ -201,7 +201,8 @@ class DeepseekV41Config:
             extra = sorted(set(self.rope_scaling) - ROPE_SCALING_KEYS)
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type", "yarn"))
             need(not extra and kind == "yarn",
-                 f"rope_scaling is YaRN with keys {sorted(ROPE_SCALING_KEYS)}; got type {kind!r} and unknown keys {extra}")
+                 f"rope_scaling is YaRN with keys {sorted(ROPE_SCALING_KEYS)}; got type {kind!r} and unknown keys "
+                 f"{extra}")
         need(not self.engram_layer_ids, "Engram memory is not supported yet; use a config with engram_layer_ids = []")
         self._check_sources(need)
         self._check_candidates(need)

@@ -42,6 +42,7 @@ CONSUMERS = 256  # two consumer warpgroups; the producer warpgroup follows them
 REGISTERS = (232, 40)  # per thread: consumers, producer; 256 * 232 + 128 * 40 is the 168 x 384 of launch
 SHARED_BYTES = 227 * 1024
 MXFP4_SCALE_SHIFT = 6  # the decoded e4m3 bytes hold the e2m1 value times 2^-6
+MODULE = "experimental.grouped_gemm_fp8_wgmma"  # this module, as launch.compiled names kernel modules
 
 PRELUDE = r"""
 // 16 bytes of packed e2m1 (32 values, even index in the low nibble) -> 32 e4m3 bytes, each the
@@ -275,7 +276,7 @@ def run(x, x_scale, w, w_scale, group_sizes, w_format: str, **tiles) -> torch.Te
     schedule = tile_schedule(group_sizes, x.shape[0], tiles.get("block_m", 128))
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        compiled("experimental.grouped_gemm_fp8_wgmma", "grouped_gemm_fp8_wgmma", w.shape[0], w.shape[1], x.shape[1], w_format,
+        compiled(MODULE, "grouped_gemm_fp8_wgmma", w.shape[0], w.shape[1], x.shape[1], w_format,
                  **tiles)(x, x_scale, w, w_scale, *schedule, y)
     return y
 
@@ -388,7 +389,7 @@ def _shape_child(index: int, configs: list[int]) -> None:
                   f"the kernel's against the tensor cores' own products of 32", flush=True)
             y = torch.empty(rows, n, dtype=torch.float32, device="cuda")
             schedule = gemm.shared_schedule(sizes, rows, SWEEP[i]["block_m"], x.device, None)
-            kernel = compiled("experimental.grouped_gemm_fp8_wgmma", "grouped_gemm_fp8_wgmma", experts, n, k, w_format, **SWEEP[i])
+            kernel = compiled(MODULE, "grouped_gemm_fp8_wgmma", experts, n, k, w_format, **SWEEP[i])
             result(json.dumps(SWEEP[i]), _time_us(lambda: kernel(x, x_scale, w, w_scale, *schedule, y)), check)
         except Exception as error:  # one config failing must not stop the others
             print(f"ERROR {name} {SWEEP[i]}: {type(error).__name__}: {str(error)[:400]}", flush=True)
@@ -414,7 +415,7 @@ def _compile_all(jobs: int = 16) -> None:
     from deepinfer_backends.sm100 import gemm
 
     kernels = {json.dumps(job): job for job in [
-        *[("experimental.grouped_gemm_fp8_wgmma", "grouped_gemm_fp8_wgmma", (e, n, k, fmt), tiles)
+        *[(MODULE, "grouped_gemm_fp8_wgmma", (e, n, k, fmt), tiles)
           for _, e, _, n, k, fmt in SHAPES for tiles in SWEEP],
         *[(*gemm.quant_kernel(rows, e, n, k, "sm_90a", w_format=fmt)[:2], (e, n, k, fmt),
            gemm.quant_kernel(rows, e, n, k, "sm_90a", w_format=fmt)[2]) for _, e, rows, n, k, fmt in SHAPES]]}
