@@ -55,7 +55,7 @@ def test_experiment_is_a_delta():
     assert app.engine == compose().engine
 
 
-@pytest.mark.parametrize("group", ["model", "backend", "decoding", "experiment"])
+@pytest.mark.parametrize("group", ["model", "backend", "parallel", "decoding", "engine", "experiment"])
 def test_unknown_option_lists_the_available_ones(group):
     with pytest.raises(ValueError) as error:
         compose([f"{group}=nosuch"])
