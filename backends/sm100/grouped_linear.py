@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.formats import Quantized
-from deepinfer.hal.ops.grouped_linear import check_grouped_linear, group_major
+from deepinfer.hal.ops.grouped_linear import check_grouped_linear, group_major, rope_heads_of
 from deepinfer_backends.sm100.gemm import grouped_gemm
 from deepinfer_backends.sm100.launch import cuda_bf16
 from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
@@ -25,7 +25,7 @@ def grouped_linear(x, weight, positions=None, cos_sin=None, rope_head: int = 0, 
     tokens, groups = check_grouped_linear(x, weight, positions, cos_sin, rope_head)
     plain = not isinstance(x, Quantized) and not isinstance(weight, Quantized)
     if rope_head:
-        x = apply_rope(x.reshape(tokens, -1, rope_head), positions, cos_sin, conjugate=conjugate).view(x.shape)
+        x = rope_heads_of(x, positions, cos_sin, rope_head, conjugate, rope=apply_rope)
     if plain and not batch_invariant and options.linear_kernel != "tilelang":
         cuda_bf16("grouped_linear", "x", x)
         cuda_bf16("grouped_linear", "weight", weight)

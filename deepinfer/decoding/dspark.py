@@ -11,7 +11,6 @@ import torch
 from deepinfer.decoding.verify_schedule import (
     StepTimeCurve, VerifyCost, cumulative_rates, verify_lengths_from_history,
 )
-from deepinfer.engine.graphs import graph_batch_sizes
 from deepinfer.hal.value_checks import skip_value_checks
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.interface import GenerativeModel
@@ -27,10 +26,12 @@ class DSpark:
     engine's runner. With ``varlen`` the verify length per request comes from the cumulative
     confidences of earlier rounds (never of the drafts being judged, which would bias the
     output: :mod:`~deepinfer.decoding.verify_schedule`) and a step-time curve measured at
-    warm-up; otherwise every draft is verified."""
+    warm-up (with ``verify_cost="deepinfer"`` a line over ``buckets``, the padded row counts steps
+    run as, learning from live steps); otherwise every draft is verified."""
 
     def __init__(self, model: GenerativeModel, runner, num_draft_tokens: int, varlen: bool,
-                 confidence_temperature: float | tuple[float, ...], max_rows: int, verify_cost: str = "deepinfer"):
+                 confidence_temperature: float | tuple[float, ...], max_rows: int, verify_cost: str = "deepinfer",
+                 buckets: list[int] | None = None):
         if not model.max_draft_tokens:
             raise ValueError("decoding.num_draft_tokens > 0 needs a model with DSpark draft layers "
                              "(num_nextn_predict_layers > 0)")
@@ -47,7 +48,7 @@ class DSpark:
         self.max_model_len = model.max_model_len
         self.step_time = self.measure_step_time(max_rows) if varlen else None
         if varlen and verify_cost == "deepinfer":
-            self.step_time = VerifyCost.fit(self.step_time, graph_batch_sizes(max_rows))
+            self.step_time = VerifyCost.fit(self.step_time, buckets or self.step_time.tokens)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A verify step of ``rows`` rows took ``seconds`` (DeepInfer's cost model learns from it)."""

@@ -54,7 +54,10 @@ class VerifyCost:
     baseline: float
     slope: float
     window: int = 64
-    estimates: deque = field(default_factory=deque)
+    estimates: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.estimates = deque(maxlen=self.window)
 
     def bucket(self, total: int) -> int:
         i = bisect.bisect_left(self.buckets, total)
@@ -66,8 +69,6 @@ class VerifyCost:
     def observe(self, total: int, seconds: float) -> None:
         """A step of ``total`` rows took ``seconds``: one more estimate of the slope."""
         self.estimates.append((seconds - self.baseline) / self.bucket(total))
-        while len(self.estimates) > self.window:
-            self.estimates.popleft()
         self.slope = max(statistics.median(self.estimates), 0.0)
 
     @classmethod
@@ -90,7 +91,7 @@ def choose_verify_lengths(rates: list[list[float]], step_time: StepTimeCurve) ->
     after each, expected tokens ``E`` grow by the rate and the step costs ``step_time(total)``.
     The best ``total`` wins and each request verifies its pairs among the chosen ones, which is a
     prefix of its drafts because cumulative rates never increase with the step."""
-    pairs = sorted(((-rate, r, i) for r, request_rates in enumerate(rates) for i, rate in enumerate(request_rates)))
+    pairs = _ranked_pairs(rates)
     total = expected = len(rates)
     best_rate, best_count = expected / step_time(total), 0
     for count, (negative_rate, _, _) in enumerate(pairs, start=1):
@@ -99,10 +100,7 @@ def choose_verify_lengths(rates: list[list[float]], step_time: StepTimeCurve) ->
         throughput = expected / step_time(total)
         if throughput > best_rate:
             best_rate, best_count = throughput, count
-    lengths = [0] * len(rates)
-    for _, r, _ in pairs[:best_count]:
-        lengths[r] += 1
-    return lengths
+    return _lengths(pairs[:best_count], len(rates))
 
 
 def verify_lengths_from_history(split_rates: list[list[float]], total_rates: list[list[float]],
@@ -112,8 +110,17 @@ def verify_lengths_from_history(split_rates: list[list[float]], total_rates: lis
     two rounds back), shared out in descending ``split_rates`` (the last round's; ties: lower
     request, then step), a prefix of each request's drafts."""
     total = sum(choose_verify_lengths(total_rates, step_time))
-    pairs = sorted((-rate, r, i) for r, request_rates in enumerate(split_rates) for i, rate in enumerate(request_rates))
-    lengths = [0] * len(split_rates)
-    for _, r, _ in pairs[:total]:
+    return _lengths(_ranked_pairs(split_rates)[:total], len(split_rates))
+
+
+def _ranked_pairs(rates: list[list[float]]) -> list[tuple[float, int, int]]:
+    """``(-rate, request, step)`` of every draft, best rate first (ties: lower request, then step)."""
+    return sorted((-rate, r, i) for r, request_rates in enumerate(rates) for i, rate in enumerate(request_rates))
+
+
+def _lengths(pairs, requests: int) -> list[int]:
+    """Drafts per request among the chosen ``pairs``."""
+    lengths = [0] * requests
+    for _, r, _ in pairs:
         lengths[r] += 1
     return lengths

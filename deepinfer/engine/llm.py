@@ -18,6 +18,7 @@ from deepinfer.decoding.sampler import PendingEmissions, emit
 from deepinfer.decoding.grammar_service import GrammarService
 from deepinfer.decoding.step_masks import step_masks
 from deepinfer.engine.device import make_runtime
+from deepinfer.engine.graphs import graph_batch_sizes
 from deepinfer.engine.kv_manager import KVManager
 from deepinfer.engine.kv_sizing import plan_kv_blocks
 from deepinfer.engine.output_processor import OutputProcessor, request_output
@@ -94,10 +95,11 @@ class LLM:
                                   filter_order=decoding.filter_order)
         self.dspark = None
         if decoding.num_draft_tokens:
+            max_rows = engine.max_num_seqs * (decoding.num_draft_tokens + 1)
             self.dspark = DSpark(self.model, self.runner, decoding.num_draft_tokens, decoding.varlen,
                                  decoding.confidence_temperature_per_step,
-                                 max_rows=engine.max_num_seqs * (decoding.num_draft_tokens + 1),
-                                 verify_cost=decoding.verify_cost)
+                                 max_rows=max_rows, verify_cost=decoding.verify_cost,
+                                 buckets=graph_batch_sizes(max_rows))
         if graphs:
             bar = tqdm(total=self.runner.num_graphs, desc="capture CUDA graphs", disable=not engine.use_tqdm,
                        dynamic_ncols=True)

@@ -110,11 +110,15 @@ class Scheduler:
 
     def _reserve_or_preempt(self, request: Request, num_tokens: int) -> bool:
         while not self.kv.reserve(request, num_tokens):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is request:
                 return False
         return True
+
+    def _victim(self) -> Request:
+        """The running request to preempt when blocks run out: the most recently admitted."""
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         self.restart(request)

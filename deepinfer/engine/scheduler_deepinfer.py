@@ -93,25 +93,19 @@ class DeepInferScheduler(Scheduler):
             budget -= 1 + len(drafts)
         return Batch(chunks)
 
-    def _reserve_or_preempt(self, request: Request, num_tokens: int) -> bool:
-        while not self.kv.reserve(request, num_tokens):
-            victim = max((r for r in self.running if r.status is Status.RUNNING),
-                         key=lambda r: (len(r.output_token_ids), -self.running.index(r)))
-            self._evict(victim)
-            if victim is request:
-                return False
-        return True
+    def _victim(self) -> Request:
+        """The running request with the longest output (the earliest admitted of a tie)."""
+        return max((r for r in self.running if r.status is Status.RUNNING),
+                   key=lambda r: (len(r.output_token_ids), -self.running.index(r)))
 
     def _preempt(self, request: Request) -> None:
-        """Requeue ``request`` to recompute; bounded replay then counts its prompt and outputs."""
+        """Stop a structured ``request`` (DeepInfer's stop_preempted_request); requeue any other
+        to recompute, bounded replay then counting its prompt and outputs."""
+        if request.grammar is not None and self.stop is not None:
+            request.error = ("preempted: under engine.scheduler=deepinfer a structured request is stopped when the "
+                             "cache runs out (DeepInfer's stop_preempted_request)")
+            self.num_preemptions += 1
+            self.stop(request, "error")
+            return
         request.replay_length = len(request.prompt_token_ids) + len(request.output_token_ids)
         super()._preempt(request)
-
-    def _evict(self, victim: Request) -> None:
-        if victim.grammar is not None and self.stop is not None:
-            victim.error = ("preempted: under engine.scheduler=deepinfer a structured request is stopped when the "
-                            "cache runs out (DeepInfer's stop_preempted_request)")
-            self.num_preemptions += 1
-            self.stop(victim, "error")
-            return
-        self._preempt(victim)

@@ -106,40 +106,62 @@ def test_step_time_curve_interpolates_and_extrapolates():
     assert curve(3) == pytest.approx(2.5) and curve(8) == pytest.approx(5.0) and curve(2) == 2.0
 
 
+CHI_PROMPT = [17, 99, 230, 5, 411, 64, 300, 12]
+WRONG = torch.tensor([0.15, 0.25, 0.6])
+"""A deliberately wrong draft distribution over the target's top 3 (by rank)."""
+
+
+def _top3_targets(n: int, overrides: list[str]):
+    """Seeded temperature-1, top-k 3 params for ``n`` requests of :data:`CHI_PROMPT`, and per seed
+    the exact processed distribution of the second token (its top-3 logprobs) without DSpark."""
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s, ignore_eos=True, logprobs=3)
+              for s in range(n)]
+    plain = LLM("tiny_random", "reference", overrides).generate([CHI_PROMPT] * n, params)
+    return params, plain, {s: sorted(out.logprobs[1].items(), key=lambda kv: -kv[1])[:3] for s, out in enumerate(plain)}
+
+
+def _wrong_pick(seed: int) -> int:
+    """The rank (under the target) a request's first draft takes, drawn from :data:`WRONG`."""
+    return int(torch.multinomial(WRONG, 1, generator=torch.Generator().manual_seed(seed)))
+
+
+def _assert_first_decoded_rank_follows_target(outputs, target) -> None:
+    """The first decoded token's rank under the target follows the summed target probabilities
+    (chi-square, 2 degrees of freedom, p < 0.001 threshold)."""
+    counts, expected = torch.zeros(3), torch.zeros(3)
+    for s, out in enumerate(outputs):
+        ranked = [token for token, _ in target[s]]
+        counts[ranked.index(out.token_ids[1])] += 1
+        expected += torch.tensor([lp for _, lp in target[s]]).exp()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 13.82, f"chi-square {chi2:.2f} (counts {counts.tolist()}, expected {expected.tolist()})"
+
+
 def test_first_verified_token_follows_the_target_distribution_with_wrong_drafts(monkeypatch):
     """Temperature 1, top-k 3: for every seed, a run without DSpark gives the exact processed
     distribution q of the second token (its top-3 logprobs). With DSpark, drafts are drawn from a
     deliberately wrong p over the same support; the verified token's rank under q must follow
     the summed q (chi-square, 2 degrees of freedom)."""
-    n, prompt = 800, [17, 99, 230, 5, 411, 64, 300, 12]
+    n = 800
     overrides = QUIET[:1] + ["engine.max_num_seqs=64", "decoding.num_draft_tokens=1"]
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s, ignore_eos=True, logprobs=3) for s in range(n)]
-    plain = LLM("tiny_random", "reference", overrides[:2]).generate([prompt] * n, params)
-    target = {s: sorted(out.logprobs[1].items(), key=lambda kv: -kv[1])[:3] for s, out in enumerate(plain)}
-    wrong = torch.tensor([0.15, 0.25, 0.6])
+    params, plain, target = _top3_targets(n, overrides[:2])
     original = DSpark.receive
 
     def wrong_drafts(self, requests, drafted):
         original(self, requests, drafted)
         for request in (r for r in requests if r.drafts):
             support = [token for token, _ in target[request.seed]]
-            pick = int(torch.multinomial(wrong, 1, generator=torch.Generator().manual_seed(request.seed)))
             logprobs = torch.full_like(request.draft_logprobs, float("-inf"))
-            logprobs[0, support] = wrong.log()
-            request.drafts, request.draft_logprobs = [support[pick]], logprobs
+            logprobs[0, support] = WRONG.log()
+            request.drafts, request.draft_logprobs = [support[_wrong_pick(request.seed)]], logprobs
 
     monkeypatch.setattr(DSpark, "receive", wrong_drafts)
-    drafted = LLM("tiny_random", "reference", overrides + ["decoding=dspark"]).generate([prompt] * n, params)
-    counts, expected = torch.zeros(3), torch.zeros(3)
+    drafted = LLM("tiny_random", "reference", overrides + ["decoding=dspark"]).generate([CHI_PROMPT] * n, params)
     for s, out in enumerate(drafted):
         assert out.token_ids[0] == plain[s].token_ids[0], "the prefill token does not involve drafts"
-        ranked = [token for token, _ in target[s]]
-        counts[ranked.index(out.token_ids[1])] += 1
-        expected += torch.tensor([lp for _, lp in target[s]]).exp()
     accepted = sum(o.num_accepted for o in drafted)
     assert 0.2 * n < accepted < 0.95 * n, f"{accepted} of {n} drafts accepted: both paths must be exercised"
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 13.82, f"chi-square {chi2:.2f} (counts {counts.tolist()}, expected {expected.tolist()})"
+    _assert_first_decoded_rank_follows_target(drafted, target)
 
 
 def test_verify_lengths_from_history_by_hand():
@@ -158,21 +180,17 @@ def test_varlen_verification_does_not_bias_sampling(monkeypatch):
     own rates would verify the first draft only when it is that token, and over-emit it. The
     first decoded token's rank under the target must follow the summed target probabilities
     (chi-square, 2 degrees of freedom)."""
-    n, prompt = 500, [17, 99, 230, 5, 411, 64, 300, 12]
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s, ignore_eos=True, logprobs=3)
-              for s in range(n)]
-    plain = LLM("tiny_random", "reference", QUIET[:1] + ["engine.max_num_seqs=64"]).generate([prompt] * n, params)
-    target = {s: sorted(out.logprobs[1].items(), key=lambda kv: -kv[1])[:3] for s, out in enumerate(plain)}
-    wrong = torch.tensor([0.15, 0.25, 0.6])
+    n = 500
+    params, _, target = _top3_targets(n, QUIET[:1] + ["engine.max_num_seqs=64"])
     original = DSpark.receive
 
     def rigged(self, requests, drafted):
         original(self, requests, drafted)
         for request in (r for r in requests if r.drafts):
             support = [token for token, _ in target[request.seed]]
-            pick = int(torch.multinomial(wrong, 1, generator=torch.Generator().manual_seed(request.seed)))
+            pick = _wrong_pick(request.seed)
             logprobs = torch.full_like(request.draft_logprobs, float("-inf"))
-            logprobs[:, support] = wrong.log()
+            logprobs[:, support] = WRONG.log()
             confidences = [0.5, 0.9 if pick == 2 else 0.1]
             request.drafts, request.draft_logprobs = [support[pick], support[0]], logprobs
             request.draft_confidences = confidences
@@ -182,15 +200,10 @@ def test_varlen_verification_does_not_bias_sampling(monkeypatch):
     monkeypatch.setattr(DSpark, "measure_step_time", lambda self, rows: StepTimeCurve([1, 2, 3], [1.0, 1.8, 1.8]))
     drafted = LLM("tiny_random", "reference", QUIET[:1] + [
         "engine.max_num_seqs=1", "decoding=dspark", "decoding.num_draft_tokens=2", "decoding.varlen=true",
-    ]).generate([prompt] * n, params)
-    counts, expected = torch.zeros(3), torch.zeros(3)
-    for s, out in enumerate(drafted):
-        ranked = [token for token, _ in target[s]]
-        counts[ranked.index(out.token_ids[1])] += 1
-        expected += torch.tensor([lp for _, lp in target[s]]).exp()
+        "decoding.verify_cost=measured",  # the rigged curve as it is
+    ]).generate([CHI_PROMPT] * n, params)
     assert sum(o.num_drafted for o in drafted) > 0, "drafts must have been verified"
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 13.82, f"chi-square {chi2:.2f} (counts {counts.tolist()}, expected {expected.tolist()})"
+    _assert_first_decoded_rank_follows_target(drafted, target)
 
 
 def test_per_draft_counters_by_hand():

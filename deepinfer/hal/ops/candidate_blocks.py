@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.hal.ops.indexer import _real_windows, check_windows
+from deepinfer.hal.ops.indexer import _real_windows, check_windows, window_logits
 from deepinfer.hal.spec import OpCase, OpSpec, register
 
 
@@ -25,10 +25,7 @@ def candidate_blocks(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.
     if not isinstance(block_size, int) or block_size < 1 or not isinstance(blocks, int) or blocks < 1:
         raise ValueError(f"block_size and blocks must be ints >= 1, got {block_size!r} and {blocks!r}")
     tokens, width = logits.shape
-    offsets = torch.arange(width, device=logits.device)
-    in_window = offsets < lengths[:, None]
-    columns = (starts[:, None] + offsets).clamp(max=max(width - 1, 0))
-    window = torch.where(in_window, logits.gather(1, columns), torch.full_like(logits, float("-inf")))
+    window, _ = window_logits(logits, starts, lengths)
     count = -(-width // block_size)
     padded = torch.nn.functional.pad(window, (0, count * block_size - width), value=float("-inf"))
     scores = padded.view(tokens, count, block_size).amax(dim=2)
@@ -37,7 +34,7 @@ def candidate_blocks(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.
     scores = torch.where((block_ids == last) & (lengths[:, None] > 0), float("inf"), scores)
     ranked = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :blocks]
     kept = torch.zeros(tokens, count, dtype=torch.bool, device=logits.device).scatter_(1, ranked, True)
-    offset = offsets - starts[:, None]  # each column's offset in its row's window
+    offset = torch.arange(width, device=logits.device) - starts[:, None]  # a column's offset in its window
     valid = (offset >= 0) & (offset < lengths[:, None])
     return valid & kept.gather(1, (offset.clamp(min=0) // block_size).clamp(max=max(count - 1, 0)))
 

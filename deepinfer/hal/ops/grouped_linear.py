@@ -37,10 +37,10 @@ def grouped_linear(x: Operand, weight: Operand, positions: torch.Tensor | None =
 
 
 def rope_heads_of(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head: int,
-                  conjugate: bool) -> torch.Tensor:
-    """``x [T, G, K]`` with ``apply_rope`` applied to each ``head``-wide head's trailing dims, in a
-    new tensor: the RoPE half of :func:`grouped_linear`."""
-    return apply_rope(x.reshape(x.shape[0], -1, head), positions, cos_sin, conjugate=conjugate).view(x.shape)
+                  conjugate: bool, rope=apply_rope) -> torch.Tensor:
+    """``x [T, G, K]`` with ``rope`` (``apply_rope``'s signature) applied to each ``head``-wide
+    head's trailing dims, in a new tensor: the RoPE half of :func:`grouped_linear`."""
+    return rope(x.reshape(x.shape[0], -1, head), positions, cos_sin, conjugate=conjugate).view(x.shape)
 
 
 def check_grouped_linear(x: Operand, weight: Operand, positions: torch.Tensor | None = None,

@@ -69,10 +69,7 @@ def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     ``row_table[t, o]`` instead (padding stays -1): the cache rows of the chosen keys."""
     check_windows(logits, starts, lengths, k, row_table)
     tokens, width = logits.shape
-    offsets = torch.arange(width, device=logits.device)
-    in_window = offsets < lengths[:, None]
-    columns = (starts[:, None] + offsets).clamp(max=max(width - 1, 0))
-    window = torch.where(in_window, logits.gather(1, columns), torch.full_like(logits, float("-inf")))
+    window, in_window = window_logits(logits, starts, lengths)
     ranked = torch.sort(window, dim=1, descending=True, stable=True).indices[:, :k]
     chosen = torch.where(in_window.gather(1, ranked), ranked, width)
     chosen = torch.sort(chosen, dim=1).values
@@ -83,6 +80,15 @@ def indexer_topk(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
         return chosen
     mapped = row_table.gather(1, chosen.clamp(min=0).long()) if row_table.shape[1] else chosen
     return torch.where(chosen >= 0, mapped, -1)
+
+
+def window_logits(logits: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor):
+    """``(window [T, S], in_window bool [T, S])``: row ``t``'s columns ``starts[t] ..`` moved to
+    offsets ``0 ..``, ``-inf`` past its ``lengths[t]``."""
+    offsets = torch.arange(logits.shape[1], device=logits.device)
+    in_window = offsets < lengths[:, None]
+    columns = (starts[:, None] + offsets).clamp(max=max(logits.shape[1] - 1, 0))
+    return torch.where(in_window, logits.gather(1, columns), torch.full_like(logits, float("-inf"))), in_window
 
 
 def check_windows(logits, starts, lengths, k, row_table=None) -> None:

@@ -77,7 +77,7 @@ class Attention(nn.Module):
     @property
     def shares(self) -> bool:
         """Whether this layer reads any cache or index of an earlier layer."""
-        return self.sources is not None and self.sources != (self.layer,) * 3
+        return self.sources is not None and self.sources.shares(self.layer)
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext, cache: LayerCache, cos_sin: torch.Tensor,
                 kv_source: torch.Tensor | None = None, kv_ctx: ForwardContext | None = None,

@@ -71,10 +71,10 @@ class ModelCaches:
                                                    config.head_dim, device=device)
             return cache
 
-        layers = []
+        layers, all_sources = [], config.layer_sources
         for i, ratio in enumerate(config.layer_ratios):
-            sources = config.layer_sources.get(i)
-            if sources is None or sources == (i, i, i):
+            sources = all_sources.get(i)
+            if sources is None or not sources.shares(i):
                 layers.append(layer(ratio))
                 continue
             # a layer that shares reads (and, for the parts it owns, writes) its sources' tensors

@@ -67,6 +67,10 @@ class LayerSources(NamedTuple):
     index_k: int
     topk: int
 
+    def shares(self, layer: int) -> bool:
+        """Whether ``layer`` (whose sources these are) reads anything of an earlier layer."""
+        return self != (layer, layer, layer)
+
 
 @dataclass
 class DeepseekV41Config:

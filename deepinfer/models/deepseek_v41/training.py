@@ -36,7 +36,7 @@ _STACKED_EXPERTS = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 
 def check_training_length(cfg: DeepseekV41Config, seq_len: int) -> None:
     """Raise ValueError unless a full-sequence pass of ``seq_len`` tokens equals inference."""
-    sharing = {layer: s for layer, s in cfg.layer_sources.items() if s != (layer,) * 3}
+    sharing = {layer: s for layer, s in cfg.layer_sources.items() if s.shares(layer)}
     if sharing:
         raise ValueError(f"training a model whose layers share compressed caches ({sharing}) is not supported yet; "
                          f"train with every compressed layer its own source")
