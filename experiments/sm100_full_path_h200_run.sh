@@ -7,7 +7,8 @@
 # experiments/grouped_gemm_kernels.py), then experiments/bench_engine.py for sm100 alone with no fallback (so an
 # op sm100 lacks fails the run). PARITY_OPS (a pytest -k expression) narrows the parity stage, PARITY_TIMEOUT
 # (seconds, default 240) bounds it. Logs and results go to $OUT.
-#   bash experiments/sm100_full_path_h200_run.sh [parity] [weights] [fp8] [linear] [gemm] [bench] [bench arguments...]
+# The wgmma stage runs the native-FP8 grouped GEMM's check and sweep (kernels/experimental/grouped_gemm_fp8_wgmma.py).
+#   bash experiments/sm100_full_path_h200_run.sh [parity] [weights] [fp8] [wgmma] [linear] [gemm] [bench] [bench arguments...]
 set -u
 export TILELANG_CACHE_DIR=/tmp/tlcache
 out=${OUT:-/tmp/out}
@@ -16,7 +17,7 @@ start=$(date +%s)
 TILELANG=1 source experiments/device_setup.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/card.txt"
 stages=""
-while [[ $# -gt 0 && $1 =~ ^(parity|weights|fp8|linear|gemm|bench)$ ]]; do stages="$stages $1"; shift; done
+while [[ $# -gt 0 && $1 =~ ^(parity|weights|fp8|wgmma|linear|gemm|bench)$ ]]; do stages="$stages $1"; shift; done
 if [[ $stages == *parity* ]]; then
   python3 -m deepinfer_backends.sm100.fused.tile_schedule 2>&1 | tail -5
   ops="moe_gate or ep_dispatch or ep_combine or compress_tokens or indexer_topk or swa_ or sample or speculative_accept"
@@ -37,6 +38,11 @@ if [[ $stages == *fp8* ]]; then
     moe_e384_t4096_ep1_fp8_fp8 moe_e384_t16384_ep8_w2_fp8_fp8 moe_e384_t16384_ep8_w2_fp8_mxfp4 2>&1 \
     | grep -v "TileLang\|_warn_once" | tee "$out/fp8_gemm.log" | tail -12
   echo "fp8 done at $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *wgmma* ]]; then
+  timeout ${WGMMA_TIMEOUT:-240} python3 -m deepinfer_backends.sm100.kernels.experimental.grouped_gemm_fp8_wgmma 2>&1 \
+    | grep -v "TileLang\|_warn_once" | tee "$out/fp8_wgmma.log" | tail -30
+  echo "wgmma done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *linear* ]]; then
   python3 -m deepinfer_backends.sm100.fused.linear_skinny 2>&1 | tail -5

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from deepinfer.hal.formats import Quantized
-from deepinfer.hal.ops import indexer, mla
+from deepinfer.hal.ops import all_to_all, indexer, mla, routing
 from deepinfer.hal.ops.activation import swiglu
 from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm, grouped_gemm_tiled, linear, result_dtype
 from deepinfer.hal.ops.grouped_swiglu import check_grouped_swiglu
@@ -178,9 +178,20 @@ def _shared_key_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
     return torch.cat(columns, dim=1)
 
 
+_gate = row_tiled(routing.moe_gate, ROW_TILED["moe_gate"])
+
+
+def moe_route(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scale: float,
+              group=None):
+    """:func:`~deepinfer.hal.ops.moe_route.moe_route`: the gate on row tiles, then the dispatch
+    (a permutation of rows)."""
+    weights, ids = _gate(logits, bias, top_k, routed_scale)
+    return (weights, ids) + all_to_all.ep_dispatch(x, ids, weights, logits.shape[1], group)
+
+
 CUSTOM = {"grouped_gemm": grouped_gemm, "grouped_swiglu": grouped_swiglu, "mla_sparse_prefill": mla_sparse_prefill,
-          "mla_sparse_decode": mla_sparse_decode, "indexer_logits": indexer_logits}
-"""Ops with their own tiling (expert segments, attention on gathered keys, key columns)."""
+          "mla_sparse_decode": mla_sparse_decode, "indexer_logits": indexer_logits, "moe_route": moe_route}
+"""Ops with their own tiling (expert segments, attention on gathered keys, key columns, the gate's rows)."""
 
 
 def batch_invariant_implementations() -> dict[str, Callable]:

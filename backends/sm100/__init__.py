@@ -18,7 +18,7 @@ from deepinfer_backends.sm100.options import KernelOptions
 IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "compressed_decode_layout", "ep_combine",
                "ep_dispatch", "grouped_gemm", "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk",
                "kv_load", "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre",
-               "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "rms_norm", "sample",
+               "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "moe_route", "rms_norm", "sample",
                "speculative_accept", "stacked_linear", "swa_decode_indices", "swa_history_slots",
                "swa_prefill_indices", "swa_ring_slots", "swiglu")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
@@ -52,8 +52,10 @@ INVARIANT = {
     "swiglu": "per element",
     "mhc_pre": "one program per (token, column block), the streams added in order",
     "mhc_post": "one program per (token, column block), the streams added in order",
-    "mhc_post_pre": "mhc_post, then per (token, column) the stored streams added in order",
+    "mhc_post_pre": "mhc_post, then per (token, column) the stored streams added in order (with the next input's "
+                    "RMSNorm: one program per token, a reduction tree fixed by the row width)",
     "moe_gate": "one program per token: its scores and top-k from its own logits row",
+    "moe_route": "moe_gate's per-row picks, then ep_dispatch's stable counting sort; one rank",
     "ep_dispatch": "a stable counting sort: a pair's slot is fixed by the keys before it, in pair order; one rank",
     "compress_tokens": "per (token, channel): the group's softmax over its own members, in member order",
     "indexer_topk": "one program per row: a select over that row's window alone",

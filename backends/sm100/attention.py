@@ -184,7 +184,8 @@ def _check_sink(op: str, sink: torch.Tensor, heads: int) -> None:
 
 def indexer_logits(q, k, weights, q_format="mxfp4", weight_scale: float = 1.0):
     """HAL ``indexer_logits``: q cast through MXFP4 here (exact in bf16; one Triton kernel,
-    :mod:`.fused.mxfp4_cast`, for a power-of-two head dim), then one tensor-core
+    :mod:`.fused.mxfp4_cast`, for a power-of-two head dim; with ``q_format=None`` bf16 q is read
+    as it is, as the model's queries come cast by ``stacked_linear``), then one tensor-core
     GEMM per token and key tile; heads padded to 64 and dim to 32 with zeros (no effect). Keys
     ``[S, d]`` are shared by every query, keys ``[B, S, d]`` are one list per sequence. The
     weights (float32 or bf16) are read and scaled by ``weight_scale`` in the kernel.
@@ -204,15 +205,19 @@ def indexer_logits(q, k, weights, q_format="mxfp4", weight_scale: float = 1.0):
     keys = k.shape[-2]
     heads_pad, dim_pad = -(-heads // 64) * 64, -(-dim // 32) * 32
     padded = heads_pad != heads or dim_pad != dim
-    q_in = (torch.zeros if padded else torch.empty)(tokens, heads_pad, dim_pad, dtype=torch.bfloat16, device=q.device)
-    if q_format == "mxfp4" and dim % 32 == 0 and dim & (dim - 1) == 0:
-        from deepinfer_backends.sm100.fused.mxfp4_cast import BLOCK_ROWS, mxfp4_cast_kernel
-
-        if tokens:
-            mxfp4_cast_kernel[(-(-tokens * heads // BLOCK_ROWS),)](q.contiguous(), q_in, tokens * heads, heads,
-                                                                  heads_pad, dim_pad, DIM=dim, BLOCK_ROWS=BLOCK_ROWS)
+    if q_format is None and not padded and q.dtype == torch.bfloat16:
+        q_in = q.contiguous()  # read as it is
     else:
-        q_in[:, :heads, :dim] = cast_back(q, "mxfp4", 32) if q_format == "mxfp4" else q
+        q_in = (torch.zeros if padded else torch.empty)(tokens, heads_pad, dim_pad, dtype=torch.bfloat16,
+                                                        device=q.device)
+        if q_format == "mxfp4" and dim % 32 == 0 and dim & (dim - 1) == 0:
+            from deepinfer_backends.sm100.fused.mxfp4_cast import BLOCK_ROWS, mxfp4_cast_kernel
+
+            if tokens:
+                mxfp4_cast_kernel[(-(-tokens * heads // BLOCK_ROWS),)](
+                    q.contiguous(), q_in, tokens * heads, heads, heads_pad, dim_pad, DIM=dim, BLOCK_ROWS=BLOCK_ROWS)
+        else:
+            q_in[:, :heads, :dim] = cast_back(q, "mxfp4", 32) if q_format == "mxfp4" else q
     if dim_pad == dim:
         k_in = k.to(torch.bfloat16).contiguous()
     else:

@@ -13,7 +13,7 @@ import torch
 from deepinfer.hal.formats import Quantized
 from deepinfer.hal.ops.grouped_gemm import check_out_dtype
 from deepinfer_backends.sm100 import toolchain
-from deepinfer_backends.sm100.launch import compiled, cuda_bf16, on_device, require
+from deepinfer_backends.sm100.launch import compiled, cuda_bf16, float32_param, on_device, require
 from deepinfer_backends.sm100.options import DEFAULT, SKINNY_ROWS, KernelOptions
 
 INVARIANT_TILES = {"block_m": 64, "block_n": 128, "threads": 128}
@@ -370,7 +370,9 @@ cannot, a float32 ``linear`` takes the TileLang GEMM."""
 def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelOptions = DEFAULT,
                      rope: tuple | None = None,
                      swiglu: tuple[float | None] | None = None,
-                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...] | None:
+                     out_dtype: torch.dtype | None = None,
+                     norm: tuple[torch.Tensor, float] | None = None,
+                     mxfp4: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...] | None:
     """``x`` through each of ``weights`` in one Triton launch (:mod:`.fused.linear_skinny`) under
     ``options.linear_kernel=auto``, outside the batch-invariant mode, for bf16 CUDA ``x`` of at most
     :data:`~.fused.linear_skinny.BLOCK_T` rows and bf16 CUDA weights whose widths the kernel's column
@@ -380,17 +382,23 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     in the kernel's epilogue where the column blocks divide the head widths and their rotated
     parts; None where it cannot be. ``swiglu`` (``(limit,)``): the last two weights are a gate and
     an up projection whose SwiGLU the kernel stores in place of both. ``out_dtype``: the products'
-    dtype (default ``x.dtype``)."""
-    from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, MAX_WEIGHTS, linear_skinny, tiles_for
+    dtype (default bf16). ``norm`` (``(weight [K], eps)``): the products of ``x`` (bf16 or float32)
+    RMS-normalised and rounded to bf16, where ``K`` is at most
+    :data:`~.fused.linear_skinny.NORM_MAX_K` (None above it). ``mxfp4``: the products (indices)
+    cast through MXFP4 in the epilogue, where the column tiles are 32 wide (None where not)."""
+    from deepinfer_backends.sm100.fused.linear_skinny import BLOCK_T, MAX_WEIGHTS, NORM_MAX_K, linear_skinny, tiles_for
 
-    if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or x.dtype != torch.bfloat16:
+    inputs = (torch.bfloat16, torch.float32) if norm is not None else (torch.bfloat16,)
+    if batch_invariant or options.linear_kernel != "auto" or not on_device(x) or x.dtype not in inputs:
+        return None
+    if norm is not None and x.shape[-1] > NORM_MAX_K:
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 0 < rows <= BLOCK_T or not all(isinstance(w, torch.Tensor) and on_device(w) and w.dtype == torch.bfloat16
                                           for w in weights):
         return None
     tiles = tiles_for([w.shape[0] for w in weights])
-    if tiles is None or (swiglu is not None and len(weights) > MAX_WEIGHTS + 1):
+    if tiles is None or (swiglu is not None and len(weights) > MAX_WEIGHTS + 1) or (mxfp4 and tiles["block_n"] % 32):
         return None
     if rope is not None:
         positions, cos_sin, heads = rope
@@ -400,7 +408,8 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     flat = x.reshape(rows, x.shape[-1])
     products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(), [w.contiguous() for w in weights],
                              tiles, rope=rope, gated=swiglu is not None,
-                             limit=swiglu[0] if swiglu is not None else None, out_dtype=out_dtype)
+                             limit=swiglu[0] if swiglu is not None else None, out_dtype=out_dtype,
+                             norm=None if norm is None else (float32_param(norm[0]), norm[1]), mxfp4=tuple(mxfp4))
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 

@@ -5,7 +5,7 @@ squares in fixed slices of the width, then one kernel that adds the slices up, n
 computes the gates (and the whole Sinkhorn normalisation); for a decode step's few tokens both in
 one launch, the program that writes a token block's last slice finishing it (outside the
 batch-invariant mode). ``mhc_pre`` and ``mhc_post``: one pass over the streams each;
-``mhc_post_pre`` both in one. Every token's arithmetic is fixed by the widths alone."""
+``mhc_post_pre`` both in one (and the next input's RMSNorm). Every token's arithmetic is fixed by the widths alone."""
 from __future__ import annotations
 
 import torch
@@ -79,27 +79,35 @@ def mhc_post(y, residual, post, comb):
     return _post("mhc_post", y, residual, post, comb)[0]
 
 
-def mhc_post_pre(y, residual, post, comb, pre):
+def mhc_post_pre(y, residual, post, comb, pre, norm_weight=None, norm_eps: float = 1e-6):
     """HAL ``mhc_post_pre``: the new residual ``[T, hc, H]`` and the next sublayer's input ``[T, H]``
-    (read from it with ``pre``), both in ``residual.dtype``, in one pass."""
-    return _post("mhc_post_pre", y, residual, post, comb, pre)
+    (read from it with ``pre``, RMS-normalised with ``norm_weight`` when given), both in
+    ``residual.dtype``, in one pass."""
+    return _post("mhc_post_pre", y, residual, post, comb, pre, norm_weight, norm_eps)
 
 
-def _post(op, y, residual, post, comb, pre=None):
+def _post(op, y, residual, post, comb, pre=None, norm_weight=None, norm_eps: float = 1e-6):
     """``(new residual, next input or None)`` by :func:`~.fused.mhc_streams.mhc_post_kernel`; the
-    next input is read from the new residual with ``pre`` when it is given."""
+    next input is read from the new residual with ``pre`` when it is given, and normalised with
+    ``norm_weight`` (a program per token holding the whole row) when that is given."""
+    import triton
+
     tokens, hc, hidden = _streams(op, residual)
     _shapes(op, (("y", y, (tokens, hidden)), ("post", post, (tokens, hc)), ("comb", comb, (tokens, hc, hc)))
-            + ((("pre", pre, (tokens, hc)),) if pre is not None else ()))
+            + ((("pre", pre, (tokens, hc)),) if pre is not None else ())
+            + ((("norm_weight", norm_weight, (hidden,)),) if norm_weight is not None else ()))
     from deepinfer_backends.sm100.fused.mhc_streams import BLOCK_HIDDEN, mhc_post_kernel
 
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     x = None if pre is None else torch.empty(tokens, hidden, dtype=residual.dtype, device=residual.device)
     if tokens:
+        normed = norm_weight is not None
+        block = triton.next_power_of_2(hidden) if normed else BLOCK_HIDDEN
         post, comb = post.float().contiguous(), comb.float().contiguous()
-        mhc_post_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
+        mhc_post_kernel[(tokens, -(-hidden // block))](
             y.contiguous(), residual.contiguous(), post, comb, post if pre is None else pre.float().contiguous(), out,
-            out if x is None else x, hidden, HC=hc, BLOCK=BLOCK_HIDDEN, READ_NEXT=pre is not None, num_warps=4)
+            out if x is None else x, float32_param(norm_weight) if normed else post, hidden, float(norm_eps), HC=hc,
+            BLOCK=block, READ_NEXT=pre is not None, NORM=normed, num_warps=max(4, min(16, block // 512)))
     return out, x
 
 

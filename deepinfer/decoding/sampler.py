@@ -99,10 +99,12 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
     for c, chunk in enumerate(chunks):
         first[c] = first[c - 1] + len(chunks[c - 1].drafts) + 1 if c else 0
         verify_rows[c, :len(chunk.drafts)] = first[c] + np.arange(len(chunk.drafts))
+    starts = np.asarray([chunk.start for chunk, _ in rows], dtype=np.int64)
+    offsets = np.asarray([len(chunk.token_ids) - len(chunk.drafts) + j for chunk, j in rows], dtype=np.int64)
+    chained = np.asarray([chunk.chained for chunk, _ in rows], dtype=np.int64)
+    known = slots is None or not chained.any()  # every position known here: sent as the starts, offsets 0
     host = np.concatenate([
-        np.asarray([chunk.start for chunk, _ in rows], dtype=np.int64),
-        np.asarray([len(chunk.token_ids) - len(chunk.drafts) + j for chunk, j in rows], dtype=np.int64),
-        np.asarray([chunk.chained for chunk, _ in rows], dtype=np.int64),
+        starts + offsets if known else starts, np.zeros_like(offsets) if known else offsets, chained,
         np.asarray([chunk.slot for chunk, _ in rows], dtype=np.int64),
         np.asarray([min(j, len(chunk.drafts) - 1) if chunk.drafts else 0 for chunk, j in rows], dtype=np.int64),
         np.asarray([as_int64(chunk.request.seed) for chunk, _ in rows], dtype=np.int64),
@@ -117,11 +119,11 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
     chunk_first, chunk_slot = moved[9 * count:9 * count + 2 * n].view(2, n)
     chunk_verify = moved[9 * count + 2 * n:9 * count + 2 * n + verify_rows.size].view(verify_rows.shape)
     index = moved[9 * count + 2 * n + verify_rows.size:]
-    if slots is not None:
+    if not known:
         start = torch.where(chained > 0, slots.length[slot], start)
-        if verify:
-            drafts = torch.where(drafts >= 0, drafts, slots.drafts[slot, column])
-    positions = start + offset
+    if slots is not None and verify:
+        drafts = torch.where(drafts >= 0, drafts, slots.drafts[slot, column])
+    positions = start if known else start + offset
     vocab = logits.shape[-1]
     filters = any(p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1) for p in params)
     fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions, filters=filters,

@@ -139,7 +139,9 @@ class ModelRunner:
         slot, start, ids = inputs["slot"][:, 0], inputs["start"][:, 0], inputs["ids"]
         if "chained" in inputs:
             start = torch.where(inputs["chained"][:, 0] > 0, self.slots.length[slot], start)
-        known = torch.cat((self.slots.last[slot, None], self.slots.drafts[slot]), dim=1)[:, :ids.shape[1]]
+        known = self.slots.last[slot, None]
+        if ids.shape[1] > 1:
+            known = torch.cat((known, self.slots.drafts[slot]), dim=1)[:, :ids.shape[1]]
         ids = torch.where(ids < 0, known, ids)
         return ForwardContext.for_decode(ids.reshape(-1), start, slot, inputs["table"], query_len,
                                          replay_start=replay, draft_block=draft_block,

@@ -154,18 +154,41 @@ class ForwardContext:
         ``state_slots [B]``, ``block_tables [B, W]``; every other field is derived on the
         device, without reading a value on the host. Every row gets logits."""
         num_seqs = start_positions.shape[0]
-        device = start_positions.device
-        rows = torch.arange(num_seqs * query_len, device=device)
-        seq_of_token = rows // query_len
-        chunk_start_of_token = start_positions[seq_of_token]
-        return cls(input_ids=input_ids, positions=chunk_start_of_token + rows % query_len,
-                   query_lens=torch.full((num_seqs,), query_len, dtype=torch.int64, device=device),
+        rows, seq_of_token, offsets, query_lens, query_start = decode_layout(num_seqs, query_len,
+                                                                             start_positions.device)
+        if query_len == 1:  # a row per sequence: its start is its position, its slot the row's
+            chunk_start_of_token, positions, slot_of_token = start_positions, start_positions, state_slots
+        else:
+            chunk_start_of_token = start_positions[seq_of_token]
+            positions, slot_of_token = chunk_start_of_token + offsets, state_slots[seq_of_token]
+        return cls(input_ids=input_ids, positions=positions, query_lens=query_lens,
                    context_lens=start_positions + query_len, state_slots=state_slots, block_tables=block_tables,
-                   logits_indices=rows, seq_of_token=seq_of_token,
-                   query_start=torch.arange(num_seqs + 1, device=device) * query_len, chunk_start=start_positions,
-                   chunk_start_of_token=chunk_start_of_token, slot_of_token=state_slots[seq_of_token],
-                   num_seqs=num_seqs, decode=True, decode_query_len=query_len, draft_block=draft_block,
-                   write_draft_cache=write_draft_cache, replay_start=replay_start, every_row_logits=True)
+                   logits_indices=rows, seq_of_token=seq_of_token, query_start=query_start,
+                   chunk_start=start_positions, chunk_start_of_token=chunk_start_of_token,
+                   slot_of_token=slot_of_token, num_seqs=num_seqs, decode=True, decode_query_len=query_len,
+                   draft_block=draft_block, write_draft_cache=write_draft_cache, replay_start=replay_start,
+                   every_row_logits=True)
+
+
+_DECODE_LAYOUTS: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def decode_layout(num_seqs: int, query_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(rows, seq_of_token, row offsets in their sequence, query_lens, query_start)`` of a decode
+    batch of ``num_seqs`` sequences of ``query_len`` rows: int64 tensors fixed by the shape, made
+    once per shape and device and shared (read-only) by every context of that shape, so a decode
+    step launches nothing for them. Made during a CUDA graph capture they are not kept (the
+    capture does not run the kernels that fill them); an eager warm-up fills the table first."""
+    key = (num_seqs, query_len, torch.device(device))
+    layout = _DECODE_LAYOUTS.get(key)
+    if layout is None:
+        rows = torch.arange(num_seqs * query_len, device=device)
+        layout = (rows, rows // query_len, rows % query_len,
+                  torch.full((num_seqs,), query_len, dtype=torch.int64, device=device),
+                  torch.arange(num_seqs + 1, device=device) * query_len)
+        if not (layout[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DECODE_LAYOUTS[key] = layout
+    return layout
 
 
 def _consumer_layout(replay, chunk_start, context_lens, query_start, positions, seq_of_token, logits_rows):

@@ -70,14 +70,15 @@ class Linear(nn.Module):
 def stacked(ops: OpTable, x: torch.Tensor, weights: list, rope: tuple | None = None,
             norm: RMSNorm | None = None, keep_normed: bool = False, dtype: torch.dtype | None = None,
             swiglu: bool = False, swiglu_limit: float | None = None,
-            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+            out_dtype: torch.dtype | None = None, mxfp4_products: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
     """``x`` (or ``norm(x)``) through each of ``weights`` (:class:`Linear` modules or plain
     ``[N, K]`` tensors) in one ``stacked_linear`` call, each product in ``x.dtype`` (or ``dtype``,
     which the normalised input is rounded to) as :meth:`Linear.forward` gives it, or in
     ``out_dtype`` (float32: the op's unrounded accumulator, as the LM head writes its logits).
     ``rope``: ``(positions, cos_sin, head width per weight)``, the op's RoPE of the products' heads;
     ``norm``: the op's RMSNorm of its input, which ``keep_normed`` appends to the products;
-    ``swiglu``: the last two weights' SwiGLU (clamped at ``swiglu_limit``) replaces their products."""
+    ``swiglu``: the last two weights' SwiGLU (clamped at ``swiglu_limit``) replaces their products;
+    ``mxfp4_products``: the products the op casts through MXFP4."""
     operands = [w.operand() if isinstance(w, Linear) else w for w in weights]
     kwargs = {} if norm is None else {"norm_weight": norm.weight, "norm_eps": norm.eps, "keep_normed": keep_normed}
     if dtype is not None and dtype != x.dtype:
@@ -86,6 +87,8 @@ def stacked(ops: OpTable, x: torch.Tensor, weights: list, rope: tuple | None = N
         kwargs.update(zip(("positions", "cos_sin", "rope_heads"), rope))
     if swiglu:
         kwargs.update(swiglu=True, swiglu_limit=swiglu_limit)
+    if mxfp4_products:
+        kwargs["mxfp4_products"] = tuple(mxfp4_products)
     if out_dtype is not None:
         return ops.stacked_linear(x, operands, out_dtype=out_dtype, **kwargs)
     return tuple(y.to(dtype or x.dtype) for y in ops.stacked_linear(x, operands, **kwargs))

@@ -247,6 +247,37 @@ for widths, limit, rows in (((16, 32, 32), None, 3), ((64, 64), 1.5, BLOCK_T + 1
     assert len(got) == len(want) == len(widths) - 1, (len(got), len(want))
     for product, expected in zip(got, want, strict=True):
         assert product.shape == expected.shape and torch.allclose(product, expected, rtol=1e-5, atol=1e-5), widths
+# the input's RMSNorm in the kernel, alone and with the RoPE and SwiGLU epilogues
+for widths, rows, extra in (((48, 32), 3, {}), ((64, 32), BLOCK_T + 1, {"rope": 16}),
+                            ((16, 32, 32), 2, {"swiglu": True, "swiglu_limit": 2.0})):
+    x = 4 * torch.randn(rows, 72, generator=gen)
+    weights = [torch.randn(n, 72, generator=gen) / 72 ** 0.5 for n in widths]
+    gain = 1 + 0.2 * torch.randn(72, generator=gen)
+    rope = None
+    if "rope" in extra:
+        positions, table = torch.randint(0, 50, (rows,), generator=gen), rope_cos_sin(rope_inv_freq(10000.0, 16), 50)
+        rope, extra = (positions, table, [32, 0]), {"positions": positions, "cos_sin": table, "rope_heads": [32, 0]}
+    got = linear_skinny(x, weights, rope=rope, gated="swiglu" in extra, limit=extra.get("swiglu_limit"),
+                        norm=(gain, 1e-6))
+    want = stacked_linear(x, weights, norm_weight=gain, norm_eps=1e-6, **extra)
+    plain = stacked_linear(x, weights, **extra)
+    for product, expected, raw in zip(got, want, plain, strict=True):
+        assert torch.allclose(product, expected, rtol=1e-5, atol=1e-5), (widths, extra)
+        assert not torch.allclose(product, raw, rtol=1e-2, atol=1e-2), widths
+# MXFP4 casts in the epilogue (after the RoPE), of the named products only, over two launches' weights
+for widths, rows, mxfp4, rope in (((64, 32), 3, (1,), None), ((64, 32, 32, 32, 32, 64), BLOCK_T + 1, (0, 5), None),
+                                  ((128, 64), 4, (0, 1), 16)):
+    x = torch.randn(rows, 40, generator=gen)
+    weights = [torch.randn(n, 40, generator=gen) / 40 ** 0.5 for n in widths]
+    extra = {}
+    if rope:
+        positions, table = torch.randint(0, 50, (rows,), generator=gen), rope_cos_sin(rope_inv_freq(10000.0, rope), 50)
+        extra = {"positions": positions, "cos_sin": table, "rope_heads": [64, 32]}
+    got = linear_skinny(x, weights, rope=(positions, table, [64, 32]) if rope else None, mxfp4=mxfp4)
+    want = stacked_linear(x, weights, mxfp4_products=mxfp4, **extra)
+    for i, (product, expected) in enumerate(zip(got, want, strict=True)):
+        assert torch.allclose(product, expected, rtol=1e-5, atol=1e-5), (widths, i)
+        assert (i in mxfp4) == (product.unique().numel() < product.numel() // 2), (widths, i)  # on a coarse grid
 print("stacked ok")
 """
 

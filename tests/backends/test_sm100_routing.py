@@ -1,4 +1,4 @@
-"""The sm100 routing kernels (``moe_gate``, one-rank ``ep_dispatch``) against the reference, run by
+"""The sm100 routing kernels (``moe_gate``, one-rank ``ep_dispatch``, ``moe_route``) against the reference, run by
 Triton's interpreter on the CPU in a subprocess, on every OpSpec case and on edge cases (ties,
 padding, empty batches, block and column-split boundaries); and each kernel compiled for sm_90."""
 import importlib.util
@@ -93,7 +93,13 @@ def dispatch_cases(gen):
     yield "strided", strided, torch.float32
 
 
-for op in ("moe_gate", "ep_dispatch"):
+def route(tokens, hidden, experts, top_k, gen, bias=True, dtype=torch.bfloat16):
+    return {"x": torch.randn(tokens, hidden, generator=gen).to(dtype),
+            "logits": 2 * torch.randn(tokens, experts, generator=gen),
+            "bias": 0.1 * torch.randn(experts, generator=gen) if bias else None, "top_k": top_k, "routed_scale": 2.5}
+
+
+for op in ("moe_gate", "ep_dispatch", "moe_route"):
     spec = SPECS[op]
     for case in spec.cases:
         check(op, case.name, case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu")), case.dtype)
@@ -102,6 +108,13 @@ for name, inputs in gate_cases(gen):
     check("moe_gate", name, inputs)
 for name, inputs, dtype in dispatch_cases(gen):
     check("ep_dispatch", name, inputs, dtype)
+check("moe_route", "no_bias_column_splits", route(3, 1500, 6, 2, gen, bias=False), torch.bfloat16)
+check("moe_route", "one_token_e384", route(1, 64, 384, 8, gen, dtype=torch.float32))
+check("moe_route", "sixty_four_pairs", route(16, 24, 16, 4, gen), torch.bfloat16)
+check("moe_route", "sixty_five_pairs", route(13, 24, 32, 5, gen), torch.bfloat16)
+tied = route(4, 32, 8, 3, gen)
+tied["logits"] = torch.randint(-1, 2, (4, 8), generator=gen).float()
+check("moe_route", "ties", tied, torch.bfloat16)
 kernels.TARGET_PROGRAMS, kernels.TARGET_BLOCKS = 2, 4
 check("ep_dispatch", "several_tiles_per_split", dispatch(20, 2400, 3, 9, gen, unrouted=0.1))
 check("ep_dispatch", "several_chunks_per_block", dispatch(300, 24, 6, 5, gen, unrouted=0.2))
@@ -130,12 +143,15 @@ def test_routing_kernels_match_the_reference_in_the_interpreter():
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 6 + 4 + 11 + 14 + 3 + 1 and lines[-1] == "refusals ok", lines
+    assert len(lines) == 6 + 4 + len(SPECS_ROUTE) + 5 + 11 + 14 + 3 + 1 and lines[-1] == "refusals ok", lines
+
+
+SPECS_ROUTE = ("tiny", "tiny_bf16", "tiny_ties_bf16", "many_pairs_bf16", "v41_decode_bf16", "small_decode_bf16")
 
 
 def _kernels():
     import triton
-    from deepinfer_backends.sm100.fused import ep_dispatch, moe_gate
+    from deepinfer_backends.sm100.fused import ep_dispatch, moe_gate, moe_route
 
     for logits, experts, top_k in (("*fp32", 384, 6), ("*bf16", 256, 8), ("*fp32", 512, 16)):
         block_e = triton.next_power_of_2(experts)
@@ -155,6 +171,16 @@ def _kernels():
                      hidden="i32", x_stride="i32", split_cols="i32"), \
                 dict(BLOCK_PAIRS=block, ROWS=ep_dispatch.place_rows(bins), BINS=bins, BLOCK_H=ep_dispatch.BLOCK_H,
                      ONE_BLOCK=one_block)
+    for experts, top_k in ((16, 6), (384, 6), (1024, 8)):
+        bins, block_e = ep_dispatch.bin_count(experts), triton.next_power_of_2(experts)
+        yield f"moe_route_kernel[E{experts},k{top_k}]", moe_route.moe_route_kernel, dict(
+            x="*bf16", logits="*fp32", bias="*fp32", weights="*fp32", ids="*i64", picked_ids="*i64",
+            picked_weights="*fp32", group_sizes="*i64", expanded="*bf16", pair_index="*i64", pair_weights="*fp32",
+            routed="*i8", expert_order="*i64", row_of_pair="*i64", tokens="i32", experts="i32", logits_stride="i32",
+            routed_scale="fp32", hidden="i32", x_stride="i32", split_cols="i32"), dict(
+            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), HAS_BIAS=True, GATE_T=moe_gate.block_tokens(block_e),
+            BLOCK_E=block_e, LIBDEVICE=True, BLOCK_PAIRS=ep_dispatch.ONE_BLOCK_PAIRS, ROWS=ep_dispatch.place_rows(bins),
+            BINS=bins, BLOCK_H=ep_dispatch.BLOCK_H)
     for bins in (512, 1024):
         yield f"dispatch_scan_kernel[{bins}]", ep_dispatch.dispatch_scan_kernel, dict(
             counts="*i32", starts="*i32", totals="*i32", group_sizes="*i64", blocks="i32", num_experts="i32"), \

@@ -36,10 +36,11 @@ def _kernels():
                  UPCAST=False, SPLITS=64, HC=4, ITERS=0 if head else 20, HEAD=head, FINISH=16, COLUMN_ROW=column_row)
     yield "mhc_pre_kernel", mhc_streams.mhc_pre_kernel, dict(residual="*bf16", pre="*fp32", out="*bf16", hidden="i32"), \
         dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN)
-    for read_next in (False, True):
-        yield f"mhc_post_kernel[read next {read_next}]", mhc_streams.mhc_post_kernel, dict(
+    for read_next, norm in ((False, False), (True, False), (True, True)):
+        yield f"mhc_post_kernel[read next {read_next}, norm {norm}]", mhc_streams.mhc_post_kernel, dict(
             y="*bf16", residual="*bf16", post="*fp32", comb="*fp32", pre="*fp32", out="*bf16", x="*bf16",
-            hidden="i32"), dict(HC=4, BLOCK=mhc_streams.BLOCK_HIDDEN, READ_NEXT=read_next)
+            norm_weight="*fp32", hidden="i32", norm_eps="fp32"), \
+            dict(HC=4, BLOCK=4096 if norm else mhc_streams.BLOCK_HIDDEN, READ_NEXT=read_next, NORM=norm)
     for head in (0, 448):
         yield f"rope_kernel[head {head}]", rope.rope_kernel, dict(
             x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32", heads="i32", x_row_stride="i32",
@@ -73,16 +74,18 @@ def _kernels():
     variants = ((1, False, 0, False), (5, True, 0, False), (2, True, 64, False), (2, False, 64, False),
                 (3, False, 0, True), (3, True, 0, True))
     for (weights, one_row, rope, gated), tiles in zip(variants, [*linear_skinny.TILES.values()] * 3):
-        # Triton passes a row count of 1 as a constant
-        yield f"linear_skinny_kernel[{weights} weights, one row {one_row}, rope {rope}, gated {gated}, " \
-              f"{tiles['block_n']} columns]", linear_skinny.linear_skinny_kernel, dict(
-                x="*bf16", **{f"w{i}": "*bf16" for i in range(5)}, y="*bf16", **({} if one_row else {"rows": "i32"}),
-                k="i32", x_stride="i32", **{f"end{i}": "i32" for i in range(5)}, positions="*i64", cos_sin="*fp32",
-                table_stride="i32", **{f"head{i}": "i32" for i in range(5)}, w_up="*bf16", gated_from="i32",
-                limit="fp32"), \
-            dict(WEIGHTS=weights, BLOCK_T=linear_skinny.BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-                 NUM_STAGES=tiles["stages"], ROPE=rope, GATED=gated, CLAMP=gated,
-                 **({"rows": 1} if one_row else {}))
+        for norm, x, mxfp4 in ((False, "*bf16", False), (True, "*fp32", tiles["block_n"] == 32)) if rope \
+                else ((False, "*bf16", False),):
+            # Triton passes a row count of 1 as a constant
+            yield f"linear_skinny_kernel[{weights} weights, one row {one_row}, rope {rope}, gated {gated}, " \
+                  f"norm {norm}, mxfp4 {mxfp4}, {tiles['block_n']} columns]", linear_skinny.linear_skinny_kernel, dict(
+                    x=x, **{f"w{i}": "*bf16" for i in range(5)}, y="*bf16", **({} if one_row else {"rows": "i32"}),
+                    k="i32", x_stride="i32", **{f"end{i}": "i32" for i in range(5)}, positions="*i64",
+                    cos_sin="*fp32", table_stride="i32", **{f"head{i}": "i32" for i in range(5)}, w_up="*bf16",
+                    gated_from="i32", limit="fp32", norm_weight="*fp32", norm_eps="fp32", mxfp4_mask="i32"), \
+                dict(WEIGHTS=weights, BLOCK_T=linear_skinny.BLOCK_T, BLOCK_N=tiles["block_n"],
+                     BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rope, GATED=gated, CLAMP=gated,
+                     NORM=norm, MXFP4=mxfp4, **({"rows": 1} if one_row else {}))
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

@@ -81,9 +81,12 @@ def mhc_head_float64(residual, fn, scale, base, norm_eps, hc_eps):
     return torch.tensor(weights, dtype=torch.float64)
 
 
-def mhc_post_pre_float64(y, residual, post, comb, pre):
+def mhc_post_pre_float64(y, residual, post, comb, pre, norm_weight=None, norm_eps=1e-6):
     new = mhc_post_float64(y, residual, post, comb)
-    return new, mhc_pre_float64(new, pre)
+    x = mhc_pre_float64(new, pre)
+    if norm_weight is not None:  # each row over its root mean square, one row at a time
+        x = torch.stack([row / math.sqrt(float((row * row).sum()) / row.numel() + norm_eps) for row in x]) * norm_weight
+    return new, x
 
 
 ORACLES = {"mhc_mixes": mhc_mixes_float64, "mhc_pre": mhc_pre_float64, "mhc_post": mhc_post_float64,
@@ -124,6 +127,17 @@ def test_post_pre_reads_the_next_input_from_the_stored_trunk():
     new, x = mhc_post_pre(y=torch.zeros(1, 1, dtype=torch.bfloat16), residual=third, post=torch.zeros(1, 1),
                           comb=torch.ones(1, 1, 1), pre=torch.tensor([[3.0]]))
     assert new.item() == 0.333984375 and x.item() == 1.0
+
+
+def test_post_pre_normalises_the_next_input_by_hand():
+    # the next input [3, 4] (streams 1 and 2, read with pre [1, 1]) has root mean square sqrt(12.5);
+    # the norm weight [1, 2] doubles its second column
+    new, x = mhc_post_pre(y=torch.zeros(1, 2), residual=torch.tensor([[[1.0, 2.0], [2.0, 2.0]]]),
+                          post=torch.zeros(1, 2), comb=torch.eye(2).unsqueeze(0), pre=torch.ones(1, 2),
+                          norm_weight=torch.tensor([1.0, 2.0]), norm_eps=0.0)
+    rms = math.sqrt(12.5)
+    assert new.tolist() == [[[1.0, 2.0], [2.0, 2.0]]]
+    assert torch.allclose(x, torch.tensor([[3 / rms, 8 / rms]]))
 
 
 def test_pre_by_hand():

@@ -52,7 +52,8 @@ def turn_heads_float64(out, positions, cos_sin, head):
     return out
 
 
-@pytest.mark.parametrize("case", [c.name for c in SPECS["stacked_linear"].cases if c.size != "real"])
+@pytest.mark.parametrize("case", [c.name for c in SPECS["stacked_linear"].cases
+                                  if c.size != "real" and "mxfp4" not in c.name])
 def test_stacked_linear_matches_float64(case):
     check_against_oracle("stacked_linear", case, stacked_linear_float64)
 
@@ -144,3 +145,42 @@ def test_swiglu_replaces_the_last_two_products_by_hand():
     assert torch.allclose(clamped, torch.tensor([[silu(2.0) * 1.0, silu(-2.0) * 2.0]], dtype=torch.float64))
     with pytest.raises(ValueError, match="swiglu takes the last two weights"):
         stacked_linear(x, [gate, first], swiglu=True)
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def test_mxfp4_products_leave_on_the_e2m1_grid_of_their_blocks():
+    """The named products are the plain ones cast through MXFP4: per block of 32 along the width a
+    power-of-two scale, the least that brings the block's largest magnitude within 6, and every
+    value a signed e2m1 magnitude times it, the nearest one to the plain value; the others are
+    left as they are."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
+    weights = [torch.randn(n, 48, generator=gen).to(torch.bfloat16) for n in (32, 64)]
+    plain = stacked_linear(x, weights)
+    kept, cast = stacked_linear(x, weights, mxfp4_products=(1,))
+    assert torch.equal(kept, plain[0]) and cast.dtype == torch.bfloat16
+    for row, plain_row in zip(cast.double(), plain[1].double()):
+        for block, plain_block in zip(row.split(32), plain_row.split(32)):
+            scale = 2.0 ** math.ceil(math.log2(plain_block.abs().max().item() / 6))
+            for value, want in zip((block / scale).tolist(), (plain_block / scale).tolist()):
+                assert abs(value) in E2M1
+                assert abs(abs(value) - abs(want)) <= min(abs(abs(want) - g) for g in E2M1) + 1e-12
+
+
+def test_mxfp4_products_by_hand():
+    """One block of 32: the largest magnitude 12 needs the scale 2 (12 / 2 = 6); 1.3 / 2 = 0.65 goes
+    to e2m1's 0.5, -5 / 2 = -2.5 to -2 (the tie to the even code), 0.2 / 2 to 0."""
+    x = torch.ones(1, 1, dtype=torch.float64)
+    values = torch.zeros(32, 1, dtype=torch.float64)
+    values[:4, 0] = torch.tensor([12.0, 1.3, -5.0, 0.2])
+    (cast,) = stacked_linear(x, [values], mxfp4_products=(0,))
+    assert cast[0, :4].tolist() == [12.0, 1.0, -4.0, 0.0] and not cast[0, 4:].any()
+
+
+@pytest.mark.parametrize("mxfp4", [(2,), (0, 0), (1,)])
+def test_bad_mxfp4_products_are_refused(mxfp4):
+    x = torch.ones(1, 8)
+    with pytest.raises(ValueError, match="mxfp4_products"):
+        stacked_linear(x, [torch.ones(32, 8), torch.ones(16, 8)], mxfp4_products=mxfp4)

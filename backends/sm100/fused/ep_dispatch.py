@@ -87,36 +87,32 @@ def dispatch_scan_kernel(counts, starts, totals, group_sizes, blocks, num_expert
 
 
 @triton.jit
-def dispatch_place_kernel(x, topk_ids, topk_weights, starts, totals, group_sizes, expanded, pair_index, pair_weights,
-                          routed, expert_order, row_of_pair, pairs, top_k, num_experts, hidden, x_stride, split_cols,
-                          BLOCK_PAIRS: tl.constexpr, ROWS: tl.constexpr, BINS: tl.constexpr, BLOCK_H: tl.constexpr,
-                          ONE_BLOCK: tl.constexpr):
-    """Pairs of block ``pid0`` go to their sorted rows ``r``: ``expanded[r, cols] = x[pair // top_k,
-    cols]`` for the columns of split ``pid1`` (``split_cols`` wide); split 0 also writes
-    ``pair_index[r]``, ``pair_weights[r]`` (float32), ``routed[r]`` (int8), ``expert_order[r] = r``
-    and ``row_of_pair[pair] = r``. ``ONE_BLOCK``: every pair is in block 0 and each program counts
-    the keys itself (no count and scan launches; ``starts`` and ``totals`` unread), program
-    ``(0, 0)`` writing ``group_sizes``."""
-    block, split = tl.program_id(0), tl.program_id(1)
+def one_block_starts(topk_ids, group_sizes, pairs, num_experts, write_sizes, BLOCK_PAIRS: tl.constexpr,
+                     BINS: tl.constexpr):
+    """Every pair in one block: per bin, the pairs of smaller keys (the bin's first row), counted
+    here; ``group_sizes`` written where ``write_sizes``."""
     bins = tl.arange(0, BINS)
-    if ONE_BLOCK:
-        sizes = tl.zeros((BINS,), tl.int32)
-        for chunk in range(0, pairs, BLOCK_PAIRS):
-            pair = chunk + tl.arange(0, BLOCK_PAIRS)
-            key, _ = _keys(topk_ids, pair, pair < pairs, num_experts, BINS)
-            sizes += tl.histogram(key, BINS, mask=pair < pairs)
-        if split == 0:
-            tl.store(group_sizes + bins, sizes.to(tl.int64), mask=bins < num_experts)
-        running = tl.cumsum(sizes, 0) - sizes
-    else:
-        sizes = tl.load(totals + bins)
-        running = tl.load(starts + block.to(tl.int64) * BINS + bins) + tl.cumsum(sizes, 0) - sizes
+    sizes = tl.zeros((BINS,), tl.int32)
+    for chunk in range(0, pairs, BLOCK_PAIRS):
+        pair = chunk + tl.arange(0, BLOCK_PAIRS)
+        key, _ = _keys(topk_ids, pair, pair < pairs, num_experts, BINS)
+        sizes += tl.histogram(key, BINS, mask=pair < pairs)
+    if write_sizes:
+        tl.store(group_sizes + bins, sizes.to(tl.int64), mask=bins < num_experts)
+    return tl.cumsum(sizes, 0) - sizes
+
+
+@triton.jit
+def place_pairs(x, topk_ids, topk_weights, running, expanded, pair_index, pair_weights, routed, expert_order,
+                row_of_pair, first, last, pairs, top_k, num_experts, hidden, x_stride, col_start, col_end,
+                write_fields, ROWS: tl.constexpr, BINS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Pairs ``[first, last)`` to their sorted rows ``r`` (``running``: per bin, the next row), the
+    columns ``[col_start, col_end)`` of ``x``'s token rows copied there; where ``write_fields``
+    also ``pair_index[r]``, ``pair_weights[r]`` (float32), ``routed[r]`` (int8), ``expert_order[r]
+    = r`` and ``row_of_pair[pair] = r``."""
+    bins = tl.arange(0, BINS)
     lane = tl.arange(0, ROWS)
     earlier = lane[None, :] < lane[:, None]
-    col_start = split * split_cols
-    col_end = tl.minimum(col_start + split_cols, hidden)
-    first = block * BLOCK_PAIRS
-    last = pairs if ONE_BLOCK else tl.minimum(first + BLOCK_PAIRS, pairs)
     for chunk in range(first, last, ROWS):
         pair = chunk + lane
         live = pair < pairs
@@ -125,7 +121,7 @@ def dispatch_place_kernel(x, topk_ids, topk_weights, starts, totals, group_sizes
         same_before = ((key[:, None] == key[None, :]) & earlier).to(tl.int32)
         row = (tl.sum(tl.where(match, running[None, :], 0), 1) + tl.sum(same_before, 1)).to(tl.int64)
         running += tl.sum(match.to(tl.int32), 0)
-        if split == 0:
+        if write_fields:
             weight = tl.load(topk_weights + pair, mask=live, other=0.0).to(tl.float32)
             tl.store(pair_index + row, pair.to(tl.int64), mask=live)
             tl.store(pair_weights + row, weight, mask=live)
@@ -138,6 +134,30 @@ def dispatch_place_kernel(x, topk_ids, topk_weights, starts, totals, group_sizes
             cols = col + tl.arange(0, BLOCK_H)
             copied = live[:, None] & (cols < col_end)[None, :]
             tl.store(target + cols[None, :], tl.load(source + cols[None, :], mask=copied), mask=copied)
+
+
+@triton.jit
+def dispatch_place_kernel(x, topk_ids, topk_weights, starts, totals, group_sizes, expanded, pair_index, pair_weights,
+                          routed, expert_order, row_of_pair, pairs, top_k, num_experts, hidden, x_stride, split_cols,
+                          BLOCK_PAIRS: tl.constexpr, ROWS: tl.constexpr, BINS: tl.constexpr, BLOCK_H: tl.constexpr,
+                          ONE_BLOCK: tl.constexpr):
+    """Pairs of block ``pid0`` go to their sorted rows (:func:`place_pairs`), the columns of split
+    ``pid1`` (``split_cols`` wide) copied, split 0 writing the handle's fields. ``ONE_BLOCK``: every
+    pair is in block 0 and each program counts the keys itself (no count and scan launches;
+    ``starts`` and ``totals`` unread), program ``(0, 0)`` writing ``group_sizes``."""
+    block, split = tl.program_id(0), tl.program_id(1)
+    if ONE_BLOCK:
+        running = one_block_starts(topk_ids, group_sizes, pairs, num_experts, split == 0, BLOCK_PAIRS, BINS)
+    else:
+        bins = tl.arange(0, BINS)
+        sizes = tl.load(totals + bins)
+        running = tl.load(starts + block.to(tl.int64) * BINS + bins) + tl.cumsum(sizes, 0) - sizes
+    col_start = split * split_cols
+    first = block * BLOCK_PAIRS
+    last = pairs if ONE_BLOCK else tl.minimum(first + BLOCK_PAIRS, pairs)
+    place_pairs(x, topk_ids, topk_weights, running, expanded, pair_index, pair_weights, routed, expert_order,
+                row_of_pair, first, last, pairs, top_k, num_experts, hidden, x_stride, col_start,
+                tl.minimum(col_start + split_cols, hidden), split == 0, ROWS, BINS, BLOCK_H)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_backends.sm100.fused.mxfp4_cast import cast_blocks
 from deepinfer_backends.sm100.fused.swiglu import clamped_swiglu
 
 BLOCK_T = 16
@@ -28,6 +29,9 @@ TILES = {32: {"block_n": 32, "block_k": 256, "warps": 4, "stages": 4},
          16: {"block_n": 16, "block_k": 512, "warps": 4, "stages": 3}}
 """Column block, depth step, warps and pipeline depth, by the column block: 32 where every width
 allows it, else 16 (``experiments/linear_stacked.py``; ``experiments/results/linear_stacked_h200.csv``)."""
+NORM_MAX_K = 2048
+"""Longest rows the kernel normalises itself (every program reads its rows once more for their
+squares); longer ones (the model's hidden width) come normalised by an ``rms_norm`` launch."""
 
 
 def tiles_for(widths: list[int]) -> dict[str, int] | None:
@@ -39,9 +43,10 @@ def tiles_for(widths: list[int]) -> dict[str, int] | None:
 @triton.jit
 def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1, end2, end3, end4, positions,
                          cos_sin, table_stride, head0, head1, head2, head3, head4, w_up, gated_from, limit,
-                         WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, ROPE: tl.constexpr = 0, GATED: tl.constexpr = False,
-                         CLAMP: tl.constexpr = False):
+                         norm_weight, norm_eps, mxfp4_mask, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         ROPE: tl.constexpr = 0, GATED: tl.constexpr = False, CLAMP: tl.constexpr = False,
+                         NORM: tl.constexpr = False, MXFP4: tl.constexpr = False):
     """Columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))`` and rows ``[BLOCK_T * pid1, ..)`` of
     ``x [rows, k] @ cat(w0 .. w{WEIGHTS - 1}).T`` (rows of ``x`` ``x_stride`` elements apart);
     ``end0 ..``: the weights' cumulative widths (each width a multiple of ``BLOCK_N``). The product
@@ -52,24 +57,30 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
     ``table_stride`` apart).
     With ``GATED`` the programs from column ``gated_from`` on (the last weight, a gate) also read
     the same rows of ``w_up`` and store the SwiGLU of the two products, each rounded to ``y``'s
-    dtype first (``min(gate, limit)`` and ``clamp(up, -limit, limit)`` with ``CLAMP``)."""
+    dtype first (``min(gate, limit)`` and ``clamp(up, -limit, limit)`` with ``CLAMP``).
+    With ``NORM`` the weights read the rows of ``x`` RMS-normalised as the HAL ``rms_norm`` does
+    (float32, times ``norm_weight``) and rounded to the weights' dtype: a first pass over ``k``
+    sums each row's squares (meant for short rows, a few KB), the loop normalises each step.
+    With ``MXFP4`` (``BLOCK_N`` a multiple of 32) the products whose bit is set in ``mxfp4_mask``
+    leave rounded to ``y``'s dtype and cast through MXFP4 and back, a scale per 32 columns."""
     col0 = tl.program_id(0) * BLOCK_N
     start = end0 * 0
     end = end0
     w = w0
     head = head0
+    index = 0
     if WEIGHTS > 1:
         if col0 >= end0:
-            start, end, w, head = end0, end1, w1, head1
+            start, end, w, head, index = end0, end1, w1, head1, 1
     if WEIGHTS > 2:
         if col0 >= end1:
-            start, end, w, head = end1, end2, w2, head2
+            start, end, w, head, index = end1, end2, w2, head2, 2
     if WEIGHTS > 3:
         if col0 >= end2:
-            start, end, w, head = end2, end3, w3, head3
+            start, end, w, head, index = end2, end3, w3, head3, 3
     if WEIGHTS > 4:
         if col0 >= end3:
-            start, end, w, head = end3, end4, w4, head4
+            start, end, w, head, index = end3, end4, w4, head4, 4
     row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = row < rows
     local = col0 - start + tl.arange(0, BLOCK_N)
@@ -79,10 +90,20 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
     acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
     gated = col0 + tl.arange(0, BLOCK_N) >= gated_from  # one value for the whole column block
+    if NORM:
+        squares = tl.zeros((BLOCK_T,), tl.float32)
+        for step in tl.range(0, k, BLOCK_K):
+            kk = step + depth
+            a = tl.load(x_rows + kk[None, :], mask=live[:, None] & (kk < k)[None, :], other=0.0).to(tl.float32)
+            squares += tl.sum(a * a, axis=1)
+        inverse_rms = 1.0 / tl.sqrt_rn(squares / k + norm_eps)
     for step in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
         kk = step + depth
         within = kk < k
         a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
+        if NORM:
+            gain = tl.load(norm_weight + kk, mask=within, other=0.0)
+            a = (a.to(tl.float32) * inverse_rms[:, None] * gain[None, :]).to(w0.dtype.element_ty)
         b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc)
         if GATED:  # the other programs' loads are masked off: no traffic, a dot of zeros
@@ -104,14 +125,19 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
         activation = clamped_swiglu(acc.to(y.dtype.element_ty).to(tl.float32),
                                     up.to(y.dtype.element_ty).to(tl.float32), limit, CLAMP)
         acc = tl.where(gated[None, :], activation, acc)
+    if MXFP4:
+        if (mxfp4_mask >> index) & 1:
+            blocks = tl.reshape(acc.to(y.dtype.element_ty).to(tl.float32), (BLOCK_T, BLOCK_N // 32, 32))
+            acc = tl.reshape(cast_blocks(blocks), (BLOCK_T, BLOCK_N))
     tl.store(out, acc.to(y.dtype.element_ty), mask=live[:, None])
 
 
 def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str, int] | None = None,
                   rope: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-                  gated: bool = False, limit: float | None = None,
-                  out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """``[x @ w.T for w in weights]`` for bf16 ``x [rows, K]`` (unit stride along ``K``) and
+                  gated: bool = False, limit: float | None = None, out_dtype: torch.dtype | None = None,
+                  norm: tuple[torch.Tensor, float] | None = None, mxfp4: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """``[x @ w.T for w in weights]`` for bf16 ``x [rows, K]`` (unit stride along ``K``; with
+    ``norm`` bf16 or float32) and
     contiguous bf16 ``weights [N_i, K]`` (each ``N_i`` a multiple of ``tiles["block_n"]``; default
     :func:`tiles_for` the widths): contiguous ``[rows, N_i]`` views of one buffer,
     :data:`MAX_WEIGHTS` weights a launch. ``rope``: ``(positions int64 [rows], cos_sin float32
@@ -120,7 +146,11 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
     ``gated``: the last two weights are a gate and an up projection of one width, whose SwiGLU
     (``limit``: its clamp, None for none) takes their place among the products (the HAL
     ``stacked_linear``'s ``swiglu``; at most :data:`MAX_WEIGHTS` weights besides the up one).
-    ``out_dtype``: the products' dtype (default ``x.dtype``; float32 stores the accumulator unrounded)."""
+    ``out_dtype``: the products' dtype (default the weights'; float32 stores the accumulator unrounded).
+    ``norm``: ``(float32 weight [K], eps)``, the products of ``x`` RMS-normalised and rounded to bf16
+    (the HAL ``stacked_linear``'s ``norm_weight``), computed in the kernel (:data:`NORM_MAX_K`).
+    ``mxfp4``: the products (indices after the SwiGLU) cast through MXFP4 in the epilogue (the HAL
+    ``stacked_linear``'s ``mxfp4_products``; 32-column tiles)."""
     rows, k = x.shape
     w_up = weights[-1] if gated else None
     weights = weights[:-1] if gated else weights
@@ -128,7 +158,10 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
         raise ValueError(f"a gated call takes at most {MAX_WEIGHTS} weights besides the up projection")
     widths = [w.shape[0] for w in weights]
     tiles = tiles or tiles_for(widths)
-    y = torch.empty(rows * sum(widths), dtype=out_dtype or x.dtype, device=x.device)
+    if mxfp4 and tiles["block_n"] % 32:
+        raise ValueError(f"the MXFP4 cast takes 32-column tiles, got {tiles['block_n']}")
+    y = torch.empty(rows * sum(widths), dtype=out_dtype or weights[0].dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (y, 0.0)
     positions, table, heads = rope if rope is not None else (y, y, [0] * len(weights))
     rotated = table.shape[1] if rope is not None else 0
     for first in range(0, len(weights) if rows else 0, MAX_WEIGHTS):
@@ -138,10 +171,12 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
         pad = MAX_WEIGHTS - len(chunk)
         linear_skinny_kernel[(ends[-1] // tiles["block_n"], -(-rows // BLOCK_T))](
             x, *chunk, *[chunk[0]] * pad, y[base:], rows, k, x.stride(0), *ends, *[ends[-1]] * pad, positions, table,
-            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, w_up if gated else x, ends[-2] if gated and len(chunk) > 1 else (0 if gated else ends[-1]),
-            float(limit or 0.0), WEIGHTS=len(chunk), BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"],
-            BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rotated, GATED=gated, CLAMP=gated and limit is not None,
-            num_warps=tiles["warps"])
+            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, w_up if gated else x,
+            ends[-2] if gated and len(chunk) > 1 else (0 if gated else ends[-1]), float(limit or 0.0), norm_weight,
+            float(eps), sum(1 << (i - first) for i in mxfp4 if first <= i < first + len(chunk)), WEIGHTS=len(chunk),
+            BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"],
+            ROPE=rotated, GATED=gated, CLAMP=gated and limit is not None, NORM=norm is not None,
+            MXFP4=any(first <= i < first + len(chunk) for i in mxfp4), num_warps=tiles["warps"])
     outs, offset = [], 0
     for width in widths:
         outs.append(y[offset:offset + rows * width].view(rows, width))

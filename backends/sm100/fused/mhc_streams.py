@@ -1,6 +1,7 @@
 """The mHC stream reads and writes of a sublayer in one Triton kernel each (and the write of one
 sublayer with the read of the next in one), float32 math in the reference's order, one program
-per (token, ``BLOCK_HIDDEN`` columns)."""
+per (token, ``BLOCK_HIDDEN`` columns); one program per token where the next input is RMS-normalised
+(the whole row in one program)."""
 from __future__ import annotations
 
 import triton
@@ -24,12 +25,14 @@ def mhc_pre_kernel(residual, pre, out, hidden, HC: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def mhc_post_kernel(y, residual, post, comb, pre, out, x, hidden, HC: tl.constexpr, BLOCK: tl.constexpr,
-                    READ_NEXT: tl.constexpr):
+def mhc_post_kernel(y, residual, post, comb, pre, out, x, norm_weight, hidden, norm_eps, HC: tl.constexpr,
+                    BLOCK: tl.constexpr, READ_NEXT: tl.constexpr, NORM: tl.constexpr):
     """``out[t, n, h] = post[t, n] * y[t, h] + sum_m comb[t, m, n] * residual[t, m, h]`` (all
     contiguous; ``post``, ``comb`` float32), stored in ``out``'s dtype. With ``READ_NEXT`` also
     ``x[t, h] = sum_n pre[t, n] * out[t, n, h]`` of the stored (rounded) ``out`` values, the
-    streams added in order as :func:`mhc_pre_kernel` does, stored in ``x``'s dtype."""
+    streams added in order as :func:`mhc_pre_kernel` does, stored in ``x``'s dtype; with ``NORM``
+    (``BLOCK`` covering the row) that input rounded to ``x``'s dtype, then RMS-normalised with the
+    float32 ``norm_weight`` as the HAL ``rms_norm`` does."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = h < hidden
@@ -44,6 +47,10 @@ def mhc_post_kernel(y, residual, post, comb, pre, out, x, hidden, HC: tl.constex
         tl.store(out + (t * HC + n) * hidden + h, stored, mask=inside)
         if READ_NEXT:
             total += tl.load(pre + t * HC + n) * stored.to(tl.float32)
+    if NORM:
+        total = tl.where(inside, total.to(x.dtype.element_ty).to(tl.float32), 0.0)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(total * total, axis=0) / hidden + norm_eps)
+        total = total * inv_rms * tl.load(norm_weight + h, mask=inside, other=0.0)
     if READ_NEXT:
         tl.store(x + t * hidden + h, total.to(x.dtype.element_ty), mask=inside)
 

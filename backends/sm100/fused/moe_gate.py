@@ -46,14 +46,10 @@ def _order_bits(value):
 
 
 @triton.jit
-def moe_gate_kernel(logits, bias, weights, ids, tokens, experts, row_stride, routed_scale,
-                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """Rows ``[BLOCK_T * pid, BLOCK_T * (pid + 1))`` of ``logits [tokens, experts]``: ``ids [tokens,
-    TOP_K]`` (int64) the experts with the largest ``score + bias`` (ties to the lower id), largest
-    first; ``weights`` (float32) their scores over ``(sum + 1e-20)``, times ``routed_scale``."""
-    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    live = row < tokens
+def gate_rows(logits, bias, row, live, experts, row_stride, routed_scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """The gate of rows ``row`` (``live`` where they exist) of ``logits``: ``(ids int64, weights
+    float32)``, both ``[len(row), K_PAD]``, slot ``j < TOP_K`` holding the ``j``-th pick."""
     col = tl.arange(0, BLOCK_E)
     inside = col < experts
     row_logits = logits + row.to(tl.int64) * row_stride
@@ -65,9 +61,9 @@ def moe_gate_kernel(logits, bias, weights, ids, tokens, experts, row_stride, rou
     key = (_order_bits(selection).to(tl.uint64) << 32) | reversed_col[None, :]
     key = tl.where(inside[None, :], key, 0)
     slot = tl.arange(0, K_PAD)
-    picked_ids = tl.zeros((BLOCK_T, K_PAD), tl.int64)
-    picked_scores = tl.zeros((BLOCK_T, K_PAD), tl.float32)
-    total = tl.zeros((BLOCK_T,), tl.float32)
+    picked_ids = tl.zeros((row.shape[0], K_PAD), tl.int64)
+    picked_scores = tl.zeros((row.shape[0], K_PAD), tl.float32)
+    total = tl.zeros((row.shape[0],), tl.float32)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, axis=1)
         pick = (BLOCK_E - 1) - (best & 0xFFFFFFFF).to(tl.int32)
@@ -76,7 +72,21 @@ def moe_gate_kernel(logits, bias, weights, ids, tokens, experts, row_stride, rou
         total += score
         picked_ids = tl.where(slot[None, :] == j, pick.to(tl.int64)[:, None], picked_ids)
         picked_scores = tl.where(slot[None, :] == j, score[:, None], picked_scores)
-    share = tl.div_rn(picked_scores, (total + WEIGHT_SUM_EPS)[:, None]) * routed_scale
+    return picked_ids, tl.div_rn(picked_scores, (total + WEIGHT_SUM_EPS)[:, None]) * routed_scale
+
+
+@triton.jit
+def moe_gate_kernel(logits, bias, weights, ids, tokens, experts, row_stride, routed_scale,
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Rows ``[BLOCK_T * pid, BLOCK_T * (pid + 1))`` of ``logits [tokens, experts]``: ``ids [tokens,
+    TOP_K]`` (int64) the experts with the largest ``score + bias`` (ties to the lower id), largest
+    first; ``weights`` (float32) their scores over ``(sum + 1e-20)``, times ``routed_scale``."""
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = row < tokens
+    picked_ids, share = gate_rows(logits, bias, row, live, experts, row_stride, routed_scale, TOP_K, K_PAD, HAS_BIAS,
+                                  BLOCK_E, LIBDEVICE)
+    slot = tl.arange(0, K_PAD)
     out = row.to(tl.int64)[:, None] * TOP_K + slot[None, :]
     stored = live[:, None] & (slot < TOP_K)[None, :]
     tl.store(ids + out, picked_ids, mask=stored)

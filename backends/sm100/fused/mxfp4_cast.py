@@ -41,6 +41,19 @@ def e2m1_value(code):
 
 
 @triton.jit
+def cast_blocks(blocks):
+    """float32 ``blocks [..., 32]`` cast through MXFP4 and back (one scale per block), float32."""
+    amax = tl.max(tl.abs(blocks), axis=len(blocks.shape) - 1)
+    ratio = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 1.0)
+    exponent = tl.minimum(tl.maximum(_ceil_log2(ratio), -127), 127)
+    a = tl.abs(blocks * tl.expand_dims(power_of_two(-exponent), -1))
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+            + (a > 5.0))
+    sign = ((blocks < 0) & (code > 0)).to(tl.int32) << 3
+    return e2m1_value(code | sign) * tl.expand_dims(power_of_two(exponent), -1)
+
+
+@triton.jit
 def mxfp4_cast_kernel(x, out, rows, heads, out_heads, out_dim, DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """Rows ``[BLOCK_ROWS * pid, ...)`` of ``x [rows, DIM]`` (``heads`` rows per token) cast, into
     ``out [tokens, out_heads, out_dim]`` bf16 at the row's token and head."""
@@ -48,15 +61,7 @@ def mxfp4_cast_kernel(x, out, rows, heads, out_heads, out_dim, DIM: tl.constexpr
     live = row < rows
     col = tl.arange(0, DIM)
     value = tl.load(x + row[:, None].to(tl.int64) * DIM + col[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    blocks = tl.reshape(value, (BLOCK_ROWS, DIM // 32, 32))
-    amax = tl.max(tl.abs(blocks), axis=2)
-    ratio = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 1.0)
-    exponent = tl.minimum(tl.maximum(_ceil_log2(ratio), -127), 127)
-    a = tl.abs(blocks * power_of_two(-exponent)[:, :, None])
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
-            + (a > 5.0))
-    sign = ((blocks < 0) & (code > 0)).to(tl.int32) << 3
-    signed = e2m1_value(code | sign) * power_of_two(exponent)[:, :, None]
+    signed = cast_blocks(tl.reshape(value, (BLOCK_ROWS, DIM // 32, 32)))
     target = (row // heads).to(tl.int64) * out_heads + row % heads
     tl.store(out + target[:, None] * out_dim + col[None, :], tl.reshape(signed, (BLOCK_ROWS, DIM)).to(tl.bfloat16),
              mask=live[:, None])

@@ -13,6 +13,7 @@ from deepinfer.hal.ops import (  # noqa: F401
     kv_norm_rope_store,
     mhc,
     mla,
+    moe_route,
     norm,
     rope,
     routing,

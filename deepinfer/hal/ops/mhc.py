@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.hal.ops.norm import rms_norm
 from deepinfer.hal.spec import OpCase, OpSpec, register
 
 
@@ -89,15 +90,22 @@ def mhc_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
 
 
 def mhc_post_pre(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                 pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 pre: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                 norm_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mhc_post`, then :func:`mhc_pre` of its result with ``pre``: ``(new residual [T, hc,
-    H], next sublayer input [T, H])``, both in ``residual.dtype``.
+    H], next sublayer input [T, H])``, both in ``residual.dtype``. With ``norm_weight`` ``[H]``
+    the input comes RMS-normalised: ``rms_norm(input, norm_weight, norm_eps)`` of the rounded input.
 
     Under shifted hyper-connections the next sublayer reads the new trunk with this sublayer's
     ``pre`` mix, known before this one's output; a backend can then write the trunk and read it
-    for the next sublayer in one pass (the input is the weighted sum of the stored, rounded trunk)."""
+    (and normalise it for the next sublayer) in one pass (the input is the weighted sum of the
+    stored, rounded trunk)."""
     new = mhc_post(y, residual, post, comb)
-    return new, mhc_pre(new, pre)
+    x = mhc_pre(new, pre)
+    if norm_weight is not None:
+        _check_shape("norm_weight", norm_weight, (residual.shape[2],))
+        x = rms_norm(x, norm_weight, norm_eps)
+    return new, x
 
 
 def mhc_head(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -167,7 +175,8 @@ def _pre_case(tokens: int, hc: int, hidden: int, dtype=torch.float32):
     return make
 
 
-def _post_case(tokens: int, hc: int, hidden: int, dtype=torch.float32, with_pre: bool = False):
+def _post_case(tokens: int, hc: int, hidden: int, dtype=torch.float32, with_pre: bool = False,
+               normed: bool = False):
     def make(gen: torch.Generator, device: torch.device):
         args = {"y": torch.randn(tokens, hidden, generator=gen).to(device, dtype),
                 "residual": _residual(gen, tokens, hc, hidden, dtype, device),
@@ -175,6 +184,9 @@ def _post_case(tokens: int, hc: int, hidden: int, dtype=torch.float32, with_pre:
                 "comb": sinkhorn(torch.randn(tokens, hc, hc, generator=gen), 1e-6, 20).to(device)}
         if with_pre:
             args["pre"] = torch.rand(tokens, hc, generator=gen).to(device)
+        if normed:
+            args["norm_weight"] = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
+            args["norm_eps"] = 1e-6
         return args
     return make
 
@@ -233,6 +245,11 @@ register(OpSpec(
         OpCase("v41_hidden", _post_case(8, 4, 4096, with_pre=True), size="real"),
         OpCase("v41_hidden_bf16", _post_case(8, 4, 4096, torch.bfloat16, with_pre=True), size="real",
                dtype=torch.bfloat16),
+        OpCase("tiny_normed", _post_case(5, 4, 16, with_pre=True, normed=True)),
+        OpCase("wide_normed_bf16", _post_case(3, 4, 1100, torch.bfloat16, with_pre=True, normed=True),
+               dtype=torch.bfloat16),
+        OpCase("v41_hidden_normed_bf16", _post_case(8, 4, 4096, torch.bfloat16, with_pre=True, normed=True),
+               size="real", dtype=torch.bfloat16),
     ),
 ))
 

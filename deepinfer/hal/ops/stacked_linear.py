@@ -15,6 +15,7 @@ import torch
 
 from deepinfer.hal.ops.grouped_gemm import (ACTIVATION_FORMATS, WEIGHT_FORMATS, Operand, _operand, check_out_dtype,
                                             linear, logical_shape)
+from deepinfer.hal.formats import cast_back
 from deepinfer.hal.ops import activation
 from deepinfer.hal.ops.norm import rms_norm
 from deepinfer.hal.ops.rope import apply_rope, check_rope_args, rope_cos_sin, rope_inv_freq
@@ -25,7 +26,8 @@ def stacked_linear(x: Operand, weights: Sequence[Operand], positions: torch.Tens
                    cos_sin: torch.Tensor | None = None, rope_heads: Sequence[int] | None = None,
                    norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
                    keep_normed: bool = False, norm_dtype: torch.dtype | None = None, swiglu: bool = False,
-                   swiglu_limit: float | None = None, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+                   swiglu_limit: float | None = None, out_dtype: torch.dtype | None = None,
+                   mxfp4_products: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x, w, out_dtype) for w in weights)``: ``x [..., K]``, each ``weight [N_i, K]``
     plain or :class:`~deepinfer.hal.formats.Quantized` as :func:`linear` takes it; each product
     ``[..., N_i]`` in :func:`linear`'s dtype (``out_dtype``; else ``x.dtype`` for plain operands,
@@ -47,14 +49,22 @@ def stacked_linear(x: Operand, weights: Sequence[Operand], positions: torch.Tens
     With ``swiglu`` the last two weights are a gate and an up projection of one width: their two
     products are replaced by one, :func:`~deepinfer.hal.ops.activation.swiglu` of them with
     ``swiglu_limit`` (the shared expert's activation, which a backend may compute in the
-    products' epilogue)."""
-    check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype, swiglu)
+    products' epilogue).
+
+    The products ``mxfp4_products`` names (indices, each width a multiple of 32) leave cast
+    through MXFP4 and back (:func:`~deepinfer.hal.formats.cast_back` with blocks of 32 along the
+    width, after the RoPE, in the product's dtype): the indexer's queries, which its scores read
+    in that format (a backend may cast them in the products' epilogue)."""
+    check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype, swiglu,
+                         mxfp4_products)
     check_out_dtype("stacked_linear", out_dtype)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, norm_eps).to(norm_dtype or x.dtype)
     products = rope_products(tuple(linear(x, w, out_dtype) for w in weights), positions, cos_sin, rope_heads)
     if swiglu:
         products = products[:-2] + (activation.swiglu(products[-2], products[-1], swiglu_limit),)
+    products = tuple(cast_back(y, "mxfp4", 32).to(y.dtype) if i in mxfp4_products else y
+                     for i, y in enumerate(products))
     return products + (x,) if keep_normed else products
 
 
@@ -74,12 +84,14 @@ def rope_products(products, positions, cos_sin, rope_heads, rope=apply_rope) -> 
 def check_stacked_linear(x: Operand, weights: Sequence[Operand], positions: torch.Tensor | None = None,
                          cos_sin: torch.Tensor | None = None, rope_heads: Sequence[int] | None = None,
                          norm_weight: torch.Tensor | None = None, keep_normed: bool = False,
-                         norm_dtype: torch.dtype | None = None, swiglu: bool = False) -> None:
+                         norm_dtype: torch.dtype | None = None, swiglu: bool = False,
+                         mxfp4_products: Sequence[int] = ()) -> None:
     """At least one weight, each ``[N_i, K]`` with ``x``'s ``K``; with ``rope_heads``, ``x [T, K]``,
     one head width per weight, each 0 or at least ``R`` and dividing ``N_i``, and ``positions``
     and ``cos_sin`` as ``apply_rope`` takes them; ``norm_weight`` ``[K]`` with a plain ``x``, and
     with ``keep_normed``; with ``swiglu`` at least two weights, the last two of one width, and no
-    ``rope_heads``."""
+    ``rope_heads``; ``mxfp4_products`` distinct indices of products (after the SwiGLU) whose widths
+    are multiples of 32."""
     x_shape = logical_shape(x, "x", ACTIVATION_FORMATS)
     if (keep_normed or norm_dtype is not None) and norm_weight is None:
         raise ValueError("stacked_linear: keep_normed and norm_dtype are about the normalised input, so they need "
@@ -100,6 +112,11 @@ def check_stacked_linear(x: Operand, weights: Sequence[Operand], positions: torc
     if swiglu and (len(widths) < 2 or widths[-1] != widths[-2] or rope_heads is not None):
         raise ValueError(f"stacked_linear: swiglu takes the last two weights as a gate and an up projection of one "
                          f"width, without rope_heads; got widths {widths} and rope_heads {rope_heads}")
+    outputs = widths[:-1] if swiglu else widths
+    if len(set(mxfp4_products)) != len(mxfp4_products) or any(
+            not isinstance(i, int) or not 0 <= i < len(outputs) or outputs[i] % 32 for i in mxfp4_products):
+        raise ValueError(f"stacked_linear: mxfp4_products must be distinct indices of products whose widths are "
+                         f"multiples of 32 (widths {outputs}); got {list(mxfp4_products)}")
     if rope_heads is None:
         if positions is not None or cos_sin is not None:
             raise ValueError("stacked_linear: positions and cos_sin go with rope_heads (one head width per "
@@ -122,7 +139,7 @@ def check_stacked_linear(x: Operand, weights: Sequence[Operand], positions: torc
 
 
 def _case(lead, widths, k, formats=None, dtype=torch.float32, rope_heads=None, rope_dim=64, norm=False,
-          swiglu=None, out_dtype=None):
+          swiglu=None, out_dtype=None, mxfp4=()):
     def make(gen: torch.Generator, device: torch.device):
         args = {"x": _operand((*lead, k), None, gen, device, dtype),
                 "weights": [_operand((n, k), fmt, gen, device, dtype, spread=k ** -0.5)
@@ -140,6 +157,8 @@ def _case(lead, widths, k, formats=None, dtype=torch.float32, rope_heads=None, r
             args.update(swiglu=True, swiglu_limit=swiglu or None)
         if out_dtype is not None:
             args["out_dtype"] = out_dtype
+        if mxfp4:
+            args["mxfp4_products"] = mxfp4
         return args
     return make
 
@@ -186,6 +205,11 @@ register(OpSpec(
                                            swiglu=10.0), "real", torch.bfloat16),
         OpCase("v41_q_b_rope_bf16", _case((16,), (32768, 8192), 1280, dtype=torch.bfloat16, rope_heads=(512, 128)),
                "real", torch.bfloat16),
+        OpCase("tiny_mxfp4_bf16", _case((3,), (64, 32), 96, dtype=torch.bfloat16, mxfp4=(1,)), dtype=torch.bfloat16),
+        OpCase("rows_norm_rope_mxfp4_bf16", _case((18,), (128, 64), 64, dtype=torch.bfloat16, rope_heads=(64, 32),
+                                                  rope_dim=16, norm=True, mxfp4=(0, 1)), dtype=torch.bfloat16),
+        OpCase("v41_q_b_index_mxfp4_bf16", _case((4,), (32768, 8192), 1024, dtype=torch.bfloat16,
+                                                 rope_heads=(512, 128), norm=True, mxfp4=(1,)), "real", torch.bfloat16),
         # LM heads: float32 products of bf16 operands, held to float32's tolerance (the normalised input
         # is left out there, since one bf16 step of it moves a product by more)
         OpCase("head_float32_bf16", _case((2,), (128, 64), 256, dtype=torch.bfloat16, out_dtype=torch.float32),

@@ -81,9 +81,8 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext, cache: LayerCache, cos_sin: torch.Tensor,
                 kv_source: torch.Tensor | None = None, kv_ctx: ForwardContext | None = None,
-                norm: RMSNorm | None = None, shared: dict | None = None) -> torch.Tensor:
-        """``hidden`` is the normed layer input, or with ``norm`` the input that ``norm`` normalises
-        (in the projections' ``stacked_linear``); compressed KV is projected from ``kv_source``
+                shared: dict | None = None) -> torch.Tensor:
+        """``hidden`` is the normed layer input; compressed KV is projected from ``kv_source``
         (the YOCO shared hidden in consumer layers) when given, for every token of ``kv_ctx``
         (default ``ctx``; more rows than ``ctx`` under compact bounded replay). Consumer layers
         see SWA keys only from ``ctx.replay_start`` on, when it is set."""
@@ -95,10 +94,12 @@ class Attention(nn.Module):
         visible = ctx.derived(("replay_visible",), lambda: ctx.replay_start[ctx.seq_of_token]) if bounded else None
         indexing = self.indexer is not None and (ctx.decode or not self._windows_fit_topk(ctx))
         compressing = self.compressor is not None and kv_source is None
-        projected = self._project_hidden(hidden, indexing, compressing=compressing, norm=norm)
+        projected = self._project_hidden(hidden, indexing, compressing=compressing)
         q_weights, q_heads = ([self.wq_b, self.indexer.wq_b], [ATTENTION_DIM, INDEX_HEAD_DIM]) if indexing else \
             ([self.wq_b], [ATTENTION_DIM])
-        q_b = stacked(ops, projected["q_a"], q_weights, rope=(pos, cos_sin, q_heads), norm=self.q_norm)
+        # the indexer's queries leave cast through MXFP4, the format its scores read them in
+        q_b = stacked(ops, projected["q_a"], q_weights, rope=(pos, cos_sin, q_heads), norm=self.q_norm,
+                      mxfp4_products=(1,) if indexing else ())
         q = q_b[0].view(ctx.num_tokens, self.heads, ATTENTION_DIM)
         kv_latent = projected["kv"]
         selected = None
@@ -121,9 +122,8 @@ class Attention(nn.Module):
         out = attend(q, kv_latent, selected, ctx, cache, visible, cos_sin)
         return self._project_out(out, (pos, cos_sin))  # the output's inverse RoPE as wo_a reads it
 
-    def _project_hidden(self, hidden: torch.Tensor, indexing: bool, compressing: bool,
-                        norm: RMSNorm | None = None) -> dict[str, torch.Tensor]:
-        """The projections of ``hidden`` (or ``norm(hidden)``) in one ``stacked_linear`` (DeepInfer's
+    def _project_hidden(self, hidden: torch.Tensor, indexing: bool, compressing: bool) -> dict[str, torch.Tensor]:
+        """The projections of ``hidden`` in one ``stacked_linear`` (DeepInfer's
         fused GEMMs): ``q_a`` and the SWA key ``kv``; ``head_weights`` (the indexer's) when
         ``indexing``; the compressor's ``latent`` (and, for C2, ``score``) when ``compressing``
         ``hidden`` itself."""
@@ -134,7 +134,7 @@ class Attention(nn.Module):
             named["latent"] = self.compressor.wkv
             if self.compressor.wgate is not None:
                 named["score"] = self.compressor.wgate
-        return dict(zip(named, stacked(self.ops, hidden, list(named.values()), norm=norm)))
+        return dict(zip(named, stacked(self.ops, hidden, list(named.values()))))
 
     def _project_and_store(self, source, ctx, cache, cos_sin, shared=None) -> None:
         """Project ``source`` (another layer's hidden, with its own rows) through the compressor
@@ -261,7 +261,7 @@ class Attention(nn.Module):
                                                                                           INDEX_HEAD_DIM)
             visible = self._decode_layout(ctx, cache)[1]
             starts = ctx.derived(("zeros", visible.shape), lambda: torch.zeros_like(visible))
-            logits = ops.indexer_logits(q, keys, head_weights, weight_scale=idx.weight_scale)
+            logits = ops.indexer_logits(q, keys, head_weights, q_format=None, weight_scale=idx.weight_scale)
             logits = self._candidates(logits, starts, visible, 0, shared)
             return ops.indexer_topk(logits, starts, visible, topk, row_table=self._rows_of_token(ctx, cache))
         keys = ops.kv_load(cache.index_k, key_slots, "index_fp4")
@@ -269,7 +269,8 @@ class Attention(nn.Module):
         starts = first[ctx.seq_of_token]
         selected = []
         for group, (t0, t1, k0, k1) in enumerate(self._indexer_groups(ctx)):
-            logits = ops.indexer_logits(q[t0:t1], keys[k0:k1], head_weights[t0:t1], weight_scale=idx.weight_scale)
+            logits = ops.indexer_logits(q[t0:t1], keys[k0:k1], head_weights[t0:t1], q_format=None,
+                                        weight_scale=idx.weight_scale)
             logits = self._candidates(logits, starts[t0:t1] - k0, visible[t0:t1], group, shared)
             selected.append(ops.indexer_topk(logits, starts[t0:t1] - k0, visible[t0:t1], topk))
         return torch.cat(selected)

@@ -40,9 +40,9 @@ def enter_consumer_half(layer, residual: torch.Tensor, pre: torch.Tensor | None,
     Returns the context the consumer half runs on and ``keep``, which gathers any per-row tensor
     (or None) to its rows. Under ``compact`` (unless every row is kept; a decode step always
     keeps every row) the YOCO shared hidden is taken here on the full layout (``residual``, with
-    the attention input mix ``pre``, or the attention input ``x`` when the previous layer gave it)
-    and put in ``yoco`` with ``ctx``, so consumer compressed KV
-    and index K are still stored for every token. The compact rows come from the host
+    the attention input mix ``pre``, or the normalised attention input ``x`` when the previous
+    layer gave it) and put in ``yoco`` with ``ctx``, so consumer compressed KV and index K are
+    still stored for every token. The compact rows come from the host
     (``ctx.consumer``), so nothing here reads the device."""
     start = ctx.replay_start
     if start is None or start.dtype != torch.int64 or tuple(start.shape) != (ctx.num_seqs,):
@@ -59,8 +59,8 @@ def enter_consumer_half(layer, residual: torch.Tensor, pre: torch.Tensor | None,
     rows = consumer.rows
     if x is None:
         hc = layer.hc_attn
-        x = hc.ops.mhc_pre(residual, pre if pre is not None else hc.mixes(residual)[0])
-    yoco.shared_hidden, yoco.shared_ctx = layer.attn_norm(x), ctx
+        x = layer.attn_norm(hc.ops.mhc_pre(residual, pre if pre is not None else hc.mixes(residual)[0]))
+    yoco.shared_hidden, yoco.shared_ctx = x, ctx
     seq_of_token = ctx.seq_of_token[rows]
     view = dataclasses.replace(ctx, input_ids=ctx.input_ids[rows], positions=ctx.positions[rows],
                                query_lens=consumer.counts, logits_indices=consumer.logits_indices,

@@ -28,7 +28,8 @@ class HyperConnection(nn.Module):
                                   self.sinkhorn_iters, sinkhorn_order=self.sinkhorn_order)
 
     def run(self, residual: torch.Tensor, input_pre: torch.Tensor | None, sublayer,
-            x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            x: torch.Tensor | None = None, norm=None,
+            next_norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Apply ``sublayer`` on the trunk; returns ``(new trunk, this sublayer's pre mix, next
         sublayer's input)``.
 
@@ -36,13 +37,21 @@ class HyperConnection(nn.Module):
         ``x`` when the previous sublayer gave it, else read here; the next sublayer reads the new
         trunk with this sublayer's pre mix, so that input comes with the new trunk
         (``mhc_post_pre``). With ``input_pre=None`` (non-shifted) the sublayer reads with its own
-        pre mix and the next input is None."""
+        pre mix and the next input is None.
+
+        ``norm`` (an :class:`~deepinfer.models.layers.RMSNorm`): the sublayer is fed its input
+        normalised by it (normalised here when read here; a given ``x`` comes normalised by it).
+        ``next_norm``: the norm of the next sublayer's input, which the shifted step returns
+        normalised (``mhc_post_pre`` normalises it in the same pass)."""
         pre, post, comb = self.mixes(residual)
         if input_pre is None:
-            return self.ops.mhc_post(sublayer(self.ops.mhc_pre(residual, pre)), residual, post, comb), pre, None
+            x = self.ops.mhc_pre(residual, pre)
+            return self.ops.mhc_post(sublayer(x if norm is None else norm(x)), residual, post, comb), pre, None
         if x is None:
             x = self.ops.mhc_pre(residual, input_pre)
-        residual, next_x = self.ops.mhc_post_pre(sublayer(x), residual, post, comb, pre)
+            x = x if norm is None else norm(x)
+        normed = {} if next_norm is None else {"norm_weight": next_norm.weight, "norm_eps": next_norm.eps}
+        residual, next_x = self.ops.mhc_post_pre(sublayer(x), residual, post, comb, pre, **normed)
         return residual, pre, next_x
 
 

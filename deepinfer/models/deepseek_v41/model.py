@@ -98,7 +98,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         streams = self.cfg.hc_mult
         residual = self.embed(ctx.input_ids, streams)
         pre = self.first_pre.expand(ctx.num_tokens, streams) if self.cfg.hc_shifted else None
-        x = residual[:, 0] if self.cfg.hc_shifted else None  # the first mix reads stream 0: the embedding itself
+        # the first mix reads stream 0, the embedding itself; each layer takes its input normalised by its attn_norm
+        x = self.layers[0].attn_norm(residual[:, 0]) if self.cfg.hc_shifted else None
         yoco, features = YocoState(), []
         for i, (layer, cache) in enumerate(zip(self.layers, caches.layers)):
             yoco.starts_here = i == self.cfg.n_prefill_layers
@@ -108,15 +109,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             if ctx.write_draft_cache and i in self.cfg.dspark_target_layer_ids:
                 features.append(residual.mean(dim=1))
             cos_sin = self.rope_compressed if layer.ratio else self.rope_swa
-            residual, pre, x = layer(residual, pre, ctx, cache, cos_sin, yoco, x)
+            next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            residual, pre, x = layer(residual, pre, ctx, cache, cos_sin, yoco, x, next_norm=next_norm)
         if ctx.write_draft_cache:
             self._write_draft_main_keys(torch.cat(features, dim=-1), ctx, caches)
         if x is None:
             residual = residual if ctx.every_row_logits else residual[ctx.logits_indices]
-            x = self.ops.mhc_pre(residual, self.hc_head.weights(residual))
+            x = self.norm(self.ops.mhc_pre(residual, self.hc_head.weights(residual)))
         elif not ctx.every_row_logits:
             x = x[ctx.logits_indices]
-        return self.logits(x, self.norm)
+        return self.logits(x)
 
     def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
         """Store every draft layer's main keys (from the mean-over-streams target features) in its
@@ -145,9 +147,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         hidden = self.ops.mhc_pre(residual, last.hc_head.weights(residual))
         return self.logits(hidden, last.norm), hidden
 
-    def logits(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """float32 logits of ``hidden [T, D]``: ``norm`` and the LM head in one ``stacked_linear``,
-        its accumulator written unrounded (as DeepInfer's head GEMM writes float32 logits)."""
+    def logits(self, hidden: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """float32 logits of ``hidden [T, D]`` (normalised, or normalised by ``norm`` in the same
+        ``stacked_linear`` as the LM head), its accumulator written unrounded (as DeepInfer's
+        head GEMM writes float32 logits)."""
         return stacked(self.ops, hidden, [self.head], norm=norm, out_dtype=torch.float32)[0]
 
     def draft(self, ctx: ForwardContext, caches: ModelCaches, sampling: DraftSampling) -> DraftProposal:

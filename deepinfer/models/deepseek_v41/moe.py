@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.hal.registry import OpTable
-from deepinfer.models.layers import Linear, RMSNorm, quantized_operand, quantized_parameters, stacked
+from deepinfer.models.layers import Linear, quantized_operand, quantized_parameters, stacked
 
 
 class Gate(nn.Module):
@@ -69,18 +69,14 @@ class MoE(nn.Module):
         self.experts = Experts(experts, hidden, intermediate, dtype)
         self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
-        """Routed experts plus the shared expert on ``x`` (or ``norm(x)``, computed in the same
-        ``stacked_linear`` that gives the router's logits and the shared expert's activation, the
-        SwiGLU of its gate and up projections, which also returns it for the dispatch)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts plus the shared expert on the normalised ``x``: the router's logits and
+        the shared expert's activation (the SwiGLU of its gate and up projections) in one
+        ``stacked_linear``, then the gate with the dispatch in one ``moe_route``."""
         shared = self.shared_experts
-        weights = [self.gate.weight, shared.w1, shared.w3]
-        if norm is None:
-            logits, activation = stacked(self.ops, x, weights, swiglu=True, swiglu_limit=self.limit)
-        else:
-            logits, activation, x = stacked(self.ops, x, weights, norm=norm, keep_normed=True, swiglu=True,
-                                            swiglu_limit=self.limit)
-        return self._routed(x, *self._select(logits), shared.w2(activation))
+        logits, activation = stacked(self.ops, x, [self.gate.weight, shared.w1, shared.w3], swiglu=True,
+                                     swiglu_limit=self.limit)
+        return self._routed(x, shared.w2(activation), logits=logits)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights float32 [T, k], expert ids int64 [T, k])`` of the gate (``moe_gate`` reads the
@@ -91,16 +87,22 @@ class MoE(nn.Module):
         """Routed experts (weighted by ``weights``) plus the shared expert."""
         shared = self.shared_experts
         gate, up = stacked(self.ops, x, [shared.w1, shared.w3])
-        return self._routed(x, weights, ids, shared.w2(self.ops.swiglu(gate, up, self.limit)))
+        return self._routed(x, shared.w2(self.ops.swiglu(gate, up, self.limit)), weights=weights, ids=ids)
 
     def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.moe_gate(logits, self.gate.bias, self.top_k, self.routed_scale)
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, shared: torch.Tensor, logits: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' output rounded to ``x.dtype``, plus ``shared`` (the shared expert's,
-        in ``x.dtype``): dispatch, the grouped SwiGLU and down GEMMs, combine (which adds it)."""
+        in ``x.dtype``): the gate on ``logits`` with the dispatch (``moe_route``; or the dispatch of
+        the given ``weights`` and ``ids``), the grouped SwiGLU and down GEMMs, combine (which adds it)."""
         ops, experts = self.ops, self.experts
-        rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
+        if logits is not None:
+            _, _, rows, group_sizes, handle = ops.moe_route(x, logits, self.gate.bias, self.top_k, self.routed_scale,
+                                                            self.ep_group)
+        else:
+            rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
         hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
                                     x.dtype)
         return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle, add=shared)

@@ -212,16 +212,17 @@ def grouped_gemm_fp8_wgmma(experts: int, n: int, k: int, w_format: str, block_m:
                     for kb in T.serial(k_blocks):
                         stage = kb % num_stages
                         T.barrier_wait(empty[stage], ((kb // num_stages) & 1) ^ 1)
-                        if p == 0:
-                            if mxfp4:
-                                T.tma_copy(w[expert, bn * block_n:(bn + 1) * block_n,
-                                             kb * block_k // 2:(kb + 1) * block_k // 2],
-                                           w_raw[stage, :, :], barrier=raw_full[stage], annotations={"emit_arrive": 1})
-                            else:
-                                T.tma_copy(w[expert, bn * block_n:(bn + 1) * block_n, kb * block_k:(kb + 1) * block_k],
-                                           w_s[stage, :, :], barrier=full[stage])
-                            T.tma_copy(x[row0:row0 + block_m, kb * block_k:(kb + 1) * block_k], x_s[stage, :, :],
-                                       barrier=full[stage], annotations={"emit_arrive": 1})
+                        # every producer thread reaches the copies: TileLang elects the one that issues them with
+                        # elect.sync over whole warps, which never returns on a lone thread of a warp
+                        if mxfp4:
+                            T.tma_copy(w[expert, bn * block_n:(bn + 1) * block_n,
+                                         kb * block_k // 2:(kb + 1) * block_k // 2],
+                                       w_raw[stage, :, :], barrier=raw_full[stage], annotations={"emit_arrive": 1})
+                        else:
+                            T.tma_copy(w[expert, bn * block_n:(bn + 1) * block_n, kb * block_k:(kb + 1) * block_k],
+                                       w_s[stage, :, :], barrier=full[stage])
+                        T.tma_copy(x[row0:row0 + block_m, kb * block_k:(kb + 1) * block_k], x_s[stage, :, :],
+                                   barrier=full[stage], annotations={"emit_arrive": 1})
                         for i, g in T.Parallel(block_m, groups):
                             xs_f[stage, g, i] = T.if_then_else(row0 + i < m,
                                                                _ue8m0(x_scale[row0 + i, kb * groups + g]), 0.0)
@@ -425,7 +426,7 @@ def _compile_all(jobs: int = 16) -> None:
                 print(failure, flush=True)
 
 
-def _run_shape(index: int, idle_s: float = 90.0) -> list[dict]:
+def _run_shape(index: int, idle_s: float = 40.0) -> list[dict]:
     """:func:`_shape_child` for shape ``index`` in a child process (a CUDA fault or a hang there
     spares the other shapes), its output echoed; a config silent for ``idle_s`` is reported hung
     and the child restarted after it. The results of the ``RESULT`` lines."""
@@ -454,8 +455,8 @@ def _run_shape(index: int, idle_s: float = 90.0) -> list[dict]:
         for line in child.stdout:
             take(line)
         child.wait()
-        if not hung:
-            break
+        if not hung or sum(row["shape"] == SHAPES[index][0] for row in results) == len(SWEEP) + 1:
+            break  # a child silent after its last result (slow to exit) ran every config
         stuck = started[-1] if started else configs[0]
         print(f"HUNG {SHAPES[index][0]} {SWEEP[stuck]}", flush=True)
         results.append({"shape": SHAPES[index][0], "config": json.dumps(SWEEP[stuck]), "us": float("nan"),
