@@ -53,17 +53,19 @@ def main(cfg: DictConfig) -> None:
 
 def run_app(app) -> None:
     """The generate task: read prompts, generate, print the results (and write them to
-    ``output_file`` when given)."""
+    ``output_file`` when given); under a parallel plan (torchrun) only rank 0 prints and writes."""
     if app.task != "generate":
         raise ValueError(f"task={app.task!r} is not implemented yet; only task=generate exists")
     from deepinfer.engine.llm import LLM
 
     prompts = read_prompts(app)
     llm = LLM.from_config(app)
-    if llm.random_weights:
+    if llm.random_weights and (llm.groups is None or not llm.groups.rank):
         print(f"NOTE: model {app.model.name!r} has random weights (no model.checkpoint), so the generated "
               f"text is noise; model=tiny is the trained default.")
     outputs = llm.generate(prompts)
+    if llm.groups is not None and llm.groups.rank:
+        return
     print("\n".join(f"--- prompt {out.request_id}: {out.prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, "
                     f"finish: {out.finish_reason}]" for out in outputs))
     if app.output_file:

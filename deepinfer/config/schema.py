@@ -93,11 +93,14 @@ class ParallelConfig:
     """Ranks the routed experts are spread over."""
     context_parallel: int = 1
     """Ranks a long prefill is split over (balanced, 2*cp pieces)."""
+    timeout_s: float = 300.0
+    """Seconds a collective may wait for the other ranks before the run ends with an error."""
 
     def __post_init__(self) -> None:
         for key in ("data_parallel", "expert_parallel", "context_parallel"):
             value = getattr(self, key)
             _require(value >= 1, f"parallel.{key}", value, "must be >= 1")
+        _require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0")
 
 
 @dataclass

@@ -30,6 +30,8 @@ from deepinfer.engine.scheduler import Batch, Scheduler
 from deepinfer.engine.scheduler_deepinfer import DeepInferScheduler
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.registry import build_model, resolve_checkpoint
+from deepinfer.parallel.expert import shard_experts
+from deepinfer.parallel.groups import join
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -63,6 +65,9 @@ class LLM:
         self.runtime = make_runtime(torch.device(app.backend.device))
         before = self.runtime.allocated()
         self.model, self.random_weights = build_model(app.model, self.ops, self.runtime.device, engine.seed)
+        self.groups = join(app.parallel, self.runtime.device)
+        if self.groups is not None:
+            shard_experts(self.model, self.groups.expert)
         weight_bytes = self.runtime.allocated() - before
         cfg = self.model.cfg
         if engine.bounded_replay.mode != "off":
@@ -71,6 +76,12 @@ class LLM:
         self.tokenizer = load_tokenizer(resolve_checkpoint(app.model.checkpoint), cfg.vocab_size,
                                         cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
         graphs = engine.cuda_graphs if engine.cuda_graphs is not None else self.runtime.supports_graphs
+        if graphs and self.groups is not None:
+            if engine.cuda_graphs:
+                raise ConfigError(f"engine.cuda_graphs=true with parallel={app.parallel.name}: the expert-parallel "
+                                  f"dispatch sizes its exchange on the host, which a CUDA graph cannot replay; "
+                                  f"leave engine.cuda_graphs unset (off under parallel plans)")
+            graphs = False
         padded = graphs or self.runtime.supports_graphs
         graphs = graphs and self.runtime.supports_graphs
         num_blocks = plan_kv_blocks(self.model, self.ops, self.runtime, engine, decoding.num_draft_tokens, graphs,
@@ -466,6 +477,6 @@ def _refuse_unfinished_features(app) -> None:
         raise ValueError(f"engine.batch_invariant=true verifies all {app.decoding.num_draft_tokens} drafts of a request "
                          f"in one step: engine.max_num_batched_tokens must be >= {app.decoding.num_draft_tokens + 1}")
     parallel = app.parallel
-    if (parallel.data_parallel, parallel.expert_parallel, parallel.context_parallel) != (1, 1, 1):
-        raise ValueError("attention DP, expert parallelism and context parallelism are not implemented yet; "
-                         "use parallel=single")
+    if (parallel.data_parallel, parallel.context_parallel) != (1, 1):
+        raise ValueError("attention DP and context parallelism are not implemented yet; use parallel=single or an "
+                         "expert-parallel plan (parallel=ep2, ep4)")

@@ -1,0 +1,57 @@
+"""The process groups of a parallel plan, joined from torchrun's environment.
+
+A plan of more than one rank needs exactly that many processes, started by torchrun (or any
+launcher that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``). The collective
+backend follows the device: gloo on the CPU, NCCL on CUDA, HCCL on an NPU. Every collective runs
+under the plan's ``parallel.timeout_s``, so a rank that dies or stalls ends the run with an error
+instead of a hang."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+"""Collective backend by device type."""
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This process's place in the plan: its ``rank`` of ``world`` and the group the routed
+    experts are spread over (``expert``: every rank, under expert parallelism)."""
+
+    rank: int
+    world: int
+    expert: object
+
+
+def plan_world(plan) -> int:
+    """Processes a plan (:class:`~deepinfer.config.schema.ParallelConfig`) runs on."""
+    return max(plan.data_parallel, plan.expert_parallel, plan.context_parallel)
+
+
+def join(plan, device: torch.device) -> ProcessGroups | None:
+    """Join (or reuse) the default process group for ``plan``; None for a one-rank plan. Refuses a
+    launch whose ``WORLD_SIZE`` is not the plan's, naming the torchrun command that fits."""
+    world = plan_world(plan)
+    if world == 1:
+        return None
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != world:
+        raise RuntimeError(f"parallel={plan.name} runs on {world} processes, but this one was started among "
+                           f"{launched} (WORLD_SIZE); launch it with torchrun --nproc-per-node {world} ...")
+    backend = BACKENDS.get(device.type)
+    if backend is None:
+        raise RuntimeError(f"no collective backend is known for device type {device.type!r} "
+                           f"(known: {', '.join(BACKENDS)})")
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=plan.timeout_s))
+    elif dist.get_world_size() != world:
+        raise RuntimeError(f"the process group already joined has {dist.get_world_size()} ranks; "
+                           f"parallel={plan.name} needs {world}")
+    return ProcessGroups(dist.get_rank(), world, dist.group.WORLD)

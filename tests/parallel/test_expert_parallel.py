@@ -1,0 +1,89 @@
+"""Expert parallelism on gloo: two (and four) processes started as torchrun starts them (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each an ``LLM`` with ``parallel=ep2``, give the greedy
+tokens of one process token for token (batch-invariant mode); each rank holds only its share of
+the routed experts; plans are refused where they cannot run."""
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.parallel.expert import local_experts
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, item):", "for i in range("]
+COMMON = ["engine.batch_invariant=true", "engine.use_tqdm=false", "engine.max_num_seqs=4"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _generate(llm: LLM, prompts: list[str], max_tokens: int = 12) -> list[list[int]]:
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [list(o.token_ids) for o in outputs]
+
+
+def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        llm = LLM("tiny", overrides=[f"parallel={plan}", *COMMON, *extra])
+        held = {name: p.shape[0] for name, p in llm.model.named_parameters() if name.endswith("experts.w1")}
+        tokens = _generate(llm, PROMPTS)
+        torch.save({"tokens": tokens, "held": held}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(tmp_path, plan: str, world: int, extra: list[str] = ()) -> list[dict]:
+    mp.spawn(_rank, args=(world, _free_port(), plan, str(tmp_path), list(extra)), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens():
+    return _generate(LLM("tiny", overrides=COMMON), PROMPTS)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("plan, world", [("ep2", 2), ("ep4", 4)])
+def test_expert_parallel_greedy_tokens_equal_one_process(tmp_path, single_process_tokens, plan, world):
+    results = _run(tmp_path, plan, world)
+    single = LLM("tiny", overrides=COMMON)
+    full = {name: p.shape[0] for name, p in single.model.named_parameters() if name.endswith("experts.w1")}
+    for rank, result in enumerate(results):
+        assert result["tokens"] == single_process_tokens, f"rank {rank} of {plan}"
+        assert result["held"] == {name: count // world for name, count in full.items()}, f"rank {rank} of {plan}"
+
+
+@pytest.mark.multirank
+def test_expert_parallel_with_dspark_equals_one_process(tmp_path):
+    extra = ["decoding=dspark", "decoding.varlen=false"]
+    want = _generate(LLM("tiny", overrides=[*COMMON, *extra]), PROMPTS)
+    for rank, result in enumerate(_run(tmp_path, "ep2", 2, extra)):
+        assert result["tokens"] == want, f"rank {rank}"
+
+
+def test_local_experts_are_contiguous_equal_shares():
+    assert [local_experts(8, 4, r) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="do not divide over 3 expert-parallel ranks"):
+        local_experts(8, 3, 0)
+
+
+def test_a_plan_launched_on_the_wrong_number_of_processes_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match=r"parallel=ep2 runs on 2 processes.*torchrun --nproc-per-node 2"):
+        LLM("tiny", overrides=["parallel=ep2", *COMMON])
+
+
+@pytest.mark.parametrize("override", ["parallel.data_parallel=2", "parallel.context_parallel=2"])
+def test_plans_not_implemented_yet_are_refused(override):
+    with pytest.raises(ValueError, match="not implemented yet"):
+        LLM("tiny", overrides=[override])
