@@ -30,6 +30,7 @@ from deepinfer.engine.scheduler import Batch, Scheduler
 from deepinfer.engine.scheduler_deepinfer import DeepInferScheduler
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.registry import build_model, resolve_checkpoint
+from deepinfer.parallel.data import gather_in_order
 from deepinfer.parallel.expert import shard_experts
 from deepinfer.parallel.groups import join
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
@@ -66,7 +67,7 @@ class LLM:
         before = self.runtime.allocated()
         self.model, self.random_weights = build_model(app.model, self.ops, self.runtime.device, engine.seed)
         self.groups = join(app.parallel, self.runtime.device)
-        if self.groups is not None:
+        if self.groups is not None and self.groups.expert is not None:
             shard_experts(self.model, self.groups.expert)
         weight_bytes = self.runtime.allocated() - before
         cfg = self.model.cfg
@@ -145,15 +146,25 @@ class LLM:
         """Generate for every prompt (text, or a list of token ids); outputs keep the input order.
 
         Every prompt and parameter set is checked before anything runs: a bad one raises a
-        ValueError naming it, and no request (here or already queued) is affected."""
+        ValueError naming it, and no request (here or already queued) is affected. Under attention
+        data parallelism (torchrun, ``parallel.data_parallel`` ranks) every rank is called with
+        the same prompts, runs every ``world``-th of them (each with the seed and request id it
+        would get in one process) and returns all the outputs."""
         prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
         params = self._params_for(len(prompts), sampling_params)
-        requests = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        data = self.groups.data if self.groups is not None else None
+        owned = range(len(prompts)) if data is None else range(self.groups.rank, len(prompts), self.groups.world)
+        requests = [self._make_request(i, p, sp, grammar=i in owned)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        requests = [requests[i] for i in owned]
         for request in requests:
             self._enqueue(request)
         show = self.config.engine.use_tqdm if use_tqdm is None else use_tqdm
         self._run_until_done(requests, show)
-        return [request_output(r) for r in requests]
+        outputs = [request_output(r) for r in requests]
+        if data is None:
+            return outputs
+        return gather_in_order(outputs, len(prompts), self.groups.rank, self.groups.world, data)
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]], sampling_params=None,
              use_tqdm: bool | None = None, thinking: bool = True) -> list[RequestOutput]:
@@ -352,7 +363,10 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
         return params
 
-    def _make_request(self, index: int, prompt: Prompt, params: SamplingParams) -> Request:
+    def _make_request(self, index: int, prompt: Prompt, params: SamplingParams, grammar: bool = True) -> Request:
+        """A validated request (its id and seed drawn); ``grammar``: start compiling its structured
+        output's grammar (off for a data-parallel peer's request, drawn only to keep ids and seeds
+        in step)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {index}: sampling params must be a SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
@@ -374,7 +388,7 @@ class LLM:
         seed = params.seed if params.seed is not None else self._unseeded(params)
         request = Request(self._next_id, text, ids, params, seed)
         request.detokenizer = IncrementalDecoder(self.tokenizer)
-        if params.structured is not None:
+        if params.structured is not None and grammar:
             request.grammar = self._grammar_service().request(params.structured)
         self._next_id += 1
         return request
@@ -477,6 +491,7 @@ def _refuse_unfinished_features(app) -> None:
         raise ValueError(f"engine.batch_invariant=true verifies all {app.decoding.num_draft_tokens} drafts of a request "
                          f"in one step: engine.max_num_batched_tokens must be >= {app.decoding.num_draft_tokens + 1}")
     parallel = app.parallel
-    if (parallel.data_parallel, parallel.context_parallel) != (1, 1):
-        raise ValueError("attention DP and context parallelism are not implemented yet; use parallel=single or an "
-                         "expert-parallel plan (parallel=ep2, ep4)")
+    if parallel.context_parallel > 1 or (parallel.data_parallel > 1 and parallel.expert_parallel > 1):
+        raise ValueError("context parallelism, and attention DP combined with expert parallelism, are not implemented "
+                         "yet; use parallel=single, an attention data-parallel plan (dp2, dp4) or an expert-parallel "
+                         "one (ep2, ep4)")

@@ -1,2 +1,3 @@
 """Parallel plans on torch.distributed (launched with torchrun): the process groups of a plan
-(:mod:`.groups`) and the expert-parallel sharding of the routed experts (:mod:`.expert`)."""
+(:mod:`.groups`), the expert-parallel sharding of the routed experts (:mod:`.expert`) and the
+attention data-parallel spread of the requests (:mod:`.data`)."""

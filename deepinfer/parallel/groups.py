@@ -20,12 +20,15 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    """This process's place in the plan: its ``rank`` of ``world`` and the group the routed
-    experts are spread over (``expert``: every rank, under expert parallelism)."""
+    """This process's place in the plan: its ``rank`` of ``world``, the group the routed experts
+    are spread over (``expert``: every rank under expert parallelism, else None) and the group
+    the requests are spread over (``data``: every rank under attention data parallelism, else
+    None)."""
 
     rank: int
     world: int
-    expert: object
+    expert: object = None
+    data: object = None
 
 
 def plan_world(plan) -> int:
@@ -54,4 +57,6 @@ def join(plan, device: torch.device) -> ProcessGroups | None:
     elif dist.get_world_size() != world:
         raise RuntimeError(f"the process group already joined has {dist.get_world_size()} ranks; "
                            f"parallel={plan.name} needs {world}")
-    return ProcessGroups(dist.get_rank(), world, dist.group.WORLD)
+    every = dist.group.WORLD
+    return ProcessGroups(dist.get_rank(), world, expert=every if plan.expert_parallel > 1 else None,
+                         data=every if plan.data_parallel > 1 else None)

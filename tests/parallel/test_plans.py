@@ -1,7 +1,8 @@
-"""Expert parallelism on gloo: two (and four) processes started as torchrun starts them (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each an ``LLM`` with ``parallel=ep2``, give the greedy
-tokens of one process token for token (batch-invariant mode); each rank holds only its share of
-the routed experts; plans are refused where they cannot run."""
+"""Parallel plans on gloo: two (and four) processes started as torchrun starts them (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each an ``LLM`` with ``parallel=ep2`` / ``dp2`` ..., give
+the outputs of one process token for token (batch-invariant mode): greedy, seeded and unseeded
+sampling; under expert parallelism each rank holds only its share of the routed experts, under
+data parallelism only its share of the requests; plans are refused where they cannot run."""
 import os
 import socket
 from pathlib import Path
@@ -29,14 +30,25 @@ def _generate(llm: LLM, prompts: list[str], max_tokens: int = 12) -> list[list[i
     return [list(o.token_ids) for o in outputs]
 
 
+def _sampled(llm: LLM) -> list[tuple[int, list[int]]]:
+    """Unseeded and seeded sampling (temperature 1) of every prompt: request ids and tokens."""
+    params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=None if i % 2 else 7 + i)
+              for i in range(len(PROMPTS))]
+    return [(o.request_id, list(o.token_ids)) for o in llm.generate(PROMPTS, params)]
+
+
 def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:
         llm = LLM("tiny", overrides=[f"parallel={plan}", *COMMON, *extra])
         held = {name: p.shape[0] for name, p in llm.model.named_parameters() if name.endswith("experts.w1")}
+        ran, enqueue = [], llm._enqueue
+        llm._enqueue = lambda request: (ran.append(request.request_id), enqueue(request))[1]
         tokens = _generate(llm, PROMPTS)
-        torch.save({"tokens": tokens, "held": held}, Path(out_dir) / f"rank{rank}.pt")
+        llm._enqueue = enqueue
+        torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm)},
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -48,18 +60,30 @@ def _run(tmp_path, plan: str, world: int, extra: list[str] = ()) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def single_process_tokens():
-    return _generate(LLM("tiny", overrides=COMMON), PROMPTS)
+def single_process():
+    llm = LLM("tiny", overrides=COMMON)
+    return {"tokens": _generate(llm, PROMPTS), "sampled": _sampled(llm)}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("plan, world", [("dp2", 2)])
+def test_data_parallel_outputs_equal_one_process_on_every_rank(tmp_path, single_process, plan, world):
+    """Greedy tokens, and unseeded and seeded samples (each request keeps the id and seed it gets
+    in one process), in prompt order on every rank."""
+    for rank, result in enumerate(_run(tmp_path, plan, world)):
+        assert result["tokens"] == single_process["tokens"], f"rank {rank} of {plan}"
+        assert result["sampled"] == single_process["sampled"], f"rank {rank} of {plan}"
+        assert result["ran"] == list(range(rank, len(PROMPTS), world)), f"rank {rank} ran {result['ran']}"
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("plan, world", [("ep2", 2), ("ep4", 4)])
-def test_expert_parallel_greedy_tokens_equal_one_process(tmp_path, single_process_tokens, plan, world):
+def test_expert_parallel_greedy_tokens_equal_one_process(tmp_path, single_process, plan, world):
     results = _run(tmp_path, plan, world)
     single = LLM("tiny", overrides=COMMON)
     full = {name: p.shape[0] for name, p in single.model.named_parameters() if name.endswith("experts.w1")}
     for rank, result in enumerate(results):
-        assert result["tokens"] == single_process_tokens, f"rank {rank} of {plan}"
+        assert result["tokens"] == single_process["tokens"], f"rank {rank} of {plan}"
         assert result["held"] == {name: count // world for name, count in full.items()}, f"rank {rank} of {plan}"
 
 
@@ -83,7 +107,7 @@ def test_a_plan_launched_on_the_wrong_number_of_processes_is_refused(monkeypatch
         LLM("tiny", overrides=["parallel=ep2", *COMMON])
 
 
-@pytest.mark.parametrize("override", ["parallel.data_parallel=2", "parallel.context_parallel=2"])
+@pytest.mark.parametrize("override", ["parallel.context_parallel=2", "parallel=dp2 parallel.expert_parallel=2"])
 def test_plans_not_implemented_yet_are_refused(override):
     with pytest.raises(ValueError, match="not implemented yet"):
-        LLM("tiny", overrides=[override])
+        LLM("tiny", overrides=override.split())
