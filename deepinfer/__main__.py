@@ -57,6 +57,7 @@ def run_app(app) -> None:
     if app.task != "generate":
         raise ValueError(f"task={app.task!r} is not implemented yet; only task=generate exists")
     from deepinfer.engine.llm import LLM
+    from deepinfer.parallel.groups import leave
 
     prompts = read_prompts(app)
     llm = LLM.from_config(app)
@@ -64,6 +65,7 @@ def run_app(app) -> None:
         print(f"NOTE: model {app.model.name!r} has random weights (no model.checkpoint), so the generated "
               f"text is noise; model=tiny is the trained default.")
     outputs = llm.generate(prompts)
+    leave(llm.groups)
     if llm.groups is not None and llm.groups.rank:
         return
     print("\n".join(f"--- prompt {out.request_id}: {out.prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, "

@@ -95,12 +95,26 @@ class ParallelConfig:
     """Ranks a long prefill is split over (balanced, 2*cp pieces)."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for the other ranks before the run ends with an error."""
+    num_extra_experts: int = 0
+    """EPLB's redundant experts per MoE layer (physical experts = routed + these, split evenly over
+    the expert-parallel ranks); 0: no EPLB, each rank a contiguous share of the experts."""
+    eplb_interval: int = 0
+    """Engine steps between EPLB's re-placements of the replicas (0: never, the static placement)."""
+    eplb_window: int = 100
+    """Steps of routed-token counts EPLB's policy reads."""
 
     def __post_init__(self) -> None:
         for key in ("data_parallel", "expert_parallel", "context_parallel"):
             value = getattr(self, key)
             _require(value >= 1, f"parallel.{key}", value, "must be >= 1")
         _require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0")
+        _require(self.num_extra_experts >= 0, "parallel.num_extra_experts", self.num_extra_experts, "must be >= 0")
+        _require(self.eplb_interval >= 0, "parallel.eplb_interval", self.eplb_interval, "must be >= 0 (0: never)")
+        _require(self.eplb_window >= 1, "parallel.eplb_window", self.eplb_window, "must be >= 1")
+        _require(not self.num_extra_experts or self.expert_parallel > 1, "parallel.num_extra_experts",
+                 self.num_extra_experts, "needs expert parallelism (parallel.expert_parallel > 1)")
+        _require(not self.eplb_interval or self.num_extra_experts, "parallel.eplb_interval", self.eplb_interval,
+                 "re-places redundant experts: set parallel.num_extra_experts too")
 
 
 @dataclass

@@ -67,8 +67,10 @@ class LLM:
         before = self.runtime.allocated()
         self.model, self.random_weights = build_model(app.model, self.ops, self.runtime.device, engine.seed)
         self.groups = join(app.parallel, self.runtime.device)
+        self.expert_maps, self._steps = [], 0
         if self.groups is not None and self.groups.expert is not None:
-            shard_experts(self.model, self.groups.expert)
+            self.expert_maps = shard_experts(self.model, self.groups.expert, app.parallel.num_extra_experts,
+                                             app.parallel.eplb_window)
         weight_bytes = self.runtime.allocated() - before
         cfg = self.model.cfg
         if engine.bounded_replay.mode != "off":
@@ -194,6 +196,8 @@ class LLM:
         what the step did and what finished."""
         stats = StepStats(self._admit_compiled_grammars())
         previous, self._inflight = self._inflight, None
+        if self.expert_maps:
+            previous = self._balance_experts(previous, stats)
         if not self.scheduler.has_work:
             if previous is not None:
                 self._collect(previous, stats)
@@ -362,6 +366,22 @@ class LLM:
         if len(params) != count:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
         return params
+
+    def _balance_experts(self, previous, stats):
+        """EPLB between steps: close the last step's routed-token counts, and every
+        ``parallel.eplb_interval`` steps collect the step in flight (its forward reads the weights)
+        and re-place the experts. Returns the step still in flight, if any."""
+        for expert_map in self.expert_maps:
+            expert_map.end_step()
+        self._steps += 1
+        interval = self.config.parallel.eplb_interval
+        if interval and self._steps % interval == 0:
+            if previous is not None:
+                self._collect(previous, stats)
+                previous = None
+            for expert_map in self.expert_maps:
+                expert_map.rebalance()
+        return previous
 
     def _make_request(self, index: int, prompt: Prompt, params: SamplingParams, grammar: bool = True) -> Request:
         """A validated request (its id and seed drawn); ``grammar``: start compiling its structured

@@ -12,8 +12,7 @@ layer).
    ``logical_to_physical [N, max replicas]`` (-1 padded) and ``logical_count [N]``; a token's
    replica is :func:`replica_of`.
 
-The runtime that moves weights and routes through the maps is not built yet; this module is the
-policy and its statistics."""
+:class:`~deepinfer.parallel.expert.ExpertMap` applies it at run time."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -60,3 +60,11 @@ def join(plan, device: torch.device) -> ProcessGroups | None:
     every = dist.group.WORLD
     return ProcessGroups(dist.get_rank(), world, expert=every if plan.expert_parallel > 1 else None,
                          data=every if plan.data_parallel > 1 else None)
+
+
+def leave(groups: ProcessGroups | None) -> None:
+    """Leave the plan's process group once every rank is done with it: a barrier first, so that no
+    rank closes its connections while a peer still reads the last collective's data."""
+    if groups is not None and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.parallel.expert import local_experts
+from deepinfer.parallel.groups import leave
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, item):", "for i in range("]
 COMMON = ["engine.batch_invariant=true", "engine.use_tqdm=false", "engine.max_num_seqs=4"]
@@ -43,12 +44,15 @@ def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list
     try:
         llm = LLM("tiny", overrides=[f"parallel={plan}", *COMMON, *extra])
         held = {name: p.shape[0] for name, p in llm.model.named_parameters() if name.endswith("experts.w1")}
+        placements = [[m.placement.physical_to_logical.tolist() for m in llm.expert_maps]]
         ran, enqueue = [], llm._enqueue
         llm._enqueue = lambda request: (ran.append(request.request_id), enqueue(request))[1]
         tokens = _generate(llm, PROMPTS)
         llm._enqueue = enqueue
-        torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm)},
+        placements.append([m.placement.physical_to_logical.tolist() for m in llm.expert_maps])
+        torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm), "placements": placements},
                    Path(out_dir) / f"rank{rank}.pt")
+        leave(llm.groups)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -88,6 +92,21 @@ def test_expert_parallel_greedy_tokens_equal_one_process(tmp_path, single_proces
 
 
 @pytest.mark.multirank
+def test_eplb_rebalancing_mid_run_moves_experts_and_keeps_the_outputs(tmp_path, single_process):
+    """Two redundant experts a layer (10 physical slots of 8 experts, 6 of the draft layer's 4),
+    re-placed every 3 steps from the routed counts: the placement changes during the run, and the
+    greedy tokens and the samples stay those of one process."""
+    extra = ["parallel.num_extra_experts=2", "parallel.eplb_interval=3"]
+    for rank, result in enumerate(_run(tmp_path, "ep2", 2, extra)):
+        assert result["tokens"] == single_process["tokens"], f"rank {rank}"
+        assert result["sampled"] == single_process["sampled"], f"rank {rank}"
+        initial, final = result["placements"]
+        assert len(initial) == 5 and initial != final, f"rank {rank}: {initial} -> {final}"
+        assert all(sorted(set(p)) == list(range(len(set(p)))) for p in final)  # every expert keeps a slot
+        assert set(result["held"].values()) == {5, 3}
+
+
+@pytest.mark.multirank
 def test_expert_parallel_with_dspark_equals_one_process(tmp_path):
     extra = ["decoding=dspark", "decoding.varlen=false"]
     want = _generate(LLM("tiny", overrides=[*COMMON, *extra]), PROMPTS)
@@ -111,3 +130,15 @@ def test_a_plan_launched_on_the_wrong_number_of_processes_is_refused(monkeypatch
 def test_plans_not_implemented_yet_are_refused(override):
     with pytest.raises(ValueError, match="not implemented yet"):
         LLM("tiny", overrides=override.split())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.num_extra_experts=2"], "needs expert parallelism"),
+    (["parallel=ep2", "parallel.eplb_interval=5"], "set parallel.num_extra_experts too"),
+    (["parallel=ep2", "parallel.eplb_window=0"], "must be >= 1"),
+])
+def test_bad_eplb_settings_are_refused(overrides, message):
+    from deepinfer.config.compose import compose
+
+    with pytest.raises(Exception, match=message):
+        compose(["model=tiny", *overrides])

@@ -65,6 +65,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.routed_scale, self.limit = experts, top_k, routed_scale, swiglu_limit
         self.ops = ops
         self.ep_group = None
+        self.eplb = None  # an ExpertMap (deepinfer.parallel.expert) under EPLB: logical to physical experts
         self.gate = Gate(hidden, experts, dtype)
         self.experts = Experts(experts, hidden, intermediate, dtype)
         self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
@@ -98,11 +99,17 @@ class MoE(nn.Module):
         in ``x.dtype``): the gate on ``logits`` with the dispatch (``moe_route``; or the dispatch of
         the given ``weights`` and ``ids``), the grouped SwiGLU and down GEMMs, combine (which adds it)."""
         ops, experts = self.ops, self.experts
-        if logits is not None:
+        if logits is not None and self.eplb is None:
             _, _, rows, group_sizes, handle = ops.moe_route(x, logits, self.gate.bias, self.top_k, self.routed_scale,
                                                             self.ep_group)
         else:
-            rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
+            if logits is not None:
+                weights, ids = self._select(logits)
+            if self.eplb is None:
+                rows, group_sizes, handle = ops.ep_dispatch(x, ids, weights, self.num_experts, self.ep_group)
+            else:
+                rows, group_sizes, handle = ops.ep_dispatch(x, self.eplb.route(ids), weights, self.eplb.num_physical,
+                                                            self.ep_group)
         hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
                                     x.dtype)
         return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle, add=shared)
