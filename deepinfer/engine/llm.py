@@ -30,7 +30,7 @@ from deepinfer.engine.scheduler import Batch, Scheduler
 from deepinfer.engine.scheduler_deepinfer import DeepInferScheduler
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.registry import build_model, resolve_checkpoint
-from deepinfer.parallel.data import gather_in_order
+from deepinfer.parallel.data import agree, gather_in_order, placeholder_pass
 from deepinfer.parallel.expert import shard_experts
 from deepinfer.parallel.groups import join
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
@@ -431,7 +431,18 @@ class LLM:
         bar = tqdm(total=len(requests), desc="generate", disable=not show, dynamic_ncols=True)
         started, prefilled = time.perf_counter(), 0
         produced = sum(len(r.output_token_ids) for r in requests)
-        while not all(r.finished for r in requests):
+        lockstep = self.groups is not None and self.groups.data is not None and self.groups.expert is not None
+        while True:
+            unfinished = not all(r.finished for r in requests)
+            if lockstep:  # DP with EP: every forward's MoE exchanges need every rank
+                forward = self.scheduler.has_work
+                unfinished, someone_forwards = agree(unfinished, forward, self.groups.data)
+                if not forward and someone_forwards:
+                    self._balance_experts(None, StepStats())  # the step count and load window stay in step
+                    placeholder_pass(self.model)
+                    continue
+            if not unfinished:
+                break
             stats = self.step()
             prefilled += stats.num_prefill_tokens
             elapsed = max(time.perf_counter() - started, 1e-9)
@@ -511,7 +522,15 @@ def _refuse_unfinished_features(app) -> None:
         raise ValueError(f"engine.batch_invariant=true verifies all {app.decoding.num_draft_tokens} drafts of a request "
                          f"in one step: engine.max_num_batched_tokens must be >= {app.decoding.num_draft_tokens + 1}")
     parallel = app.parallel
-    if parallel.context_parallel > 1 or (parallel.data_parallel > 1 and parallel.expert_parallel > 1):
-        raise ValueError("context parallelism, and attention DP combined with expert parallelism, are not implemented "
-                         "yet; use parallel=single, an attention data-parallel plan (dp2, dp4) or an expert-parallel "
-                         "one (ep2, ep4)")
+    if parallel.context_parallel > 1:
+        raise ValueError("context parallelism is not implemented yet; use parallel=single, an attention data-parallel "
+                         "plan (dp2, dp4), an expert-parallel one (ep2, ep4) or both (dp2_ep2)")
+    if parallel.data_parallel > 1 and parallel.expert_parallel > 1:
+        if parallel.data_parallel != parallel.expert_parallel:
+            raise ValueError(f"attention DP with expert parallelism runs both over the same ranks: "
+                             f"parallel.data_parallel ({parallel.data_parallel}) must equal parallel.expert_parallel "
+                             f"({parallel.expert_parallel})")
+        if app.decoding.num_draft_tokens:
+            raise ValueError("DSpark under attention DP with expert parallelism is not implemented yet: the draft "
+                             "passes' MoE exchanges are not kept in step across ranks; use decoding=greedy or "
+                             "decoding=sample, or one of the two plans alone")

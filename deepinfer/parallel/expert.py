@@ -58,17 +58,22 @@ class ExpertMap:
         return torch.where(routed, replica_of(ids.clamp(min=0), token, placement, self.rank), -1)
 
     def end_step(self) -> None:
-        """Close a step's counts into the window (a step that routed nothing here adds nothing)."""
-        if self.pending is not None:
-            self.window.record(self.pending.cpu())
-            self.pending = None
+        """Close a step's counts into the window (zeros for a step that routed nothing here, so
+        that every rank's window holds the same steps)."""
+        counts = self.pending.cpu() if self.pending is not None else torch.zeros_like(self.window.counts[0])
+        self.window.record(counts)
+        self.pending = None
 
     def rebalance(self) -> None:
-        """Re-place the replicas from the window's loads and move the weights to their new slots."""
+        """Re-place the replicas from the window's loads, summed over the ranks, and move the weights
+        to their new slots. Every rank calls it at the same step."""
         loads = self.window.loads()
         if not loads.shape[0]:
             return
-        new = rebalance(loads, self.extra, self.world)
+        device = self.moe.experts.w1.device if dist.get_backend(self.group) != "gloo" else torch.device("cpu")
+        loads = loads.to(device)
+        dist.all_reduce(loads, group=self.group)  # every rank's tokens: the same placement everywhere
+        new = rebalance(loads.cpu(), self.extra, self.world)
         self._move(new)
         self.placement = new
         self._device_placement = None

@@ -92,6 +92,19 @@ def test_expert_parallel_greedy_tokens_equal_one_process(tmp_path, single_proces
 
 
 @pytest.mark.multirank
+def test_data_and_expert_parallel_together_equal_one_process(tmp_path, single_process):
+    """dp2_ep2: each rank runs its half of the requests and holds half of the experts; while one
+    rank has nothing left to run it takes part in the other's MoE exchanges (the prompts finish at
+    different steps, as their lengths differ)."""
+    for rank, result in enumerate(_run(tmp_path, "dp2_ep2", 2, ["parallel.num_extra_experts=2",
+                                                               "parallel.eplb_interval=4"])):
+        assert result["tokens"] == single_process["tokens"], f"rank {rank}"
+        assert result["sampled"] == single_process["sampled"], f"rank {rank}"
+        assert result["ran"] == list(range(rank, len(PROMPTS), 2)), f"rank {rank} ran {result['ran']}"
+        assert set(result["held"].values()) == {5, 3}
+
+
+@pytest.mark.multirank
 def test_eplb_rebalancing_mid_run_moves_experts_and_keeps_the_outputs(tmp_path, single_process):
     """Two redundant experts a layer (10 physical slots of 8 experts, 6 of the draft layer's 4),
     re-placed every 3 steps from the routed counts: the placement changes during the run, and the
@@ -126,7 +139,7 @@ def test_a_plan_launched_on_the_wrong_number_of_processes_is_refused(monkeypatch
         LLM("tiny", overrides=["parallel=ep2", *COMMON])
 
 
-@pytest.mark.parametrize("override", ["parallel.context_parallel=2", "parallel=dp2 parallel.expert_parallel=2"])
+@pytest.mark.parametrize("override", ["parallel.context_parallel=2", "parallel=dp2_ep2 decoding=dspark"])
 def test_plans_not_implemented_yet_are_refused(override):
     with pytest.raises(ValueError, match="not implemented yet"):
         LLM("tiny", overrides=override.split())
