@@ -32,7 +32,7 @@ from deepinfer.hal.registry import OpTable
 from deepinfer.models.registry import build_model, resolve_checkpoint
 from deepinfer.parallel.data import agree, gather_in_order, placeholder_pass
 from deepinfer.parallel.expert import shard_experts
-from deepinfer.parallel.groups import join
+from deepinfer.parallel.groups import join, lost_peer
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -162,11 +162,17 @@ class LLM:
         for request in requests:
             self._enqueue(request)
         show = self.config.engine.use_tqdm if use_tqdm is None else use_tqdm
-        self._run_until_done(requests, show)
-        outputs = [request_output(r) for r in requests]
-        if data is None:
-            return outputs
-        return gather_in_order(outputs, len(prompts), self.groups.rank, self.groups.world, data)
+        try:
+            self._run_until_done(requests, show)
+            outputs = [request_output(r) for r in requests]
+            if data is None:
+                return outputs
+            return gather_in_order(outputs, len(prompts), self.groups.rank, self.groups.world, data)
+        except RuntimeError as error:
+            failure = lost_peer(error, self.groups, self.config.parallel)
+            if failure is None:
+                raise
+            raise failure from error
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]], sampling_params=None,
              use_tqdm: bool | None = None, thinking: bool = True) -> list[RequestOutput]:

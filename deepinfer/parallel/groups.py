@@ -68,3 +68,19 @@ def leave(groups: ProcessGroups | None) -> None:
     if groups is not None and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+_TRANSPORT_WORDS = ("gloo", "nccl", "hccl", "connection closed", "connection reset", "timed out", "timeout")
+
+
+def lost_peer(error: BaseException, groups: ProcessGroups | None, plan) -> RuntimeError | None:
+    """An error naming this rank and the plan for ``error`` where it came from the collectives'
+    transport (another rank ended, or stalled past ``parallel.timeout_s``); None for any other error."""
+    if groups is None or not isinstance(error, RuntimeError):
+        return None
+    text = str(error).lower()
+    if not (isinstance(error, getattr(dist, "DistError", ())) or any(word in text for word in _TRANSPORT_WORDS)):
+        return None
+    return RuntimeError(f"parallel={plan.name}: rank {groups.rank} of {groups.world} lost its peers in a collective: "
+                        f"another rank ended (see its own error, and torchrun's summary of the ranks' exit codes) "
+                        f"or waited past parallel.timeout_s={plan.timeout_s} s. The transport said: {error}")

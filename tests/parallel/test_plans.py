@@ -155,3 +155,28 @@ def test_bad_eplb_settings_are_refused(overrides, message):
 
     with pytest.raises(Exception, match=message):
         compose(["model=tiny", *overrides])
+
+
+def _rank_then_die(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    llm = LLM("tiny", overrides=["parallel=ep2", *COMMON, "parallel.timeout_s=30"])
+    if rank == 1:
+        os._exit(3)  # a rank that dies before the run
+    try:
+        _generate(llm, PROMPTS)
+        message = "finished"
+    except RuntimeError as error:
+        message = str(error)
+    Path(out_dir, "rank0.txt").write_text(message)
+
+
+@pytest.mark.multirank
+def test_a_rank_that_dies_ends_the_run_with_an_error_naming_it(tmp_path):
+    context = mp.start_processes(_rank_then_die, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
+                                 start_method="spawn")
+    for process in context.processes:
+        process.join(120)
+    assert [p.exitcode for p in context.processes] == [0, 3]
+    message = (tmp_path / "rank0.txt").read_text()
+    assert message.startswith("parallel=ep2: rank 0 of 2 lost its peers in a collective"), message
