@@ -79,11 +79,11 @@ class LLM:
         self.tokenizer = load_tokenizer(resolve_checkpoint(app.model.checkpoint), cfg.vocab_size,
                                         cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
         graphs = engine.cuda_graphs if engine.cuda_graphs is not None else self.runtime.supports_graphs
-        if graphs and self.groups is not None:
+        if graphs and self.groups is not None and self.groups.expert is not None:
             if engine.cuda_graphs:
                 raise ConfigError(f"engine.cuda_graphs=true with parallel={app.parallel.name}: the expert-parallel "
                                   f"dispatch sizes its exchange on the host, which a CUDA graph cannot replay; "
-                                  f"leave engine.cuda_graphs unset (off under parallel plans)")
+                                  f"leave engine.cuda_graphs unset (off under expert parallelism)")
             graphs = False
         padded = graphs or self.runtime.supports_graphs
         graphs = graphs and self.runtime.supports_graphs
