@@ -120,11 +120,6 @@ def test_unknown_backend_and_model_are_named():
         LLM("nosuchmodel", "reference", QUIET)
 
 
-def test_features_not_landed_yet_refuse_clearly():
-    with pytest.raises(ValueError, match="attention DP, expert parallelism and context parallelism are not implemented"):
-        LLM("tiny_random", "reference", QUIET + ["parallel.data_parallel=2"])
-
-
 def test_chat_on_a_model_without_a_template_says_so(alone):
     from deepinfer.tokenizer import NoChatTemplateError
 
