@@ -63,10 +63,10 @@ class LLM:
         engine, decoding = app.engine, app.decoding
         self.ops = OpTable(app.backend.name, app.backend.fallback, dict(app.backend.overrides),
                            batch_invariant=engine.batch_invariant, options=dict(app.backend.options))
+        self.groups = join(app.parallel, torch.device(app.backend.device))  # first: it picks this rank's GPU
         self.runtime = make_runtime(torch.device(app.backend.device))
         before = self.runtime.allocated()
         self.model, self.random_weights = build_model(app.model, self.ops, self.runtime.device, engine.seed)
-        self.groups = join(app.parallel, self.runtime.device)
         self.expert_maps, self._steps = [], 0
         if self.groups is not None and self.groups.expert is not None:
             self.expert_maps = shard_experts(self.model, self.groups.expert, app.parallel.num_extra_experts,
