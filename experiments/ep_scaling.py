@@ -1,0 +1,132 @@
+"""Expert parallelism beyond one machine, on paper: for V4.1-Flash's sizes (hidden 4096, 40 MoE
+layers, 384 routed experts, top-6) at EP 8 to 64, what one decode step moves per rank in the MoE
+dispatch and combine, how long that takes over NVLink within a node of 8 GPUs and RDMA between
+nodes, and how evenly the experts' work spreads with and without EPLB (``deepinfer/parallel/eplb.py``
+on Zipf-skewed routing). A model, not a measurement: the inputs are printed with the table.
+
+- Dispatch sends each token's row once to every other rank that holds one of its experts (DeepEP's
+  dedup), as FP8 with a UE8M0 scale per 32 values: 4096 + 128 bytes. Combine sends one bf16 row
+  back per (token, rank): 8192 bytes.
+- Routing is uniform for the byte counts (a token's 6 experts fall on ``EP (1 - (1 - 1/EP)^6)``
+  ranks on average); ranks beyond the first node's 8 are reached over RDMA.
+- Balance: ``max / mean`` of the ranks' routed tokens for Zipf(``--exponent``) loads over a random
+  order of the experts, static placement against EPLB with one redundant expert per rank.
+
+Prints the table, writes ``experiments/results/ep_scaling.csv`` and a plot beside it.
+
+    python experiments/ep_scaling.py [--tokens-per-rank 128] [--nvlink-gbs 450] [--rdma-gbs 50]"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from deepinfer.parallel.eplb import rebalance, static_placement
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HIDDEN, LAYERS, EXPERTS, TOP_K, NODE = 4096, 40, 384, 6, 8
+DISPATCH_ROW = HIDDEN + HIDDEN // 32  # FP8 values and their UE8M0 scales
+COMBINE_ROW = 2 * HIDDEN  # bf16
+
+
+def ranks_reached(ep: int) -> float:
+    """Expected distinct ranks holding one of a token's ``TOP_K`` experts (uniform routing)."""
+    return ep * (1 - (1 - 1 / ep) ** TOP_K)
+
+
+def imbalance(placement, loads: torch.Tensor) -> float:
+    per_rank = placement.rank_loads(loads)
+    return float(per_rank.max(dim=1).values.sum() / per_rank.mean(dim=1).sum())
+
+
+def zipf_loads(steps: int, tokens: int, exponent: float, order: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``[steps, EXPERTS]`` routed slots of ``tokens`` tokens a step, the experts' popularity by a
+    Zipf law in ``order``, Poisson noise per step."""
+    weights = 1.0 / torch.arange(1, EXPERTS + 1, dtype=torch.float64) ** exponent
+    rate = (tokens * TOP_K * weights / weights.sum())[order]
+    return torch.poisson(rate.expand(steps, EXPERTS).contiguous(), generator=gen)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens-per-rank", type=int, default=128, help="decode rows a rank routes a step")
+    parser.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s a GPU sends within its node")
+    parser.add_argument("--rdma-gbs", type=float, default=50.0, help="GB/s a GPU sends to other nodes")
+    parser.add_argument("--exponent", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    rows = []
+    for ep in (8, 16, 32, 64):
+        reached = ranks_reached(ep)
+        remote = reached * (1 - 1 / ep)  # the token's own rank sends nothing
+        off_node = remote * max(0, ep - NODE) / (ep - 1)
+        on_node = remote - off_node
+        per_layer = args.tokens_per_rank * (DISPATCH_ROW + COMBINE_ROW)
+        seconds = LAYERS * per_layer * (on_node / (args.nvlink_gbs * 1e9) + off_node / (args.rdma_gbs * 1e9))
+        gen = torch.Generator().manual_seed(ep)
+        order = torch.randperm(EXPERTS, generator=gen)
+        seen = zipf_loads(args.steps, args.tokens_per_rank * ep, args.exponent, order, gen)
+        judged = zipf_loads(args.steps, args.tokens_per_rank * ep, args.exponent, order, gen)
+        row = {"ep": ep, "tokens_per_rank": args.tokens_per_rank, "ranks_reached": round(reached, 2),
+               "mb_per_rank_step": round(LAYERS * per_layer * remote / 1e6, 1),
+               "mb_off_node_per_rank_step": round(LAYERS * per_layer * off_node / 1e6, 1),
+               "exchange_ms": round(1e3 * seconds, 3),
+               "imbalance_static": round(imbalance(static_placement(EXPERTS, 0, ep), judged), 3),
+               "imbalance_eplb": round(imbalance(rebalance(seen, ep, ep), judged), 3)}
+        rows.append(row)
+    print(f"V4.1-Flash MoE (H={HIDDEN}, {LAYERS} layers, E={EXPERTS}, top-{TOP_K}), {args.tokens_per_rank} decode "
+          f"rows a rank, NVLink {args.nvlink_gbs:g} GB/s, RDMA {args.rdma_gbs:g} GB/s, Zipf exponent {args.exponent:g}")
+    print(f"{'EP':>4} {'ranks/token':>11} {'MB/rank/step':>12} {'of it RDMA':>10} {'exchange ms':>11} "
+          f"{'max/mean static':>15} {'EPLB (+1/rank)':>14}")
+    for r in rows:
+        print(f"{r['ep']:4d} {r['ranks_reached']:11.2f} {r['mb_per_rank_step']:12.1f} "
+              f"{r['mb_off_node_per_rank_step']:10.1f} {r['exchange_ms']:11.3f} {r['imbalance_static']:15.3f} "
+              f"{r['imbalance_eplb']:14.3f}")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "ep_scaling.csv"
+    command = "python experiments/ep_scaling.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, ["machine", "torch", "date", "command", "nvlink_gbs", "rdma_gbs", "exponent",
+                                    *rows[0]])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({"machine": platform.machine(), "torch": torch.__version__,
+                             "date": datetime.date.today().isoformat(), "command": command,
+                             "nvlink_gbs": args.nvlink_gbs, "rdma_gbs": args.rdma_gbs, "exponent": args.exponent, **r})
+    _plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'deepinfer[experiments]'): no plot")
+        return
+    eps = [r["ep"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(eps, [r["exchange_ms"] for r in rows], marker="o")
+    left.set(xscale="log", xticks=eps, xticklabels=eps, xlabel="EP ranks", ylabel="dispatch + combine ms a step",
+             title="MoE exchange per decode step (model)")
+    right.plot(eps, [r["imbalance_static"] for r in rows], marker="o", label="static")
+    right.plot(eps, [r["imbalance_eplb"] for r in rows], marker="o", label="EPLB, +1 expert a rank")
+    right.set(xscale="log", xticks=eps, xticklabels=eps, xlabel="EP ranks", ylabel="largest rank load / mean",
+              title="expert work balance")
+    right.legend()
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
