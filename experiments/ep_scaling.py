@@ -123,6 +123,7 @@ def _plot(rows: list[dict], path: Path) -> None:
               title="expert work balance")
     right.legend()
     for ax in (left, right):
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
