@@ -6,6 +6,7 @@ Prompts are raw text: ``prompt=TEXT`` and bare arguments (a positional prompt) n
 Hydra's override grammar, so parentheses, quotes, commas, brackets and ``=`` need no escaping."""
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -65,8 +66,11 @@ def run_app(app) -> None:
         print(f"NOTE: model {app.model.name!r} has random weights (no model.checkpoint), so the generated "
               f"text is noise; model=tiny is the trained default.")
     outputs = llm.generate(prompts)
-    leave(llm.groups)
-    if llm.groups is not None and llm.groups.rank:
+    groups = llm.groups
+    leave(groups)
+    del llm
+    gc.collect()  # the process group's last references go before the interpreter's teardown
+    if groups is not None and groups.rank:
         return
     print("\n".join(f"--- prompt {out.request_id}: {out.prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, "
                     f"finish: {out.finish_reason}]" for out in outputs))

@@ -64,7 +64,9 @@ def join(plan, device: torch.device) -> ProcessGroups | None:
 
 def leave(groups: ProcessGroups | None) -> None:
     """Leave the plan's process group once every rank is done with it: a barrier first, so that no
-    rank closes its connections while a peer still reads the last collective's data."""
+    rank closes its connections while a peer still reads the last collective's data. The caller
+    then drops the engine (and runs the garbage collector) before the interpreter exits: the
+    group's last references go while Python can still release what its threads hold."""
     if groups is not None and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -3,6 +3,7 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each an ``LLM`` with ``parallel=ep2`` / `
 the outputs of one process token for token (batch-invariant mode): greedy, seeded and unseeded
 sampling; under expert parallelism each rank holds only its share of the routed experts, under
 data parallelism only its share of the requests; plans are refused where they cannot run."""
+import gc
 import os
 import socket
 from pathlib import Path
@@ -53,6 +54,8 @@ def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list
         torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm), "placements": placements},
                    Path(out_dir) / f"rank{rank}.pt")
         leave(llm.groups)
+        del llm, enqueue
+        gc.collect()  # the process group's last references go before the interpreter's teardown
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
