@@ -39,11 +39,6 @@ def ranks_reached(ep: int) -> float:
     return ep * (1 - (1 - 1 / ep) ** TOP_K)
 
 
-def imbalance(placement, loads: torch.Tensor) -> float:
-    per_rank = placement.rank_loads(loads)
-    return float(per_rank.max(dim=1).values.sum() / per_rank.mean(dim=1).sum())
-
-
 def zipf_loads(steps: int, tokens: int, exponent: float, order: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """``[steps, EXPERTS]`` routed slots of ``tokens`` tokens a step, the experts' popularity by a
     Zipf law in ``order``, Poisson noise per step."""
@@ -76,8 +71,8 @@ def main(argv=None) -> int:
                "mb_per_rank_step": round(LAYERS * per_layer * remote / 1e6, 1),
                "mb_off_node_per_rank_step": round(LAYERS * per_layer * off_node / 1e6, 1),
                "exchange_ms": round(1e3 * seconds, 3),
-               "imbalance_static": round(imbalance(static_placement(EXPERTS, 0, ep), judged), 3),
-               "imbalance_eplb": round(imbalance(rebalance(seen, ep, ep), judged), 3)}
+               "imbalance_static": round(static_placement(EXPERTS, 0, ep).imbalance(judged), 3),
+               "imbalance_eplb": round(rebalance(seen, ep, ep).imbalance(judged), 3)}
         rows.append(row)
     print(f"V4.1-Flash MoE (H={HIDDEN}, {LAYERS} layers, E={EXPERTS}, top-{TOP_K}), {args.tokens_per_rank} decode "
           f"rows a rank, NVLink {args.nvlink_gbs:g} GB/s, RDMA {args.rdma_gbs:g} GB/s, Zipf exponent {args.exponent:g}")

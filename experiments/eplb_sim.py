@@ -30,12 +30,6 @@ def routed_loads(steps: int, experts: int, exponent: float, gen: torch.Generator
     return torch.poisson(rate.expand(steps, experts).contiguous(), generator=gen)
 
 
-def imbalance(placement, loads: torch.Tensor) -> float:
-    """Largest rank load over the mean, summed over the steps."""
-    per_rank = placement.rank_loads(loads)
-    return float(per_rank.max(dim=1).values.sum() / per_rank.mean(dim=1).sum())
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -51,8 +45,8 @@ def main(argv=None) -> int:
             judged = routed_loads(args.steps, experts, args.exponent, gen, order)
             for per_rank in (0, 1, 2, 4):
                 extra = per_rank * ranks
-                before = imbalance(static_placement(experts, extra, ranks), judged)
-                after = imbalance(rebalance(seen, extra, ranks), judged)
+                before = static_placement(experts, extra, ranks).imbalance(judged)
+                after = rebalance(seen, extra, ranks).imbalance(judged)
                 rows.append({"experts": experts, "ep": ranks, "redundant": extra, "static": round(before, 4),
                              "rebalanced": round(after, 4)})
                 print(f"E={experts:4d} EP={ranks:3d} redundant={extra:4d}: max/mean rank load "

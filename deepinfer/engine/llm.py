@@ -6,15 +6,14 @@ import contextlib
 import random
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from deepinfer.config.schema import ConfigError
-from deepinfer.decoding.dspark import DSpark, PendingDrafts
-from deepinfer.decoding.sampler import PendingEmissions, emit
+from deepinfer.decoding.dspark import DSpark
+from deepinfer.decoding.sampler import emit
 from deepinfer.decoding.grammar_service import GrammarService
 from deepinfer.decoding.step_masks import step_masks
 from deepinfer.engine.device import make_runtime
@@ -28,11 +27,12 @@ from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Batch, Scheduler
 from deepinfer.engine.scheduler_deepinfer import DeepInferScheduler
+from deepinfer.engine.step import LaunchedStep, StepStats
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.registry import build_model, resolve_checkpoint
 from deepinfer.parallel.data import agree, gather_in_order, placeholder_pass
-from deepinfer.parallel.expert import shard_experts
-from deepinfer.parallel.groups import join, lost_peer
+from deepinfer.parallel.expert import ExpertBalancing, shard_experts
+from deepinfer.parallel.groups import check_plan, join, lost_peer
 from deepinfer.tokenizer import IncrementalDecoder, load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -67,10 +67,11 @@ class LLM:
         self.runtime = make_runtime(torch.device(app.backend.device))
         before = self.runtime.allocated()
         self.model, self.random_weights = build_model(app.model, self.ops, self.runtime.device, engine.seed)
-        self.expert_maps, self._steps = [], 0
+        maps = []
         if self.groups is not None and self.groups.expert is not None:
-            self.expert_maps = shard_experts(self.model, self.groups.expert, app.parallel.num_extra_experts,
-                                             app.parallel.eplb_window)
+            maps = shard_experts(self.model, self.groups.expert, app.parallel.num_extra_experts,
+                                 app.parallel.eplb_window)
+        self.balancing = ExpertBalancing(maps, app.parallel.eplb_interval)
         weight_bytes = self.runtime.allocated() - before
         cfg = self.model.cfg
         if engine.bounded_replay.mode != "off":
@@ -202,8 +203,11 @@ class LLM:
         what the step did and what finished."""
         stats = StepStats(self._admit_compiled_grammars())
         previous, self._inflight = self._inflight, None
-        if self.expert_maps:
-            previous = self._balance_experts(previous, stats)
+        if self.balancing.advance():  # EPLB re-places the experts: the step in flight reads them
+            if previous is not None:
+                self._collect(previous, stats)
+                previous = None
+            self.balancing.rebalance()
         if not self.scheduler.has_work:
             if previous is not None:
                 self._collect(previous, stats)
@@ -373,22 +377,6 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
         return params
 
-    def _balance_experts(self, previous, stats):
-        """EPLB between steps: close the last step's routed-token counts, and every
-        ``parallel.eplb_interval`` steps collect the step in flight (its forward reads the weights)
-        and re-place the experts. Returns the step still in flight, if any."""
-        for expert_map in self.expert_maps:
-            expert_map.end_step()
-        self._steps += 1
-        interval = self.config.parallel.eplb_interval
-        if interval and self._steps % interval == 0:
-            if previous is not None:
-                self._collect(previous, stats)
-                previous = None
-            for expert_map in self.expert_maps:
-                expert_map.rebalance()
-        return previous
-
     def _make_request(self, index: int, prompt: Prompt, params: SamplingParams, grammar: bool = True) -> Request:
         """A validated request (its id and seed drawn); ``grammar``: start compiling its structured
         output's grammar (off for a data-parallel peer's request, drawn only to keep ids and seeds
@@ -444,7 +432,8 @@ class LLM:
                 forward = self.scheduler.has_work
                 unfinished, someone_forwards = agree(unfinished, forward, self.groups.data)
                 if not forward and someone_forwards:
-                    self._balance_experts(None, StepStats())  # the step count and load window stay in step
+                    if self.balancing.advance():  # the step count and load window stay in step
+                        self.balancing.rebalance()
                     placeholder_pass(self.model)
                     continue
             if not unfinished:
@@ -467,46 +456,6 @@ class LLM:
         bar.close()
 
 
-@dataclass
-class StepStats:
-    """What one :meth:`LLM.step` did: the requests that finished, the sequences, prompt tokens
-    and decode rows (each request's last token plus its drafts) of the step it launched and
-    whether that was a pure decode step, and the drafts verified and accepted in the step(s) it
-    collected."""
-
-    finished: list[Request] = field(default_factory=list)
-    num_seqs: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    decode: bool = False
-
-    def count_launch(self, batch: Batch) -> None:
-        self.num_seqs, self.decode = len(batch.chunks), bool(batch.chunks) and batch.decode
-        for chunk in batch.chunks:
-            prompt = len(chunk.request.prompt_token_ids)
-            prefill = max(0, min(chunk.start + len(chunk.token_ids), prompt) - chunk.start)
-            self.num_prefill_tokens += prefill
-            self.num_decode_tokens += len(chunk.token_ids) - prefill
-
-    def count_emissions(self, emissions) -> None:
-        self.num_drafted += sum(e.drafted for e in emissions)
-        self.num_accepted += sum(e.accepted for e in emissions)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward, sampling and draft pass are queued: its batch, the chunks that
-    sample, the wait for their pending emissions and drafts, and the finished requests whose
-    cache it still writes."""
-
-    batch: Batch
-    sampling: list
-    pending: Callable[[], "tuple[PendingEmissions, PendingDrafts | None]"]
-    release_after: list[Request] = field(default_factory=list)
-
-
 def _masks_tokens(request: Request) -> bool:
     """Whether ``request``'s next step masks tokens (bans, ``min_tokens``, teacher forcing): its
     masks are built from its collected outputs, so the step before it must have been collected."""
@@ -527,16 +476,4 @@ def _refuse_unfinished_features(app) -> None:
     if app.engine.batch_invariant and app.engine.max_num_batched_tokens < app.decoding.num_draft_tokens + 1:
         raise ValueError(f"engine.batch_invariant=true verifies all {app.decoding.num_draft_tokens} drafts of a request "
                          f"in one step: engine.max_num_batched_tokens must be >= {app.decoding.num_draft_tokens + 1}")
-    parallel = app.parallel
-    if parallel.context_parallel > 1:
-        raise ValueError("context parallelism is not implemented yet; use parallel=single, an attention data-parallel "
-                         "plan (dp2, dp4), an expert-parallel one (ep2, ep4) or both (dp2_ep2)")
-    if parallel.data_parallel > 1 and parallel.expert_parallel > 1:
-        if parallel.data_parallel != parallel.expert_parallel:
-            raise ValueError(f"attention DP with expert parallelism runs both over the same ranks: "
-                             f"parallel.data_parallel ({parallel.data_parallel}) must equal parallel.expert_parallel "
-                             f"({parallel.expert_parallel})")
-        if app.decoding.num_draft_tokens:
-            raise ValueError("DSpark under attention DP with expert parallelism is not implemented yet: the draft "
-                             "passes' MoE exchanges are not kept in step across ranks; use decoding=greedy or "
-                             "decoding=sample, or one of the two plans alone")
+    check_plan(app.parallel, app.decoding)

@@ -39,6 +39,11 @@ class Placement:
         slots = per_replica[:, self.physical_to_logical]
         return slots.view(loads.shape[0], self.ranks, -1).sum(dim=-1)
 
+    def imbalance(self, loads: torch.Tensor) -> float:
+        """The largest rank load over the mean (:meth:`rank_loads`), each summed over the steps."""
+        per_rank = self.rank_loads(loads)
+        return float(per_rank.max(dim=1).values.sum() / per_rank.mean(dim=1).sum())
+
 
 def allocate_replicas(loads: torch.Tensor, physical: int) -> torch.Tensor:
     """Replicas per logical expert (int64 ``[N]``, summing to ``physical``) for ``loads [steps,

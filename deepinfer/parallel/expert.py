@@ -37,6 +37,7 @@ class ExpertMap:
         self.placement = static_placement(moe.num_experts, extra, self.world)
         self.window = LoadWindow(moe.num_experts, window)
         self.pending: torch.Tensor | None = None  # this step's counts, on the tokens' device
+        self._device_placement: Placement | None = None  # the placement's maps on the tokens' device
 
     @property
     def num_physical(self) -> int:
@@ -79,7 +80,7 @@ class ExpertMap:
         self._device_placement = None
 
     def _on(self, device: torch.device) -> Placement:
-        cached = getattr(self, "_device_placement", None)
+        cached = self._device_placement
         if cached is None or cached.logical_count.device != device:
             p = self.placement
             cached = Placement(p.physical_to_logical.to(device), p.logical_to_physical.to(device),
@@ -121,6 +122,26 @@ class ExpertMap:
                 work.wait()
         for n in names:
             setattr(experts, n, nn.Parameter(fresh[n], requires_grad=False))
+
+
+class ExpertBalancing:
+    """EPLB's cadence over every layer's :class:`ExpertMap`: each engine step closes the layers'
+    counts, and every ``interval`` steps (0: never) the experts are re-placed."""
+
+    def __init__(self, maps: list[ExpertMap], interval: int):
+        self.maps, self.interval, self.steps = maps, interval, 0
+
+    def advance(self) -> bool:
+        """Close a step's routed-token counts; True when the experts are to be re-placed now."""
+        for expert_map in self.maps:
+            expert_map.end_step()
+        self.steps += 1
+        return bool(self.maps and self.interval) and self.steps % self.interval == 0
+
+    def rebalance(self) -> None:
+        """Re-place every layer's experts (every rank at the same step)."""
+        for expert_map in self.maps:
+            expert_map.rebalance()
 
 
 def shard_experts(model: nn.Module, group, extra: int = 0, window: int = 100) -> list[ExpertMap]:

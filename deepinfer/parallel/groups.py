@@ -36,6 +36,23 @@ def plan_world(plan) -> int:
     return max(plan.data_parallel, plan.expert_parallel, plan.context_parallel)
 
 
+def check_plan(parallel, decoding) -> None:
+    """Refuse the plans (:class:`~deepinfer.config.schema.ParallelConfig`, with the run's
+    ``decoding``) that are not implemented yet, naming the ones that are."""
+    if parallel.context_parallel > 1:
+        raise ValueError("context parallelism is not implemented yet; use parallel=single, an attention data-parallel "
+                         "plan (dp2, dp4), an expert-parallel one (ep2, ep4) or both (dp2_ep2)")
+    if parallel.data_parallel > 1 and parallel.expert_parallel > 1:
+        if parallel.data_parallel != parallel.expert_parallel:
+            raise ValueError(f"attention DP with expert parallelism runs both over the same ranks: "
+                             f"parallel.data_parallel ({parallel.data_parallel}) must equal parallel.expert_parallel "
+                             f"({parallel.expert_parallel})")
+        if decoding.num_draft_tokens:
+            raise ValueError("DSpark under attention DP with expert parallelism is not implemented yet: the draft "
+                             "passes' MoE exchanges are not kept in step across ranks; use decoding=greedy or "
+                             "decoding=sample, or one of the two plans alone")
+
+
 def join(plan, device: torch.device) -> ProcessGroups | None:
     """Join (or reuse) the default process group for ``plan``; None for a one-rank plan. Refuses a
     launch whose ``WORLD_SIZE`` is not the plan's, naming the torchrun command that fits."""

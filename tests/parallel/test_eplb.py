@@ -8,12 +8,6 @@ from deepinfer.parallel.eplb import (LoadWindow, allocate_replicas, place_replic
                                      static_placement)
 
 
-def imbalance(placement, loads) -> float:
-    """Largest rank load over the mean, summed over the steps as the policy sums them."""
-    per_rank = placement.rank_loads(loads)
-    return float(per_rank.max(dim=1).values.sum() / per_rank.mean(dim=1).sum())
-
-
 def test_hand_worked_allocation_and_placement():
     """Loads 8, 4, 2, 2 on 6 slots over 2 ranks. Allocation: an extra replica of expert 0 leaves
     a largest load of 4 (expert 1's 8 otherwise), then experts 0 and 1 tie at 4 and the lower id
@@ -41,9 +35,9 @@ def zipf_loads(steps: int, experts: int, seed: int, exponent: float = 1.2) -> to
 @pytest.mark.parametrize("experts, ranks, extra", [(256, 8, 32), (384, 16, 64), (64, 8, 0)])
 def test_skewed_loads_are_balanced(experts, ranks, extra):
     loads = zipf_loads(20, experts, seed=experts + ranks)
-    before = imbalance(static_placement(experts, extra, ranks), loads)
+    before = static_placement(experts, extra, ranks).imbalance(loads)
     placement = rebalance(loads, extra, ranks)
-    after = imbalance(placement, loads)
+    after = placement.imbalance(loads)
     print(f"E={experts} EP={ranks} extra={extra}: max/mean rank load {before:.3f} -> {after:.3f}")
     assert after < before
     if extra:  # without redundant experts the hottest expert alone can outweigh a rank's share

@@ -45,12 +45,12 @@ def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list
     try:
         llm = LLM("tiny", overrides=[f"parallel={plan}", *COMMON, *extra])
         held = {name: p.shape[0] for name, p in llm.model.named_parameters() if name.endswith("experts.w1")}
-        placements = [[m.placement.physical_to_logical.tolist() for m in llm.expert_maps]]
+        placements = [[m.placement.physical_to_logical.tolist() for m in llm.balancing.maps]]
         ran, enqueue = [], llm._enqueue
         llm._enqueue = lambda request: (ran.append(request.request_id), enqueue(request))[1]
         tokens = _generate(llm, PROMPTS)
         llm._enqueue = enqueue
-        placements.append([m.placement.physical_to_logical.tolist() for m in llm.expert_maps])
+        placements.append([m.placement.physical_to_logical.tolist() for m in llm.balancing.maps])
         torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm), "placements": placements},
                    Path(out_dir) / f"rank{rank}.pt")
         leave(llm.groups)
