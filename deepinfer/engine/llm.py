@@ -72,6 +72,7 @@ class LLM:
             maps = shard_experts(self.model, self.groups.expert, app.parallel.num_extra_experts,
                                  app.parallel.eplb_window)
         self.balancing = ExpertBalancing(maps, app.parallel.eplb_interval)
+        self._lockstep = self.groups is not None and self.groups.data is not None and self.groups.expert is not None
         weight_bytes = self.runtime.allocated() - before
         cfg = self.model.cfg
         if engine.bounded_replay.mode != "off":
@@ -107,7 +108,8 @@ class LLM:
                                   num_draft_tokens=decoding.num_draft_tokens,
                                   confidence_temperature=decoding.confidence_temperature_per_step,
                                   bounded_replay=engine.bounded_replay, padded_decode=padded,
-                                  filter_order=decoding.filter_order)
+                                  filter_order=decoding.filter_order,
+                                  context=self.groups if self.groups is not None and self.groups.context else None)
         self.dspark = None
         if decoding.num_draft_tokens:
             max_rows = engine.max_num_seqs * (decoding.num_draft_tokens + 1)
@@ -249,7 +251,11 @@ class LLM:
         def device_work():
             emissions = emit(self.ops, self.runtime, sampling, self.runner.run(batch), masks, self.runner.slots,
                              self.config.decoding.filter_order)
-            return emissions, self.dspark.launch(drafting) if drafting else None
+            if drafting:
+                return emissions, self.dspark.launch(drafting)
+            if self.dspark is not None and self._lockstep:  # the peers' draft passes exchange rows with this rank
+                placeholder_pass(self.model.mtp)
+            return emissions, None
         return LaunchedStep(batch, sampling, self.runtime.run_async(device_work))
 
     def _collect(self, step: "LaunchedStep", stats: "StepStats") -> None:
@@ -348,6 +354,9 @@ class LLM:
         """Schedule the waiting requests whose matcher is ready; fail those whose grammar did not
         compile (or not in time). Returns the failed ones."""
         failed, waiting = [], []
+        if self.groups is not None and self.groups.data is None and self._awaiting_grammar:
+            # every rank runs every request, in the same steps: admission waits on no rank's compile speed
+            concurrent.futures.wait([r.grammar.future for r in self._awaiting_grammar])
         for request in self._awaiting_grammar:
             if not self.grammars.poll(request.grammar):
                 waiting.append(request)
@@ -425,16 +434,17 @@ class LLM:
         bar = tqdm(total=len(requests), desc="generate", disable=not show, dynamic_ncols=True)
         started, prefilled = time.perf_counter(), 0
         produced = sum(len(r.output_token_ids) for r in requests)
-        lockstep = self.groups is not None and self.groups.data is not None and self.groups.expert is not None
         while True:
             unfinished = not all(r.finished for r in requests)
-            if lockstep:  # DP with EP: every forward's MoE exchanges need every rank
+            if self._lockstep:  # DP with EP: every forward's MoE exchanges need every rank
                 forward = self.scheduler.has_work
                 unfinished, someone_forwards = agree(unfinished, forward, self.groups.data)
                 if not forward and someone_forwards:
                     if self.balancing.advance():  # the step count and load window stay in step
                         self.balancing.rebalance()
-                    placeholder_pass(self.model)
+                    placeholder_pass(self.model.layers)
+                    if self.dspark is not None:
+                        placeholder_pass(self.model.mtp)
                     continue
             if not unfinished:
                 break

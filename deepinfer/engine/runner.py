@@ -16,6 +16,7 @@ from deepinfer.hal.ops.sampling import as_int64
 from deepinfer.hal.value_checks import skip_value_checks
 from deepinfer.models.forward_context import ForwardContext, upload_arrays
 from deepinfer.models.interface import DraftProposal, DraftSampling, GenerativeModel
+from deepinfer.parallel.context import from_first_rank, shard_context
 
 
 class ModelRunner:
@@ -34,13 +35,18 @@ class ModelRunner:
     (:class:`~deepinfer.decoding.sampler.SlotTokens`) is what each request's last step left on the
     device: a decode-shaped pass reads an input token < 0 (a
     :data:`~deepinfer.engine.request.PLACEHOLDER`) there (the first from ``last``, the j-th
-    draft from ``drafts``), and a chained sequence's start from ``length``."""
+    draft from ``drafts``), and a chained sequence's start from ``length``. ``context``
+    (:class:`~deepinfer.parallel.groups.ProcessGroups` with a ``context`` group; None: one
+    process) splits each prefill step's rows over the context-parallel ranks
+    (:mod:`deepinfer.parallel.context`), and every rank samples from the first rank's logits and
+    drafts."""
 
     def __init__(self, model: GenerativeModel, runtime: Runtime, num_blocks: int, num_state_slots: int,
                  max_num_seqs: int, num_draft_tokens: int = 0,
                  confidence_temperature: float | tuple[float, ...] = 1.0,
-                 bounded_replay=None, padded_decode: bool = False, filter_order: str = "deepinfer"):
-        self.model, self.runtime = model, runtime
+                 bounded_replay=None, padded_decode: bool = False, filter_order: str = "deepinfer",
+                 context=None):
+        self.model, self.runtime, self.context = model, runtime, context
         self.bounded_replay = bounded_replay
         self.replay = bounded_replay if bounded_replay is not None and bounded_replay.mode != "off" else None
         self.k, self.confidence_temperature = num_draft_tokens, confidence_temperature
@@ -64,6 +70,8 @@ class ModelRunner:
         else:
             with skip_value_checks(), torch.no_grad():
                 logits = self.model(self._context(batch), self.caches)
+        if self.context is not None:
+            from_first_rank(logits, self.context.context)
         if self.logits_trace is not None:
             row = 0
             for chunk in (c for c in chunks if c.samples):
@@ -90,12 +98,19 @@ class ModelRunner:
                       seed=[as_int64(r.seed) for r in requests])
         if padded is not None:
             out = padded(len(requests), arrays)
-            return DraftProposal(out["tokens"].clone(), out["logprobs"].clone(), out["confidences"].clone())
-        moved = upload_arrays(arrays, self.runtime.device, self.runtime.upload)
-        inputs = {name: values.view(len(requests), -1) for name, values in moved.items()}
-        with skip_value_checks(), torch.no_grad():
-            out = self._draft_pass(inputs)
-        return DraftProposal(out["tokens"], out["logprobs"], out["confidences"])
+            proposal = DraftProposal(out["tokens"].clone(), out["logprobs"].clone(), out["confidences"].clone())
+        else:
+            moved = upload_arrays(arrays, self.runtime.device, self.runtime.upload)
+            inputs = {name: values.view(len(requests), -1) for name, values in moved.items()}
+            with skip_value_checks(), torch.no_grad():
+                out = self._draft_pass(inputs)
+            proposal = DraftProposal(out["tokens"], out["logprobs"], out["confidences"])
+        if self.context is not None:
+            for part in (proposal.tokens, proposal.logprobs, proposal.confidences):
+                from_first_rank(part, self.context.context)
+            slots = torch.as_tensor([c.slot for c in chunks], device=proposal.tokens.device)
+            self.slots.drafts.index_copy_(0, slots, proposal.tokens)
+        return proposal
 
     def capture_graphs(self, progress: Callable[[], None] = lambda: None) -> None:
         """Record every padded pass at every size (after one eager warm-up each)."""
@@ -193,12 +208,14 @@ class ModelRunner:
                 rows.extend(range(offset - len(c.drafts) - 1, offset))
         requests = [c.request for c in chunks]
         starts = self._replay_starts(requests) if self.replay is not None else None
+        compact = starts is not None and self.replay.mode == "compact" and self.context is None  # mask: same values
         ctx = ForwardContext.for_sequences(
             [c.token_ids for c in chunks], [c.start for c in chunks], [c.slot for c in chunks],
             [list(c.blocks) for c in chunks], decode=batch.decode, logits_rows=rows, replay_starts=starts,
-            replay_compact=starts is not None and self.replay.mode == "compact", device=self.runtime.device,
-            upload=self.runtime.upload)
+            replay_compact=compact, device=self.runtime.device, upload=self.runtime.upload)
         ctx.write_draft_cache = bool(self.k)
         if min((min(c.token_ids) for c in chunks if c.token_ids), default=0) < 0:
             ctx.input_ids = torch.where(ctx.input_ids < 0, self.slots.last[ctx.slot_of_token], ctx.input_ids)
+        if self.context is not None:
+            ctx = shard_context(ctx, self.context.rank, self.context.world, self.context.context, self.runtime.upload)
         return ctx

@@ -50,7 +50,10 @@ class ForwardContext:
     DSpark draft pass: each sequence's rows are one block that attends bidirectionally to itself
     and to the ``window`` keys before it. ``replay_start`` (SWA bounded replay; None: off) is
     ``int64 [B]``, the first position of each sequence the YOCO consumer layers process and see;
-    ``replay_compact`` computes only the rows of ``consumer`` there instead of masking."""
+    ``replay_compact`` computes only the rows of ``consumer`` there instead of masking. ``shard``
+    (a :class:`~deepinfer.parallel.context.ContextShard`; None: the whole step) marks one
+    context-parallel rank's rows of a prefill step: the per-token fields are that rank's rows,
+    and the cache writes go through ``shard.full``."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -75,6 +78,7 @@ class ForwardContext:
     replay_compact: bool = False
     consumer: ConsumerRows | None = None
     every_row_logits: bool = False
+    shard: object | None = None
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property

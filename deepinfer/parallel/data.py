@@ -5,10 +5,11 @@ ranks' forwards share nothing and run their steps independently. Combined with e
 parallelism every forward's MoE layers exchange rows with every rank, so the ranks step in
 lockstep (:func:`agree`): a rank with nothing to run while another runs a forward runs a
 placeholder pass (:func:`placeholder_pass`) that sends no rows and computes the experts it holds
-for the rows the others send."""
+for the rows the others send. With DSpark every forward is followed by a draft pass on every
+rank, a placeholder one where the rank has nothing to draft."""
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,11 @@ def agree(unfinished: bool, forward: bool, group) -> tuple[bool, bool]:
     return bool(flags[0]), bool(flags[1])
 
 
-def placeholder_pass(model: nn.Module) -> None:
-    """A target forward's MoE exchanges without tokens: each backbone layer's MoE, in order, routes
-    no rows of its own and computes its experts for the rows the other ranks send."""
-    for layer in model.layers:
+def placeholder_pass(layers: Iterable[nn.Module]) -> None:
+    """One pass's MoE exchanges without tokens over ``layers`` (the backbone's, for a target
+    forward; the DSpark draft layers', for a draft pass): each layer's MoE, in order, routes no
+    rows of its own and computes its experts for the rows the other ranks send."""
+    for layer in layers:
         moe = layer.ffn
         reference = moe.shared_experts.w1.weight
         x = torch.zeros(0, moe.gate.weight.shape[1], dtype=reference.dtype, device=reference.device)

@@ -21,14 +21,16 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 @dataclass(frozen=True)
 class ProcessGroups:
     """This process's place in the plan: its ``rank`` of ``world``, the group the routed experts
-    are spread over (``expert``: every rank under expert parallelism, else None) and the group
+    are spread over (``expert``: every rank under expert parallelism, else None), the group
     the requests are spread over (``data``: every rank under attention data parallelism, else
-    None)."""
+    None) and the group a prefill step's rows are spread over (``context``: every rank under
+    context parallelism, else None)."""
 
     rank: int
     world: int
     expert: object = None
     data: object = None
+    context: object = None
 
 
 def plan_world(plan) -> int:
@@ -39,18 +41,21 @@ def plan_world(plan) -> int:
 def check_plan(parallel, decoding) -> None:
     """Refuse the plans (:class:`~deepinfer.config.schema.ParallelConfig`, with the run's
     ``decoding``) that are not implemented yet, naming the ones that are."""
-    if parallel.context_parallel > 1:
-        raise ValueError("context parallelism is not implemented yet; use parallel=single, an attention data-parallel "
-                         "plan (dp2, dp4), an expert-parallel one (ep2, ep4) or both (dp2_ep2)")
+    if parallel.context_parallel > 1 and max(parallel.data_parallel, parallel.expert_parallel) > 1:
+        raise ValueError(f"context parallelism together with attention DP or expert parallelism is not implemented "
+                         f"yet (parallel.context_parallel={parallel.context_parallel}, data_parallel="
+                         f"{parallel.data_parallel}, expert_parallel={parallel.expert_parallel}); use a context-"
+                         f"parallel plan alone (cp2, cp4) or the DP and EP plans without it")
+    shared_schedule = parallel.data_parallel == 1 and plan_world(parallel) > 1
+    if shared_schedule and decoding.num_draft_tokens and decoding.varlen:
+        raise ValueError(f"parallel={parallel.name} runs every request on every rank in the same steps, and DSpark's "
+                         f"confidence-scheduled verify lengths (decoding.varlen=true) follow each rank's own step "
+                         f"timings; set decoding.varlen=false (fixed verify lengths) under this plan")
     if parallel.data_parallel > 1 and parallel.expert_parallel > 1:
         if parallel.data_parallel != parallel.expert_parallel:
             raise ValueError(f"attention DP with expert parallelism runs both over the same ranks: "
                              f"parallel.data_parallel ({parallel.data_parallel}) must equal parallel.expert_parallel "
                              f"({parallel.expert_parallel})")
-        if decoding.num_draft_tokens:
-            raise ValueError("DSpark under attention DP with expert parallelism is not implemented yet: the draft "
-                             "passes' MoE exchanges are not kept in step across ranks; use decoding=greedy or "
-                             "decoding=sample, or one of the two plans alone")
 
 
 def join(plan, device: torch.device) -> ProcessGroups | None:
@@ -76,7 +81,8 @@ def join(plan, device: torch.device) -> ProcessGroups | None:
                            f"parallel={plan.name} needs {world}")
     every = dist.group.WORLD
     return ProcessGroups(dist.get_rank(), world, expert=every if plan.expert_parallel > 1 else None,
-                         data=every if plan.data_parallel > 1 else None)
+                         data=every if plan.data_parallel > 1 else None,
+                         context=every if plan.context_parallel > 1 else None)
 
 
 def leave(groups: ProcessGroups | None) -> None:

@@ -14,9 +14,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.parallel.context import balanced_rows
 from deepinfer.parallel.expert import local_experts
 from deepinfer.parallel.groups import leave
 
+LONG_PROMPT = "".join(f"def scale_{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(40))
+"""About 700 tokens: three prefill chunks, the indexer choosing among more keys than it keeps."""
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, item):", "for i in range("]
 COMMON = ["engine.batch_invariant=true", "engine.use_tqdm=false", "engine.max_num_seqs=4"]
 
@@ -32,26 +35,31 @@ def _generate(llm: LLM, prompts: list[str], max_tokens: int = 12) -> list[list[i
     return [list(o.token_ids) for o in outputs]
 
 
-def _sampled(llm: LLM) -> list[tuple[int, list[int]]]:
+def _sampled(llm: LLM, prompts: list[str] = PROMPTS) -> list[tuple[int, list[int]]]:
     """Unseeded and seeded sampling (temperature 1) of every prompt: request ids and tokens."""
     params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=None if i % 2 else 7 + i)
-              for i in range(len(PROMPTS))]
-    return [(o.request_id, list(o.token_ids)) for o in llm.generate(PROMPTS, params)]
+              for i in range(len(prompts))]
+    return [(o.request_id, list(o.token_ids)) for o in llm.generate(prompts, params)]
 
 
-def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list[str]) -> None:
+def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list[str],
+          prompts: list[str] = PROMPTS) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:
         llm = LLM("tiny", overrides=[f"parallel={plan}", *COMMON, *extra])
         held = {name: p.shape[0] for name, p in llm.model.named_parameters() if name.endswith("experts.w1")}
         placements = [[m.placement.physical_to_logical.tolist() for m in llm.balancing.maps]]
-        ran, enqueue = [], llm._enqueue
+        ran, enqueue, forward, split = [], llm._enqueue, llm.model.forward, []
         llm._enqueue = lambda request: (ran.append(request.request_id), enqueue(request))[1]
-        tokens = _generate(llm, PROMPTS)
-        llm._enqueue = enqueue
+        llm.model.forward = lambda ctx, caches: (
+            split.append((ctx.num_tokens, ctx.shard.full.num_tokens)) if ctx.shard is not None else None,
+            forward(ctx, caches))[1]
+        tokens = _generate(llm, prompts)
+        llm._enqueue, llm.model.forward = enqueue, forward
         placements.append([m.placement.physical_to_logical.tolist() for m in llm.balancing.maps])
-        torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm), "placements": placements},
+        torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm, prompts), "placements": placements,
+                    "split": split},
                    Path(out_dir) / f"rank{rank}.pt")
         leave(llm.groups)
         del llm, enqueue
@@ -61,8 +69,8 @@ def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list
             dist.destroy_process_group()
 
 
-def _run(tmp_path, plan: str, world: int, extra: list[str] = ()) -> list[dict]:
-    mp.spawn(_rank, args=(world, _free_port(), plan, str(tmp_path), list(extra)), nprocs=world, join=True)
+def _run(tmp_path, plan: str, world: int, extra: list[str] = (), prompts: list[str] = PROMPTS) -> list[dict]:
+    mp.spawn(_rank, args=(world, _free_port(), plan, str(tmp_path), list(extra), prompts), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
 
@@ -130,6 +138,55 @@ def test_expert_parallel_with_dspark_equals_one_process(tmp_path):
         assert result["tokens"] == want, f"rank {rank}"
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("plan, world", [("cp2", 2), pytest.param("cp4", 4, marks=pytest.mark.slow)])
+def test_context_parallel_outputs_equal_one_process(tmp_path, plan, world):
+    """Every rank runs every request; each prefill step's rows are split evenly over the ranks
+    (each computes about 1/world of them), and the greedy tokens and samples are one process's."""
+    prompts = [*PROMPTS, LONG_PROMPT]
+    single = LLM("tiny", overrides=COMMON)
+    want = {"tokens": _generate(single, prompts), "sampled": _sampled(single, prompts)}
+    for rank, result in enumerate(_run(tmp_path, plan, world, prompts=prompts)):
+        assert result["tokens"] == want["tokens"], f"rank {rank} of {plan}"
+        assert result["sampled"] == want["sampled"], f"rank {rank} of {plan}"
+        assert result["ran"] == list(range(len(prompts))), f"rank {rank} ran {result['ran']}"
+        assert result["split"], f"rank {rank} of {plan} split no prefill step"
+        for mine, whole in result["split"]:
+            assert abs(mine - whole / world) <= 2 * len(prompts), f"rank {rank}: {mine} of {whole} rows"
+
+
+@pytest.mark.multirank
+def test_context_parallel_with_dspark_and_bounded_replay_equals_one_process(tmp_path):
+    """DSpark's draft caches and bounded replay's consumer windows (compact replay runs masked
+    under CP, with the same values) from split prefill steps."""
+    extra = ["decoding=dspark", "decoding.varlen=false", "engine.bounded_replay.mode=compact",
+             "engine.prefill_chunk_tokens=128"]
+    prompts = [*PROMPTS, LONG_PROMPT]
+    want = _generate(LLM("tiny", overrides=[*COMMON, *extra]), prompts)
+    for rank, result in enumerate(_run(tmp_path, "cp2", 2, extra, prompts)):
+        assert result["tokens"] == want, f"rank {rank}"
+
+
+@pytest.mark.multirank
+def test_data_and_expert_parallel_with_dspark_equals_one_process(tmp_path):
+    """A rank with nothing to draft while its peer drafts (or nothing to run at all) takes part in
+    the draft layers' MoE exchanges."""
+    extra = ["decoding=dspark", "parallel.num_extra_experts=2", "parallel.eplb_interval=4"]
+    want = _generate(LLM("tiny", overrides=[*COMMON, *extra[:1]]), PROMPTS)
+    for rank, result in enumerate(_run(tmp_path, "dp2_ep2", 2, extra)):
+        assert result["tokens"] == want, f"rank {rank}"
+        assert result["ran"] == list(range(rank, len(PROMPTS), 2)), f"rank {rank} ran {result['ran']}"
+
+
+def test_balanced_rows_take_mirrored_pieces_of_each_sequence():
+    """Two sequences of 8 and 5 rows over two ranks: pieces of 2 rows (8 rows) and 2 rows (5 rows:
+    the last piece empty); rank 0 takes pieces 0 and 3, rank 1 pieces 1 and 2."""
+    assert balanced_rows([8, 5], 0, 2).tolist() == [0, 1, 6, 7, 8, 9]
+    assert balanced_rows([8, 5], 1, 2).tolist() == [2, 3, 4, 5, 10, 11, 12]
+    every = sorted(row for rank in range(4) for row in balanced_rows([37, 1, 16], rank, 4).tolist())
+    assert every == list(range(54))
+
+
 def test_local_experts_are_contiguous_equal_shares():
     assert [local_experts(8, 4, r) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     with pytest.raises(ValueError, match="do not divide over 3 expert-parallel ranks"):
@@ -142,9 +199,14 @@ def test_a_plan_launched_on_the_wrong_number_of_processes_is_refused(monkeypatch
         LLM("tiny", overrides=["parallel=ep2", *COMMON])
 
 
-@pytest.mark.parametrize("override", ["parallel.context_parallel=2", "parallel=dp2_ep2 decoding=dspark"])
-def test_plans_not_implemented_yet_are_refused(override):
-    with pytest.raises(ValueError, match="not implemented yet"):
+@pytest.mark.parametrize("override, message", [
+    ("parallel=cp2 parallel.expert_parallel=2", "context parallelism together with attention DP or expert "
+                                                "parallelism is not implemented yet"),
+    ("parallel=ep2 decoding=dspark decoding.varlen=true", "set decoding.varlen=false"),
+    ("parallel=cp2 decoding=dspark decoding.varlen=true", "set decoding.varlen=false"),
+])
+def test_plans_not_implemented_yet_are_refused(override, message):
+    with pytest.raises(ValueError, match=message):
         LLM("tiny", overrides=override.split())
 
 

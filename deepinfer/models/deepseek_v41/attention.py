@@ -101,13 +101,15 @@ class Attention(nn.Module):
         q_b = stacked(ops, projected["q_a"], q_weights, rope=(pos, cos_sin, q_heads), norm=self.q_norm,
                       mxfp4_products=(1,) if indexing else ())
         q = q_b[0].view(ctx.num_tokens, self.heads, ATTENTION_DIM)
-        kv_latent = projected["kv"]
+        keys_ctx = ctx.shard.full if ctx.shard is not None else ctx
+        written = self._whole_chunk(projected, ("kv", "latent", "score"), ctx)
+        kv_latent = written["kv"]
         selected = None
         if self.ratio:
             if self.compressor is None:
                 self._store_shared_index_keys(shared, ctx, cache, cos_sin)
             elif kv_source is None:
-                self._store_compressed(projected["latent"], projected.get("score"), hidden, ctx, cache, cos_sin,
+                self._store_compressed(written["latent"], written.get("score"), hidden, keys_ctx, cache, cos_sin,
                                        shared)
             else:
                 self._project_and_store(kv_source, kv_ctx or ctx, cache, cos_sin, shared)
@@ -136,13 +138,25 @@ class Attention(nn.Module):
                 named["score"] = self.compressor.wgate
         return dict(zip(named, stacked(self.ops, hidden, list(named.values()))))
 
+    @staticmethod
+    def _whole_chunk(projected: dict[str, torch.Tensor], names: tuple[str, ...], ctx: ForwardContext):
+        """``projected`` with its tensors ``names`` (those present) over every row of the step:
+        under context parallelism (``ctx.shard``) every rank's rows gathered in one exchange, so
+        each rank writes the whole chunk into its cache."""
+        if ctx.shard is None:
+            return projected
+        present = [name for name in names if name in projected]
+        return {**projected, **dict(zip(present, ctx.shard.gather(*(projected[n] for n in present))))}
+
     def _project_and_store(self, source, ctx, cache, cos_sin, shared=None) -> None:
         """Project ``source`` (another layer's hidden, with its own rows) through the compressor
-        and store its keys (:meth:`_store_compressed`)."""
+        and store its keys (:meth:`_store_compressed`), over every row of the step."""
         comp = self.compressor
-        projected = stacked(self.ops, source, [comp.wkv] + ([comp.wgate] if comp.wgate is not None else []))
-        self._store_compressed(projected[0], projected[1] if len(projected) > 1 else None, source, ctx, cache,
-                               cos_sin, shared)
+        weights = {"latent": comp.wkv, **({"score": comp.wgate} if comp.wgate is not None else {})}
+        projected = self._whole_chunk(dict(zip(weights, stacked(self.ops, source, list(weights.values())))),
+                                      tuple(weights), ctx)
+        self._store_compressed(projected["latent"], projected.get("score"), source,
+                               ctx.shard.full if ctx.shard is not None else ctx, cache, cos_sin, shared)
 
     def _store_compressed(self, latent, score, source, ctx, cache, cos_sin, shared=None) -> None:
         """Compress the tokens of ``source`` (projected to ``latent`` and, for C2, ``score``) and
@@ -299,12 +313,13 @@ class Attention(nn.Module):
         return groups + [(t0, t1, k0, k1)]
 
     def _attend_prefill(self, q, kv_latent, selected, ctx, cache, visible, cos_sin):
+        """Prefill attention of ``ctx``'s queries over the SWA history, the step's keys
+        (``kv_latent``, every row of the step; stored here) and the ``selected`` compressed keys."""
         ops, cfg = self.ops, self.cfg
-        history_slots, slots, indices = ctx.derived(
-            ("swa_prefill", cfg.sliding_window, cfg.swa_ring_size, visible is not None),
-            lambda: self._swa_prefill_layout(ctx, visible))
+        history_slots, slots, indices = self._swa_prefill_plan(ctx, visible is not None)
         history = ops.kv_load(cache.swa_ring, history_slots, cfg.swa_cache_format)
-        chunk = self.swa_keys(kv_latent, ctx.positions, cos_sin, cache, slots)  # after the history is read
+        keys_ctx = ctx.shard.full if ctx.shard is not None else ctx
+        chunk = self.swa_keys(kv_latent, keys_ctx.positions, cos_sin, cache, slots)  # after the history is read
         buffers, main_keys = [history, chunk], None
         if selected is not None:
             key_slots, first = self._compressed_keys(ctx, cache)
@@ -317,6 +332,24 @@ class Attention(nn.Module):
         out, _ = ops.mla_sparse_prefill(q, torch.cat(buffers).to(q.dtype), indices, self.attn_sink, self.scale,
                                         main_keys=main_keys)
         return out
+
+    def _swa_prefill_plan(self, ctx: ForwardContext, bounded: bool):
+        """:meth:`_swa_prefill_layout` of the whole step, its windows cut to ``ctx``'s rows under
+        context parallelism; ``bounded``: under bounded replay. Once per context."""
+        cfg = self.cfg
+        key = ("swa_prefill", cfg.sliding_window, cfg.swa_ring_size, bounded)
+
+        def lay_out(whole: ForwardContext):
+            visible = whole.derived(("replay_visible",), lambda: whole.replay_start[whole.seq_of_token]) \
+                if bounded else None
+            return self._swa_prefill_layout(whole, visible)
+        if ctx.shard is None:
+            return ctx.derived(key, lambda: lay_out(ctx))
+
+        def cut():
+            history_slots, slots, indices = ctx.shard.full.derived(key, lambda: lay_out(ctx.shard.full))
+            return history_slots, slots, indices[ctx.shard.rows]
+        return ctx.derived(key, cut)
 
     def _swa_prefill_layout(self, ctx: ForwardContext, visible: torch.Tensor | None):
         """The SWA side of a prefill step, the same in every layer: the flat ring rows of each

@@ -113,6 +113,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             residual, pre, x = layer(residual, pre, ctx, cache, cos_sin, yoco, x, next_norm=next_norm)
         if ctx.write_draft_cache:
             self._write_draft_main_keys(torch.cat(features, dim=-1), ctx, caches)
+        if ctx.shard is not None:  # one context-parallel rank's rows: the head reads every rank's
+            if x is None:
+                x = self.norm(self.ops.mhc_pre(residual, self.hc_head.weights(residual)))
+            (x,), ctx = ctx.shard.gather(x), ctx.shard.full
         if x is None:
             residual = residual if ctx.every_row_logits else residual[ctx.logits_indices]
             x = self.norm(self.ops.mhc_pre(residual, self.hc_head.weights(residual)))
@@ -126,6 +130,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         ring = self.cfg.swa_ring_size
         if not self.mtp:
             raise ValueError("write_draft_cache needs a model with DSpark draft layers (num_nextn_predict_layers > 0)")
+        if ctx.shard is not None:
+            (features,), ctx = ctx.shard.gather(features), ctx.shard.full
         recent = ctx.positions >= ctx.context_lens[ctx.seq_of_token] - ring
         slots = self.ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring).masked_fill(~recent, -1)
         for block, cache in zip(self.mtp, caches.draft_layers):
