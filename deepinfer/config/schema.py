@@ -136,6 +136,10 @@ class DecodingConfig:
     value, renormalise, then top-p keeping every tie at its threshold). It filters every request's
     target distribution, which DSpark verification accepts drafts against; the draft pass
     samples in the op's default order (deepinfer)."""
+    force_topk: int = 0
+    """Every draw keeps at most this many tokens (DeepInfer's sampler force-top-k): a request's
+    ``top_k`` of -1 or 0 becomes this, a larger one is capped at it; target draws, the target
+    distributions DSpark verifies against and the draft draws alike. 0: off."""
     max_tokens: int = 64
     """Output tokens per request at most."""
     seed: Optional[int] = None
@@ -167,6 +171,7 @@ class DecodingConfig:
         _require(self.top_k >= -1, "decoding.top_k", self.top_k, "must be >= -1 (-1 or 0 disables it)")
         _require(self.filter_order in FILTER_ORDERS, "decoding.filter_order", self.filter_order,
                  f"use one of {list(FILTER_ORDERS)}")
+        _require(self.force_topk >= 0, "decoding.force_topk", self.force_topk, "must be >= 0 (0: off)")
         _require(self.max_tokens >= 1, "decoding.max_tokens", self.max_tokens, "must be >= 1")
         _require(self.seed is None or 0 <= self.seed < 2**64, "decoding.seed", self.seed,
                  "must be null or an unsigned 64-bit integer")

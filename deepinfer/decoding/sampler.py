@@ -108,7 +108,7 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
         np.asarray([chunk.slot for chunk, _ in rows], dtype=np.int64),
         np.asarray([min(j, len(chunk.drafts) - 1) if chunk.drafts else 0 for chunk, j in rows], dtype=np.int64),
         np.asarray([as_int64(chunk.request.seed) for chunk, _ in rows], dtype=np.int64),
-        np.asarray([p.top_k for p in params], dtype=np.int64),
+        np.asarray([chunk.request.top_k for chunk, _ in rows], dtype=np.int64),
         np.asarray([chunk.drafts[j] if j < len(chunk.drafts) else -1 for chunk, j in rows], dtype=np.int64),
         np.asarray([p.temperature for p in params] + [p.top_p for p in params], dtype=np.float32).view(np.int64),
         first, np.asarray([chunk.slot for chunk in chunks], dtype=np.int64), verify_rows.reshape(-1),
@@ -125,7 +125,8 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
         drafts = torch.where(drafts >= 0, drafts, slots.drafts[slot, column])
     positions = start if known else start + offset
     vocab = logits.shape[-1]
-    filters = any(p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1) for p in params)
+    filters = any(chunk.request.params.temperature > 0 and (0 < chunk.request.top_k < vocab
+                                                             or chunk.request.params.top_p < 1) for chunk, _ in rows)
     fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions, filters=filters,
                                filter_order=filter_order)
     tokens = fresh

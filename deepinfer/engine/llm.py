@@ -265,6 +265,12 @@ class LLM:
         for chunk in step.sampling:
             chunk.request.unconfirmed -= len(chunk.drafts)
         stats.count_emissions(emissions)
+        errors = [error for emission in emissions for error in emission.calibration_errors]
+        if errors:  # the batch's calibration, as DeepInfer's sampler reports it, on every request verified
+            batch_error = sum(errors) / len(errors)
+            for chunk, emission in zip(step.sampling, emissions):
+                if emission.calibration_errors:
+                    chunk.request.batch_calibration_errors.append(batch_error)
         stats.finished += self.outputs.apply(step.sampling, emissions)
         for request in step.release_after:
             self.scheduler.kv.release(request)
@@ -409,7 +415,7 @@ class LLM:
                 raise ValueError(f"request {index}: {name} holds {out_of_vocab[0]}, outside the vocabulary "
                                  f"[0, {vocab})")
         seed = params.seed if params.seed is not None else self._unseeded(params)
-        request = Request(self._next_id, text, ids, params, seed)
+        request = Request(self._next_id, text, ids, params, seed, force_topk=self.config.decoding.force_topk)
         request.detokenizer = IncrementalDecoder(self.tokenizer)
         if params.structured is not None and grammar:
             request.grammar = self._grammar_service().request(params.structured)

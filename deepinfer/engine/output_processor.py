@@ -109,6 +109,8 @@ def request_output(request: Request) -> RequestOutput:
             "mean_accepted_length": request.num_accepted / request.num_verify_steps if request.num_verify_steps else 0.0,
             "calibration_error": (sum(request.calibration_errors) / len(request.calibration_errors)
                                   if request.calibration_errors else 0.0),
+            "batch_calibration_error": (sum(request.batch_calibration_errors) / len(request.batch_calibration_errors)
+                                        if request.batch_calibration_errors else 0.0),
         },
     )
     if request.verify_log:

@@ -18,7 +18,10 @@ class RequestOutput:
     them within ``max_tokens`` or ``max_model_len``, which DeepInfer verifies and drops at the stop
     check, so that its drafted count is ``num_drafted + clipped_drafts``; per draft position ``j``,
     ``verified_by_draft[j]`` and ``accepted_by_draft[j]``: the verify steps that verified and
-    accepted the ``j``-th draft), under a grammar ``structured_backend`` (the library that enforced
+    accepted the ``j``-th draft; ``calibration_error``: the mean ``|exact acceptance chance -
+    confidence|`` of its verified drafts, ``batch_calibration_error``: that mean over every draft
+    of each step that verified its drafts, averaged over those steps, as DeepInfer's sampler
+    reports the batch's), under a grammar ``structured_backend`` (the library that enforced
     it, None if it never compiled), and under a JSON schema ``structured_validation_only``: the
     schema's keywords the grammar does not enforce, checked only by validating the finished output
     (``"keyword at #/path"``)."""

@@ -32,7 +32,10 @@ class Request:
     ``replay_length``: the tokens bounded replay counts as the prompt (None: the prompt; DeepInfer's
     scheduler sets prompt plus outputs when it preempts the request);
     ``rate_history``: the cumulative confidence rates of the last draft rounds received, newest
-    last (varlen verification chooses from the earlier ones)."""
+    last (varlen verification chooses from the earlier ones). ``force_topk`` (> 0) caps the
+    tokens every draw of the request keeps (:attr:`top_k`); ``batch_calibration_errors``: for
+    each step that verified its drafts, the mean calibration error of every draft that step
+    verified (the whole batch's)."""
 
     request_id: int
     prompt: str | None
@@ -60,6 +63,7 @@ class Request:
     num_clipped_drafts: int = 0
     replay_length: int | None = None
     calibration_errors: list[float] = field(default_factory=list)
+    batch_calibration_errors: list[float] = field(default_factory=list)
     verify_log: list[tuple[int, int]] = field(default_factory=list)
     grammar: object | None = None
     error: str | None = None
@@ -67,6 +71,16 @@ class Request:
     unconfirmed: int = 0
     pending_drafts: int = 0
     num_retries: int = 0
+    force_topk: int = 0
+
+    @property
+    def top_k(self) -> int:
+        """The top-k its draws filter with: ``params.top_k``, capped at ``force_topk`` when that is
+        set (a ``top_k`` of -1 or 0, which keeps every token, becomes ``force_topk``)."""
+        top_k = self.params.top_k
+        if self.force_topk <= 0:
+            return top_k
+        return self.force_topk if top_k <= 0 else min(top_k, self.force_topk)
 
     @property
     def token_ids(self) -> list[int]:

@@ -94,7 +94,7 @@ class ModelRunner:
                                           chained=[True] * len(chunks))
         params = [r.params for r in requests]
         arrays.update(temperature=float_bits([p.temperature for p in params]),
-                      top_p=float_bits([p.top_p for p in params]), top_k=[p.top_k for p in params],
+                      top_p=float_bits([p.top_p for p in params]), top_k=[r.top_k for r in requests],
                       seed=[as_int64(r.seed) for r in requests])
         if padded is not None:
             out = padded(len(requests), arrays)

@@ -228,3 +228,28 @@ def test_deepinfers_verify_cost_by_hand():
     for seconds in (5.0, 3.0, 9.0):
         cost.observe(4, seconds)
     assert cost.slope == pytest.approx(1.0) and cost(3) == pytest.approx(5.0)
+
+
+def test_batch_calibration_error_is_the_mean_over_each_verifying_step(monkeypatch):
+    """``metrics["batch_calibration_error"]``: for each step that verified the request's drafts,
+    the mean |exact acceptance - confidence| over every draft that step verified (all requests),
+    averaged over those steps; recomputed here from the emissions each step returned."""
+    import deepinfer.decoding.sampler as sampler
+
+    steps, emissions_of = [], sampler._emissions
+
+    def spy(chunks, result, top):
+        emissions = emissions_of(chunks, result, top)
+        steps.append([(c.request.request_id, e.calibration_errors) for c, e in zip(chunks, emissions)])
+        return emissions
+    monkeypatch.setattr(sampler, "_emissions", spy)
+    llm = LLM("tiny_random", "reference", QUIET + ["decoding=dspark"])
+    outputs = llm.generate(_prompts(4, seed=5), SamplingParams(temperature=1.0, max_tokens=12, seed=1,
+                                                               ignore_eos=True))
+    for out in outputs:
+        means = []
+        for step in steps:
+            errors = [e for _, errs in step for e in errs]
+            if any(rid == out.request_id and errs for rid, errs in step):
+                means.append(sum(errors) / len(errors))
+        assert means and out.metrics["batch_calibration_error"] == pytest.approx(sum(means) / len(means))
