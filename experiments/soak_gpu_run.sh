@@ -3,7 +3,7 @@
 # on): 1,000 requests, prompts of 1-4,096 tokens, outputs of 1-64, DSpark, 20 requests checked alone.
 # Structured requests join the mix where xgrammar imports on the machine (else --no-structured, said so).
 #   bash experiments/soak_gpu_run.sh [soak.py arguments...]
-set -u
+set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 source experiments/device_setup.sh
@@ -15,5 +15,5 @@ if ! python3 -c "import xgrammar" 2>/dev/null; then
 fi
 timeout ${SOAK_TIMEOUT:-560} python3 experiments/soak.py --requests 1000 --max-prompt 4096 --max-output 64 \
   --check-alone 20 --tag tiny_4k $structured "$@" engine.batch_invariant=true backend.device=cuda 2>&1 \
-  | grep -v "it/s\]" | tail -30 | tee "$out/soak.log"
+  | grep -v "it/s\]" | tail -60 | tee "$out/soak.log"
 cp experiments/results/soak_cuda_tiny_4k.csv "$out/" 2>/dev/null

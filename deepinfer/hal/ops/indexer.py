@@ -36,8 +36,9 @@ def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
 
 
 def scaled_weights(weights: torch.Tensor, weight_scale: float) -> torch.Tensor:
-    """``weights`` in float32 times ``weight_scale`` rounded to float32 (a float32 product)."""
-    return weights.float() * torch.tensor(weight_scale, dtype=torch.float32, device=weights.device)
+    """``weights`` in float32 times ``weight_scale`` rounded to float32 (a float32 product; the
+    scale stays a host scalar, so a CUDA graph can capture the product)."""
+    return weights.float() * float(torch.tensor(weight_scale, dtype=torch.float32))
 
 
 def check_indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_format: str | None) -> None:
