@@ -19,7 +19,6 @@ from deepinfer.config.schema import to_app_config
 from deepinfer.config.store import register_schemas
 from deepinfer.models.registry import CONFIG_ROOT
 
-TASKS = ("generate",)
 HYDRA_VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                      "--config-dir", "--info", "--experimental-rerun"}
 """Hydra's flags that take the next argument as their value."""
@@ -47,16 +46,16 @@ register_schemas()
 @hydra.main(config_path=str(CONFIG_ROOT), config_name=CONFIG_NAME, version_base=HYDRA_VERSION_BASE)
 def main(cfg: DictConfig) -> None:
     app = to_app_config(cfg)
-    if app.task not in TASKS:
-        raise SystemExit(f"task={app.task!r} is not available yet; tasks: {list(TASKS)}")
+    if app.task == "parity":
+        from deepinfer.tasks.parity import run_parity
+
+        sys.exit(run_parity(app, list(RAW_PROMPTS) or None))
     run_app(app)
 
 
 def run_app(app) -> None:
     """The generate task: read prompts, generate, print the results (and write them to
     ``output_file`` when given); under a parallel plan (torchrun) only rank 0 prints and writes."""
-    if app.task != "generate":
-        raise ValueError(f"task={app.task!r} is not implemented yet; only task=generate exists")
     from deepinfer.engine.llm import LLM
     from deepinfer.parallel.groups import leave
 

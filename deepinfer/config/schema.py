@@ -313,6 +313,10 @@ class EngineConfig:
                  f"use one of {list(SEED_SCOPES)}")
 
 
+TASKS = ("generate", "parity")
+"""What ``python -m deepinfer task=...`` can run."""
+
+
 @dataclass
 class AppConfig:
     """Everything one run needs: the composed ``configs/config.yaml`` as typed objects."""
@@ -328,17 +332,38 @@ class AppConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine sizes and switches (``engine=<preset>``)."""
     task: str = "generate"
-    """What ``python -m deepinfer`` does."""
+    """What ``python -m deepinfer`` does: ``generate`` (prompts to text) or ``parity`` (the op
+    parity grid and a greedy generation on two backends, :mod:`deepinfer.tasks.parity`)."""
     prompt: Optional[str] = None
     """One prompt to generate from."""
     prompts_file: Optional[str] = None
     """A text file with one prompt per line."""
     output_file: Optional[str] = None
     """File the results are written to; None prints them."""
+    backend_a: str = "reference"
+    """task=parity: the backend taken as the expectation."""
+    backend_b: Optional[str] = None
+    """task=parity: the backend compared with ``backend_a``."""
+    batch_invariant_a: bool = False
+    """task=parity: run ``backend_a``'s batch-invariant table."""
+    batch_invariant_b: bool = False
+    """task=parity: run ``backend_b``'s batch-invariant table."""
+    ops: list[str] = field(default_factory=list)
+    """task=parity: the ops compared (empty: every op)."""
+    sizes: list[str] = field(default_factory=list)
+    """task=parity: the case sizes run (``tiny``, ``real``; empty: both)."""
+    generate_tokens: int = 32
+    """task=parity: greedy tokens a prompt of the end-to-end comparison (0 skips it)."""
+    output_dir: Optional[str] = None
+    """task=parity: where ``parity.csv`` and ``parity.png`` go (default ``outputs/parity_<a>_vs_<b>``)."""
 
     def __post_init__(self) -> None:
         _require(self.prompt is None or self.prompts_file is None, "prompts_file", self.prompts_file,
                  "give prompt or prompts_file, not both")
+        if self.task not in TASKS:
+            raise ConfigError(f"task={self.task!r} is not available yet; tasks: {list(TASKS)}")
+        _require(self.generate_tokens >= 0, "generate_tokens", self.generate_tokens, "must be >= 0 (0 skips it)")
+        _require(set(self.sizes) <= {"tiny", "real"}, "sizes", self.sizes, "list case sizes among tiny, real")
 
 
 def to_app_config(cfg: DictConfig) -> AppConfig:

@@ -1,29 +1,16 @@
-"""The parity grid: every op x every installed backend x every case, against the reference run
-on the CPU. The reference itself is in the grid when it can run on a GPU (its fallback role);
-on a CPU-only machine with only the reference installed the grid is empty and skips. A case whose
-dtype a backend does not declare (``capabilities.dtypes``) is skipped with that reason, unless the op
-takes no activations (``OpSpec.activations``)."""
-import dataclasses
-
+"""The parity grid (:mod:`deepinfer.hal.parity`): every op x every installed backend x every case,
+against the reference run on the CPU, plus every op x case of the reference's batch-invariant
+table against its plain one (on the CPU, so CI always swaps a backend). The reference itself is
+in the first grid when it can run on a GPU (its fallback role). A case whose dtype a backend does
+not declare (``capabilities.dtypes``) is skipped with that reason, unless the op takes no
+activations (``OpSpec.activations``)."""
 import pytest
 import torch
 
 from deepinfer.hal import SPECS, available_backends, get_backend
-from deepinfer.hal.spec import compare, dtype_skip_reason
-from tests.hal.oracle import _clone
+from deepinfer.hal.parity import Side, run_case
 
-
-def _to_device(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        moved = {f.name: _to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)}
-        return dataclasses.replace(value, **moved)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
+EXPECTATION = Side("reference", device=torch.device("cpu"))
 
 
 def _device_for(backend: str) -> torch.device | None:
@@ -44,19 +31,21 @@ def _grid():
                 yield pytest.param(backend, op, case.name, id=f"{backend}-{op}-{case.name}")
 
 
+def _check(row) -> None:
+    if row.status == "skip":
+        pytest.skip(row.detail)
+    assert row.status == "pass", f"{row.detail} (max error {row.max_error:.3g}, mean {row.mean_error:.3g})"
+
+
 @pytest.mark.parametrize("backend,op,case", list(_grid()))
 def test_backend_matches_reference(backend, op, case):
-    device = _device_for(backend)
-    impl = get_backend(backend).implementations().get(op)
-    if impl is None:
-        pytest.skip(f"backend {backend!r} declares {op!r} unsupported")
     spec = SPECS[op]
-    c = spec.case(case)
-    reason = dtype_skip_reason(spec, c, get_backend(backend).capabilities.dtypes)
-    if reason:
-        pytest.skip(f"{backend}: {reason}")
-    inputs = c.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
-    want = spec.reference(**_clone(inputs))
-    got = impl(**_to_device(_clone(inputs), device))
-    failures = compare(got, want, spec.case_tolerance(c), f"{backend}/{op}/{case}")
-    assert not failures, "\n".join(failures)
+    _check(run_case(EXPECTATION, Side(backend, device=_device_for(backend)), spec, spec.case(case)))
+
+
+@pytest.mark.parametrize("op,case", [pytest.param(op, case.name, id=f"{op}-{case.name}")
+                                     for op, spec in sorted(SPECS.items()) for case in spec.cases])
+def test_batch_invariant_reference_matches_reference(op, case):
+    spec = SPECS[op]
+    _check(run_case(EXPECTATION, Side("reference", batch_invariant=True, device=torch.device("cpu")), spec,
+                    spec.case(case)))

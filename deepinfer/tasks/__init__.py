@@ -1,0 +1,2 @@
+"""What ``python -m deepinfer task=...`` runs: each task takes the composed
+:class:`~deepinfer.config.schema.AppConfig`."""
