@@ -61,6 +61,9 @@ def run_app(app) -> None:
 
     prompts = read_prompts(app)
     llm = LLM.from_config(app)
+    if app.backend.execution == "emulate" and (llm.groups is None or not llm.groups.rank):
+        print(f"NOTE: backend {app.backend.name!r} is emulated on the CPU (backend.execution=emulate): its kernels' "
+              f"plans and numerics, not its hardware's speed or bits.")
     if llm.random_weights and (llm.groups is None or not llm.groups.rank):
         print(f"NOTE: model {app.model.name!r} has random weights (no model.checkpoint), so the generated "
               f"text is noise; model=tiny is the trained default.")

@@ -110,7 +110,7 @@ def _op_table(overrides, backend: str):
 
     cfg = compose(list(overrides) + [f"backend={backend}"])
     return OpTable(cfg.backend.name, cfg.backend.fallback, dict(cfg.backend.overrides),
-                   options=dict(cfg.backend.options))
+                   options=cfg.backend.op_options)
 
 
 def measure(point: Point, ops, backend: str, peaks: dict[str, float]) -> dict:

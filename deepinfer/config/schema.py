@@ -77,8 +77,23 @@ class BackendConfig:
     options: Dict[str, Any] = field(default_factory=dict)
     """The chosen backend's kernel choices, checked by its typed options (sm100:
     ``mla_kernel`` = auto | warp_specialized | portable, ``linear_kernel`` = auto | tilelang | cublas,
-    ``tcgen05`` = false | true); e.g.
+    ``tcgen05`` = false | true; ascend950: ``platform`` = A5 | A3 | A2); e.g.
     ``+backend.options.mla_kernel=portable``."""
+    execution: str = "native"
+    """``native`` runs the backend's kernels on its device; ``emulate`` runs its CPU emulation of
+    them (backends that offer one, e.g. ascend950), with the model on the CPU whatever ``device``
+    says."""
+
+    def __post_init__(self) -> None:
+        _require(self.execution in ("native", "emulate"), "backend.execution", self.execution,
+                 "use native or emulate")
+        if self.execution == "emulate":
+            self.device = "cpu"
+
+    @property
+    def op_options(self) -> dict[str, Any]:
+        """``options`` as the backend takes them, with ``execution`` when it emulates."""
+        return {**self.options, **({"execution": "emulate"} if self.execution == "emulate" else {})}
 
 
 @dataclass
@@ -348,6 +363,10 @@ class AppConfig:
     """task=parity: run ``backend_a``'s batch-invariant table."""
     batch_invariant_b: bool = False
     """task=parity: run ``backend_b``'s batch-invariant table."""
+    execution_a: str = "native"
+    """task=parity: ``native`` or ``emulate`` (the backend's CPU emulation, e.g. ascend950's)."""
+    execution_b: str = "native"
+    """task=parity: as ``execution_a``, for ``backend_b``."""
     ops: list[str] = field(default_factory=list)
     """task=parity: the ops compared (empty: every op)."""
     sizes: list[str] = field(default_factory=list)
@@ -362,6 +381,8 @@ class AppConfig:
                  "give prompt or prompts_file, not both")
         if self.task not in TASKS:
             raise ConfigError(f"task={self.task!r} is not available yet; tasks: {list(TASKS)}")
+        for key in ("execution_a", "execution_b"):
+            _require(getattr(self, key) in ("native", "emulate"), key, getattr(self, key), "use native or emulate")
         _require(self.generate_tokens >= 0, "generate_tokens", self.generate_tokens, "must be >= 0 (0 skips it)")
         _require(set(self.sizes) <= {"tiny", "real"}, "sizes", self.sizes, "list case sizes among tiny, real")
 

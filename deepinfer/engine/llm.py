@@ -62,7 +62,7 @@ class LLM:
         self.config = app
         engine, decoding = app.engine, app.decoding
         self.ops = OpTable(app.backend.name, app.backend.fallback, dict(app.backend.overrides),
-                           batch_invariant=engine.batch_invariant, options=dict(app.backend.options))
+                           batch_invariant=engine.batch_invariant, options=app.backend.op_options)
         self.groups = join(app.parallel, torch.device(app.backend.device))  # first: it picks this rank's GPU
         self.runtime = make_runtime(torch.device(app.backend.device))
         before = self.runtime.allocated()

@@ -17,19 +17,26 @@ from deepinfer.hal.spec import SPECS, OpCase, OpSpec, Tolerance, compare, dtype_
 
 @dataclass(frozen=True)
 class Side:
-    """One side of a comparison: a backend, its batch-invariant table or not, and the device it
-    runs on (:func:`side_device` when None)."""
+    """One side of a comparison: a backend (with its ``options``, ``backend.options`` and
+    ``execution``), its batch-invariant table or not, and the device it runs on
+    (:func:`side_device` when None; the CPU for an emulation)."""
 
     backend: str
     batch_invariant: bool = False
     device: torch.device | None = None
+    options: dict | None = None
+
+    @property
+    def emulated(self) -> bool:
+        return (self.options or {}).get("execution") == "emulate"
 
     @property
     def label(self) -> str:
-        return f"{self.backend}{' (batch-invariant)' if self.batch_invariant else ''}"
+        return (f"{self.backend}{' (batch-invariant)' if self.batch_invariant else ''}"
+                f"{' (emulated)' if self.emulated else ''}")
 
     def implementations(self) -> dict:
-        backend = get_backend(self.backend)
+        backend = get_backend(self.backend, self.options)
         if not self.batch_invariant:
             return backend.implementations()
         if not backend.capabilities.batch_invariant:
@@ -37,7 +44,9 @@ class Side:
         return backend.implementations(batch_invariant=True)
 
     def on_device(self) -> torch.device:
-        return self.device if self.device is not None else side_device(self.backend)
+        if self.device is not None:
+            return self.device
+        return torch.device("cpu") if self.emulated else side_device(self.backend)
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,8 @@ def error_stats(got: Any, want: Any, tol: Tolerance) -> tuple[float, float, floa
         bad += int((~(err <= bound)).sum())
         total += w.numel()
     flat = torch.cat(errors)
+    if not total:
+        return 0.0, 0.0, 0.0, 0.0, integers
     if not flat.numel():
         return float("inf"), float("inf"), used, bad / max(total, 1), integers
     return float(flat.max()), float(flat.mean()), used, bad / max(total, 1), integers
@@ -131,7 +142,7 @@ def run_case(a: Side, b: Side, spec: OpSpec, case: OpCase, seed: int = 0) -> Par
     impls = []
     for side in (a, b):
         impl = side.implementations().get(spec.name)
-        reason = dtype_skip_reason(spec, case, get_backend(side.backend).capabilities.dtypes)
+        reason = dtype_skip_reason(spec, case, get_backend(side.backend, side.options).capabilities.dtypes)
         if impl is None or reason:
             return ParityRow(**row, status="skip", detail=f"{side.label}: {reason or 'does not implement the op'}")
         impls.append(impl)

@@ -1,6 +1,8 @@
 """``python -m deepinfer task=parity backend_a=reference backend_b=sm100 [ops=[rms_norm,...]]``:
 the op parity grid (:mod:`deepinfer.hal.parity`) between two backends, each in its plain or
-batch-invariant table (``batch_invariant_a``, ``batch_invariant_b``), plus a greedy generation of
+batch-invariant table (``batch_invariant_a``, ``batch_invariant_b``) and natively or emulated
+(``execution_a``, ``execution_b``; an emulated side's generation takes the ops its emulation
+lacks from the reference), plus a greedy generation of
 the configured model on both (``generate_tokens`` tokens a prompt; 0 skips it). Prints the table
 and the token agreement, writes ``parity.csv`` (:func:`deepinfer.results.write_results`) and a
 heat map ``parity.png`` into ``output_dir``, and fails (exit status 1) when a case fails."""
@@ -23,7 +25,9 @@ def run_parity(app, prompts: list[str] | None = None) -> int:
     if not app.backend_b:
         raise ValueError("task=parity compares two backends: give backend_b=NAME (and backend_a=NAME, default "
                          "reference); batch_invariant_b=true compares a backend's batch-invariant table")
-    a, b = Side(app.backend_a, app.batch_invariant_a), Side(app.backend_b, app.batch_invariant_b)
+    a, b = (Side(name, invariant, options={"execution": "emulate"} if execution == "emulate" else None)
+            for name, invariant, execution in ((app.backend_a, app.batch_invariant_a, app.execution_a),
+                                               (app.backend_b, app.batch_invariant_b, app.execution_b)))
     rows = parity_grid(a, b, app.ops or None, app.sizes or None)
     print(format_table(rows, a, b))
     records = [dataclasses.asdict(row) for row in rows]
@@ -63,7 +67,9 @@ def generation_agreement(app, a: Side, b: Side, prompts: list[str]) -> tuple[flo
     params = SamplingParams(temperature=0.0, max_tokens=app.generate_tokens, ignore_eos=True)
     outputs = []
     for side in (a, b):
-        config = dataclasses.replace(app, task="generate", backend=compose([f"backend={side.backend}"]).backend,
+        backend = compose([f"backend={side.backend}", *(["backend.execution=emulate", "backend.fallback=reference"]
+                                                          if side.emulated else [])]).backend
+        config = dataclasses.replace(app, task="generate", backend=backend,
                                      engine=dataclasses.replace(app.engine, batch_invariant=side.batch_invariant,
                                                                  use_tqdm=False))
         llm = LLM.from_config(config)
@@ -106,4 +112,4 @@ def heat_map(rows: list[ParityRow], a: Side, b: Side, path: Path) -> Path | None
 
 
 def _slug(side: Side) -> str:
-    return side.backend + ("_invariant" if side.batch_invariant else "")
+    return side.backend + ("_invariant" if side.batch_invariant else "") + ("_emulated" if side.emulated else "")

@@ -1,0 +1,57 @@
+"""Emulated ascend950 RMSNorm: rows spread over the vector cores (two an AI core) in tiles that
+fit the unified buffer; each row's sum of squares is accumulated in float32 in chunks of the
+vector width, and the result is rounded once as it is copied out."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.backend import UnsupportedInput
+from deepinfer_backends.ascend950.buffers import AI_CORES, KIB, Buffer, layout
+from deepinfer_backends.ascend950.emulate.plan import BlockPlan, WriteRecord
+
+VECTOR_WIDTH = 64
+"""float32 lanes one vector instruction reduces."""
+
+
+def row_tile(dim: int, element: int, platform: str = "A5") -> int:
+    """Rows a vector core's UB tile holds: input, residual and output rows (double-buffered)
+    plus a float32 working row, in at most half the UB."""
+    per_row = dim * (3 * element * 2 + 4)
+    rows = max(1, (128 * KIB) // per_row)
+    layout((Buffer("rows_in", "UB", rows * dim * element, copies=2),
+            Buffer("residual", "UB", rows * dim * element, copies=2),
+            Buffer("rows_out", "UB", rows * dim * element, copies=2), Buffer("work", "UB", rows * dim * 4)), platform)
+    return rows
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             platform: str = "A5"):
+    """:func:`deepinfer.hal.ops.norm.rms_norm` as the ascend950 kernel plans it."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise UnsupportedInput(f"ascend950 rms_norm takes bf16 or float32 rows, got {x.dtype}")
+    dim = x.shape[-1]
+    if dim * x.element_size() % 32:
+        raise UnsupportedInput(f"ascend950 rms_norm moves rows in 32-byte blocks: a row of {dim} x "
+                               f"{x.element_size()} B is not a multiple of 32 B")
+    flat = x.reshape(-1, dim)
+    summed = flat.float() + residual.reshape(-1, dim).float() if residual is not None else flat.float()
+    rows = row_tile(dim, x.element_size(), platform)
+    out = torch.empty_like(flat)
+    record = WriteRecord(flat.shape[0], 1)
+    plan = BlockPlan(2 * AI_CORES[platform])
+    for r0 in range(0, flat.shape[0], rows):
+        plan.add((r0, min(r0 + rows, flat.shape[0])))
+    w = weight.float()
+    for core_tiles in plan.per_core():
+        for r0, r1 in core_tiles:
+            tile = summed[r0:r1]
+            padded = torch.nn.functional.pad(tile.pow(2), (0, -dim % VECTOR_WIDTH))
+            squares = padded.view(r1 - r0, -1, VECTOR_WIDTH).sum(-1)
+            total = torch.zeros(r1 - r0, dtype=torch.float32)
+            for chunk in range(squares.shape[1]):
+                total += squares[:, chunk]
+            out[r0:r1] = (tile * torch.rsqrt(total / dim + eps)[:, None] * w).to(x.dtype)
+            record.store(slice(r0, r1), slice(0, 1))
+    record.check(flat.shape[0])
+    normed = out.view(x.shape)
+    return (normed, summed.to(residual.dtype).view(residual.shape)) if residual is not None else normed

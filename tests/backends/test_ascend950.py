@@ -1,0 +1,183 @@
+"""The ascend950 backend on a CPU: selecting it never imports torch_npu; native execution says
+why it cannot run; device names map to platforms; every tile plan fits the A5 buffers and an
+oversized one is refused; the emulation matches float64 within bounds that grow with K (ragged
+tiles, experts without tokens, FP8 with packed scales), repeats bitwise across runs and thread
+counts, writes each output element once; and the tiny model generates through it."""
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.hal import OpTable, UnsupportedInput, get_backend
+from deepinfer.hal.formats import quantize
+from deepinfer_backends.ascend950 import Ascend950Backend
+from deepinfer_backends.ascend950.buffers import ALIGNMENT, KIB, Buffer, TileBudgetError, layout
+from deepinfer_backends.ascend950.emulate import grouped_gemm as gg
+from deepinfer_backends.ascend950.emulate.plan import WriteRecord
+from deepinfer_backends.ascend950.emulate.rms_norm import rms_norm, row_tile
+from deepinfer_backends.ascend950.platform import native_status, platform_of
+
+EMULATE = {"execution": "emulate"}
+
+
+def test_selecting_the_backend_never_imports_torch_npu():
+    code = ("import sys, deepinfer; from deepinfer.hal import OpTable, get_backend\n"
+            "OpTable('ascend950', 'reference', options={'execution': 'emulate'})\n"
+            "get_backend('ascend950').capabilities\n"
+            "assert 'torch_npu' not in sys.modules, 'torch_npu was imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_torch_npu_that_fails_to_import_makes_native_unavailable_with_the_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import raises ImportError
+    available, reason = native_status()
+    assert not available and reason.startswith("torch_npu does not import (") and "halted" in reason
+    with pytest.raises(RuntimeError, match=r"cannot run natively here: torch_npu does not import.*execution=emulate"):
+        Ascend950Backend().implementations()
+
+
+def test_native_execution_with_an_npu_says_the_kernels_are_not_written(monkeypatch):
+    fake = types.SimpleNamespace(npu=types.SimpleNamespace(device_count=lambda: 1,
+                                                           get_device_name=lambda i: "Ascend950PR"))
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    assert native_status() == (True, "1 NPU(s), Ascend950PR")
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        Ascend950Backend().implementations()
+    broken = types.SimpleNamespace(npu=types.SimpleNamespace(device_count=lambda: 1 / 0))
+    monkeypatch.setitem(sys.modules, "torch_npu", broken)
+    assert native_status()[1].startswith("torch_npu imports but cannot count NPUs (ZeroDivisionError")
+
+
+@pytest.mark.parametrize("name, platform", [("Ascend950PR", "A5"), ("ascend950dt", "A5"), ("Ascend910B3", "A2"),
+                                            ("Ascend910_9391", "A3"), ("Ascend910C", "A3")])
+def test_device_names_map_to_platforms(name, platform):
+    assert platform_of(name) == platform
+
+
+def test_an_unknown_device_name_is_an_error():
+    with pytest.raises(ValueError, match="unknown Ascend device 'Ascend310P3'"):
+        platform_of("Ascend310P3")
+
+
+@pytest.mark.parametrize("key", ["bf16", "fp32", "fp8"])
+def test_every_grouped_gemm_plan_fits_the_a5_buffers_aligned(key):
+    tiles = gg.TILES[{"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": "fp8"}[key]]
+    buffers = tiles.buffers(4)
+    offsets = layout(buffers, "A5")
+    for buffer in buffers:
+        assert offsets[buffer.name] % ALIGNMENT[buffer.scope] == 0
+
+
+@pytest.mark.parametrize("dim", [64, 128, 512, 1536, 4096, 7168])
+def test_rms_norm_row_tiles_fit_the_a5_unified_buffer(dim):
+    assert row_tile(dim, 2, "A5") >= 1 and row_tile(dim, 4, "A5") >= 1
+
+
+def test_an_oversized_plan_is_refused():
+    with pytest.raises(TileBudgetError, match=r"UB holds 256 KiB per AI core on A5, but \['big'\] need 768 KiB"):
+        layout((Buffer("big", "UB", 768 * KIB),), "A5")
+    with pytest.raises(TileBudgetError, match="L0C holds 128 KiB per AI core on A3"):
+        layout((Buffer("acc", "L0C", 128 * 384 * 4),), "A3")  # 192 KiB: fits A5, not A3
+    assert layout((Buffer("a", "L0A", 100), Buffer("b", "L0A", 100)), "A5") == {"a": 0, "b": 512}
+
+
+def _float64_bound(a: torch.Tensor, b: torch.Tensor, k: int, out_dtype: torch.dtype):
+    """The exact product in float64 and a bound for float32 accumulation over ``k`` terms
+    (``k * 2^-24 * sum |a||b|``), plus half an ulp of ``out_dtype`` at the output's size."""
+    exact = a.double() @ b.double().T
+    bound = k * 2.0 ** -24 * (a.double().abs() @ b.double().abs().T)
+    if out_dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0 ** -8
+    return exact, bound + 1e-30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [64, 320, 2048])
+def test_grouped_gemm_matches_float64_within_a_bound_growing_with_k(dtype, k):
+    gen = torch.Generator().manual_seed(k)
+    sizes = [0, 130, 1, 0, 257]  # experts with no tokens; ragged row tiles (base_m 128)
+    n = 300  # ragged column tiles (base_n 256 / 128)
+    x = torch.randn(sum(sizes) + 3, k, generator=gen).to(dtype)  # 3 rows past the last segment
+    w = torch.randn(len(sizes), n, k, generator=gen).to(dtype)
+    out = gg.grouped_gemm(x, w, torch.tensor(sizes))
+    start = 0
+    for e, size in enumerate(sizes):
+        exact, bound = _float64_bound(x[start:start + size], w[e], k, dtype)
+        assert ((out[start:start + size].double() - exact).abs() <= bound).all(), f"expert {e}"
+        start += size
+    assert not out[start:].any(), "rows after the last segment are not written"
+
+
+def test_fp8_grouped_gemm_applies_both_scales_per_block():
+    gen = torch.Generator().manual_seed(1)
+    sizes, k, n = [70, 0, 129], 256, 260
+    x = quantize(torch.randn(sum(sizes), k, generator=gen) * 3, "fp8")
+    w = quantize(torch.randn(len(sizes), n, k, generator=gen) * 0.02, "fp8")
+    out = gg.grouped_gemm(x, w, torch.tensor(sizes))
+    assert out.dtype == torch.float32
+    xv, wv = x.dequantize(), w.dequantize()
+    start = 0
+    for e, size in enumerate(sizes):
+        exact, bound = _float64_bound(xv[start:start + size], wv[e], k, torch.float32)
+        assert ((out[start:start + size].double() - exact).abs() <= bound).all(), f"expert {e}"
+        start += size
+
+
+def test_mixed_operands_are_declined_with_the_reason():
+    x = torch.randn(4, 64)
+    w = quantize(torch.randn(2, 8, 64), "mxfp4")
+    with pytest.raises(UnsupportedInput, match="got x float32 and weight mxfp4"):
+        gg.grouped_gemm(x, w, torch.tensor([2, 2]))
+
+
+def test_scales_pack_two_per_int16_low_byte_first():
+    assert gg.pack_scales(torch.tensor([[127, 128, 3]], dtype=torch.uint8)).tolist() == [[0x807F - 0x10000, 0x7F03]]
+    scales = torch.randint(0, 256, (5, 9), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(gg.unpack_scales(gg.pack_scales(scales), 9), scales)
+
+
+def test_results_repeat_bitwise_across_runs_and_thread_counts():
+    gen = torch.Generator().manual_seed(3)
+    x, w, sizes = torch.randn(300, 512, generator=gen), torch.randn(3, 384, 512, generator=gen), torch.tensor([100, 0, 200])
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for count in (1, 2, 1):
+            torch.set_num_threads(count)
+            runs.append((gg.grouped_gemm(x, w, sizes), rms_norm(x, torch.ones(512), 1e-6)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, runs[0][0]) and torch.equal(b, runs[0][1]) for a, b in runs)
+
+
+def test_an_output_element_stored_twice_or_never_is_caught():
+    record = WriteRecord(4, 4)
+    record.store(slice(0, 4), slice(0, 2))
+    with pytest.raises(AssertionError, match="overlap or leave gaps"):
+        record.check(4)
+    record.store(slice(0, 4), slice(2, 4))
+    record.check(4)
+    record.store(slice(1, 2), slice(0, 4))
+    with pytest.raises(AssertionError, match=r"range 1\.\.2"):
+        record.check(4)
+
+
+def test_the_op_table_serves_the_emulated_ops_and_falls_back_for_the_rest():
+    table = OpTable("ascend950", "reference", options=EMULATE)
+    assert table.sources["grouped_gemm"] == "ascend950" and table.sources["rms_norm"] == "ascend950"
+    assert table.sources["mla_sparse_decode"] == "reference"
+    assert "emulated" in get_backend("ascend950", EMULATE).label
+
+
+def test_tiny_model_greedy_through_the_emulation_agrees_with_the_reference():
+    prompts = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM("tiny", "reference", ["engine.use_tqdm=false"]).generate(prompts, params)]
+    llm = LLM("tiny", "ascend950", ["backend.execution=emulate", "backend.fallback=reference", "engine.use_tqdm=false"])
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    pairs = [(a, b) for x, y in zip(want, got) for a, b in zip(x, y)]
+    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.99
