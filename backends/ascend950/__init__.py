@@ -15,7 +15,7 @@ from deepinfer.hal.backend import Backend, Capabilities
 from deepinfer_backends.ascend950.platform import PLATFORMS, native_status
 
 EXECUTIONS = ("native", "emulate")
-EMULATED = ("grouped_gemm", "rms_norm")
+EMULATED = ("grouped_gemm", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
 """Ops the emulation implements."""
 HARDWARE_VALIDATED = {op: False for op in EMULATED}
 """Per kernel: whether a run on a 950 has checked it (none has)."""
@@ -70,13 +70,15 @@ class Ascend950Backend(Backend):
                                    f"backend.execution=emulate, or another backend")
             raise NotImplementedError("the ascend950 tilelang-ascend kernels are not implemented yet; "
                                       "backend.execution=emulate runs their plans on the CPU")
-        from deepinfer_backends.ascend950.emulate import grouped_gemm, rms_norm
+        import functools
+
+        from deepinfer_backends.ascend950.emulate import grouped_gemm, mla, rms_norm
 
         platform = self.options.platform
-        return {"grouped_gemm": lambda x, weight, group_sizes: grouped_gemm.grouped_gemm(x, weight, group_sizes,
-                                                                                         platform),
-                "rms_norm": lambda x, weight, eps, residual=None: rms_norm.rms_norm(x, weight, eps, residual,
-                                                                                     platform)}
+        return {"grouped_gemm": functools.partial(grouped_gemm.grouped_gemm, platform=platform),
+                "mla_sparse_decode": functools.partial(mla.mla_sparse_decode, platform=platform),
+                "mla_sparse_prefill": functools.partial(mla.mla_sparse_prefill, platform=platform),
+                "rms_norm": functools.partial(rms_norm.rms_norm, platform=platform)}
 
     def unsupported_reasons(self):
         from deepinfer.hal.spec import SPECS

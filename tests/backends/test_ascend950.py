@@ -169,7 +169,7 @@ def test_an_output_element_stored_twice_or_never_is_caught():
 def test_the_op_table_serves_the_emulated_ops_and_falls_back_for_the_rest():
     table = OpTable("ascend950", "reference", options=EMULATE)
     assert table.sources["grouped_gemm"] == "ascend950" and table.sources["rms_norm"] == "ascend950"
-    assert table.sources["mla_sparse_decode"] == "reference"
+    assert table.sources["mla_sparse_decode"] == "ascend950" and table.sources["mhc_mixes"] == "reference"
     assert "emulated" in get_backend("ascend950", EMULATE).label
 
 
@@ -181,3 +181,27 @@ def test_tiny_model_greedy_through_the_emulation_agrees_with_the_reference():
     got = [o.token_ids for o in llm.generate(prompts, params)]
     pairs = [(a, b) for x, y in zip(want, got) for a, b in zip(x, y)]
     assert sum(a == b for a, b in pairs) / len(pairs) >= 0.99
+
+
+@pytest.mark.parametrize("keys", [64, 200, 1000])
+def test_sparse_prefill_matches_float64_attention_with_a_sink(keys):
+    """Online softmax over tiles of 64 keys (two lists when ``main_keys`` splits them) against the
+    float64 softmax with the sink; a query whose keys are all padding gets 0 and lse -inf."""
+    from deepinfer_backends.ascend950.emulate.mla import mla_sparse_prefill
+
+    gen = torch.Generator().manual_seed(keys)
+    tokens, heads, dim, rows = 5, 3, 512, 1500
+    q, kv = torch.randn(tokens, heads, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+    indices = torch.randint(0, rows, (tokens, keys), generator=gen, dtype=torch.int32)
+    indices[1, keys // 3:] = -1
+    indices[4] = -1
+    sink, scale = torch.randn(heads, generator=gen), dim ** -0.5
+    out, lse = mla_sparse_prefill(q, kv, indices, sink, scale, main_keys=keys // 2)
+    k64 = kv.double()[indices.clamp(min=0).long()]
+    logits = scale * torch.einsum("thd,tkd->thk", q.double(), k64).masked_fill((indices < 0)[:, None], float("-inf"))
+    want_lse = torch.logsumexp(logits, -1)
+    probs = torch.exp(logits - want_lse[..., None]).nan_to_num(0.0)
+    want = torch.einsum("thk,tkd->thd", probs, k64) * torch.sigmoid(want_lse - sink.double())[..., None]
+    assert torch.equal(out[4], torch.zeros_like(out[4])) and torch.isinf(lse[4]).all()
+    assert (out[:4].double() - want[:4]).abs().max() <= keys * 2.0 ** -22
+    assert (lse[:4].double() - want_lse[:4]).abs().max() <= keys * 2.0 ** -22

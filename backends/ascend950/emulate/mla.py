@@ -1,0 +1,97 @@
+"""Emulated ascend950 sparse MLA (decode and prefill): one block per query token and group of up
+to 64 heads (one AI core's cube holds the group's queries), spread over the AI cores; the keys
+(also the values) stream through in tiles of 64, each list (main, then extra) tiled on its own.
+Per tile the cube computes the scores in float32, the vector cores keep the running max and sum
+(online softmax) and rescale the float32 output accumulator in UB, and the cube adds the tile's
+probabilities (in the queries' dtype, as the cube takes them) times its keys. The sink scales the
+result, rounded once to the queries' dtype. Cache rows are decoded to the queries' dtype, which
+holds FP8 and FP4 cache values exactly."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.hal.ops.mla import check_prefill_args, decode_keys, gather_keys
+from deepinfer_backends.ascend950.buffers import AI_CORES, Buffer, layout
+from deepinfer_backends.ascend950.emulate.plan import BlockPlan, WriteRecord
+
+HEAD_GROUP = 64
+KEY_TILE = 64
+D_SPLIT = 128
+"""The cube takes the 512-wide head dim in four 128-deep steps."""
+
+
+def buffers(dim: int, element: int) -> tuple[Buffer, ...]:
+    """One block's buffers: the group's queries and a double-buffered key tile in L1, the
+    operands' 128-deep slices in L0A/L0B, the scores in L0C, and in UB the float32 output
+    accumulator, the probabilities and the running max and sum."""
+    g, k = HEAD_GROUP, KEY_TILE
+    return (Buffer("q_l1", "L1", g * dim * element), Buffer("k_l1", "L1", k * dim * element, copies=2),
+            Buffer("q_l0", "L0A", g * D_SPLIT * element, copies=2), Buffer("k_l0", "L0B", k * D_SPLIT * element, copies=2),
+            Buffer("scores", "L0C", g * k * 4, copies=2), Buffer("out_acc", "UB", g * dim * 4),
+            Buffer("probs", "UB", g * k * 4), Buffer("max_sum", "UB", 2 * g * 4))
+
+
+def mla_sparse_decode(q, cache, indices, sink, scale, cache_format="fp8", extra_cache=None, extra_indices=None,
+                      extra_format="fp4", platform: str = "A5"):
+    """:func:`deepinfer.hal.ops.mla.mla_sparse_decode` as the ascend950 kernel plans it."""
+    keys, valid = decode_keys(q, cache, indices, sink, cache_format, extra_cache, extra_indices, extra_format)
+    batch, s_q, heads, dim = q.shape
+    out, lse = attend(q.reshape(batch * s_q, heads, dim), keys, valid, sink, scale, indices.shape[-1], platform)
+    return out.reshape(q.shape), lse.reshape(batch, s_q, heads)
+
+
+def mla_sparse_prefill(q, kv, indices, sink, scale, main_keys=None, platform: str = "A5"):
+    """:func:`deepinfer.hal.ops.mla.mla_sparse_prefill` as the ascend950 kernel plans it."""
+    check_prefill_args(q, kv, indices, sink, main_keys)
+    keys, valid = gather_keys(kv, indices)
+    return attend(q, keys, valid, sink, scale, indices.shape[-1] if main_keys is None else main_keys, platform)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float,
+           main: int, platform: str = "A5") -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [N, h, D]`` over ``keys float32 [N, K, D]`` (``valid [N, K]``), the first ``main``
+    columns one list and the rest another: ``(out [N, h, D] in q.dtype, lse float32 [N, h])``."""
+    tokens, heads, dim = q.shape
+    operand = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    layout(buffers(dim, torch.finfo(operand).bits // 8), platform)
+    out = torch.zeros(tokens, heads, dim, dtype=q.dtype)
+    lse = torch.full((tokens, heads), float("-inf"), dtype=torch.float32)
+    record = WriteRecord(tokens * heads, 1)
+    plan = BlockPlan(AI_CORES[platform])
+    for n in range(tokens):
+        for h0 in range(0, heads, HEAD_GROUP):
+            plan.add((n, h0, min(h0 + HEAD_GROUP, heads)))
+    lists = [(0, main), (main, keys.shape[1])]
+    tiles = [(k0, min(k0 + KEY_TILE, end)) for start, end in lists for k0 in range(start, end, KEY_TILE)]
+    for core_blocks in plan.per_core():
+        for n, h0, h1 in core_blocks:
+            out[n, h0:h1], lse[n, h0:h1] = _block(q[n, h0:h1], keys[n], valid[n], sink[h0:h1], scale, tiles, operand)
+            record.store(slice(n * heads + h0, n * heads + h1), slice(0, 1))
+    record.check(tokens * heads)
+    return out, lse
+
+
+def _block(q, keys, valid, sink, scale, tiles, operand):
+    group = q.shape[0]
+    queries = q.to(operand)
+    running_max = torch.full((group,), float("-inf"))
+    running_sum = torch.zeros(group)
+    acc = torch.zeros(group, q.shape[1])
+    for k0, k1 in tiles:
+        tile = keys[k0:k1].to(operand)
+        scores = torch.zeros(group, k1 - k0)
+        for d0 in range(0, q.shape[1], D_SPLIT):
+            scores += queries[:, d0:d0 + D_SPLIT].float() @ tile[:, d0:d0 + D_SPLIT].float().T
+        scores = (scale * scores).masked_fill(~valid[k0:k1], float("-inf"))
+        new_max = torch.maximum(running_max, scores.max(dim=1).values)
+        finite = torch.isfinite(new_max)
+        shift = torch.where(finite, new_max, torch.zeros_like(new_max))
+        probs = torch.exp(scores - shift[:, None]).masked_fill(~finite[:, None], 0.0)
+        decay = torch.where(torch.isfinite(running_max), torch.exp(running_max - shift), torch.zeros_like(shift))
+        running_sum = running_sum * decay + probs.sum(dim=1)
+        acc = acc * decay[:, None] + probs.to(operand).float() @ tile.float()
+        running_max = new_max
+    seen = running_sum > 0
+    lse = torch.where(seen, running_max + torch.log(running_sum), torch.full_like(running_sum, float("-inf")))
+    out = torch.where(seen[:, None], acc / running_sum.clamp(min=1e-38)[:, None], torch.zeros_like(acc))
+    return (out * torch.sigmoid(lse - sink.float())[:, None]).to(q.dtype), lse
