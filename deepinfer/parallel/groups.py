@@ -73,8 +73,11 @@ def join(plan, device: torch.device) -> ProcessGroups | None:
         raise RuntimeError(f"no collective backend is known for device type {device.type!r} "
                            f"(known: {', '.join(BACKENDS)})")
     if not dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_rank)
+        elif device.type == "npu":  # torch.npu exists once torch_npu is imported (the backend's native path)
+            torch.npu.set_device(local_rank)
         dist.init_process_group(backend, timeout=timedelta(seconds=plan.timeout_s))
     elif dist.get_world_size() != world:
         raise RuntimeError(f"the process group already joined has {dist.get_world_size()} ranks; "

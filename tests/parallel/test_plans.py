@@ -245,3 +245,24 @@ def test_a_rank_that_dies_ends_the_run_with_an_error_naming_it(tmp_path):
     assert [p.exitcode for p in context.processes] == [0, 3]
     message = (tmp_path / "rank0.txt").read_text()
     assert message.startswith("parallel=ep2: rank 0 of 2 lost its peers in a collective"), message
+
+
+def test_an_npu_plan_joins_hccl_on_its_local_npu(monkeypatch):
+    """The HCCL path with fakes (no NPU here): the process group's backend follows the device, and
+    the rank's NPU is its LOCAL_RANK."""
+    import types
+
+    from deepinfer.config.compose import compose
+    from deepinfer.parallel import groups
+
+    joined, chosen = [], []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(groups.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(groups.dist, "init_process_group", lambda backend, timeout: joined.append(backend))
+    monkeypatch.setattr(groups.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(set_device=chosen.append), raising=False)
+    plan = compose(["parallel=ep2"]).parallel
+    result = groups.join(plan, types.SimpleNamespace(type="npu"))  # torch.device("npu") needs torch_npu
+    assert joined == ["hccl"] and chosen == [1]
+    assert (result.rank, result.world) == (1, 2)

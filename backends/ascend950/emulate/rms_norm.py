@@ -1,6 +1,7 @@
 """Emulated ascend950 RMSNorm: rows spread over the vector cores (two an AI core) in tiles that
-fit the unified buffer; each row's sum of squares is accumulated in float32 in chunks of the
-vector width, and the result is rounded once as it is copied out."""
+fit the unified buffer, computed in float32 and rounded once as they are copied out. The order in
+which the vector unit sums a row's squares is not modelled (PyTorch's is used): quantized stores
+downstream (FP4 codes) would flip on a last-bit difference that no CPU run can vouch for."""
 from __future__ import annotations
 
 import torch
@@ -8,10 +9,6 @@ import torch
 from deepinfer.hal.backend import UnsupportedInput
 from deepinfer_backends.ascend950.buffers import AI_CORES, KIB, Buffer, layout
 from deepinfer_backends.ascend950.emulate.plan import BlockPlan, WriteRecord
-
-VECTOR_WIDTH = 64
-"""float32 lanes one vector instruction reduces."""
-
 
 def row_tile(dim: int, element: int, platform: str = "A5") -> int:
     """Rows a vector core's UB tile holds: input, residual and output rows (double-buffered)
@@ -45,12 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     for core_tiles in plan.per_core():
         for r0, r1 in core_tiles:
             tile = summed[r0:r1]
-            padded = torch.nn.functional.pad(tile.pow(2), (0, -dim % VECTOR_WIDTH))
-            squares = padded.view(r1 - r0, -1, VECTOR_WIDTH).sum(-1)
-            total = torch.zeros(r1 - r0, dtype=torch.float32)
-            for chunk in range(squares.shape[1]):
-                total += squares[:, chunk]
-            out[r0:r1] = (tile * torch.rsqrt(total / dim + eps)[:, None] * w).to(x.dtype)
+            out[r0:r1] = (tile * torch.rsqrt(tile.pow(2).mean(dim=-1, keepdim=True) + eps) * w).to(x.dtype)
             record.store(slice(r0, r1), slice(0, 1))
     record.check(flat.shape[0])
     normed = out.view(x.shape)
