@@ -50,6 +50,11 @@ def main(cfg: DictConfig) -> None:
         from deepinfer.tasks.parity import run_parity
 
         sys.exit(run_parity(app, list(RAW_PROMPTS) or None))
+    if app.task == "bench":
+        from deepinfer.tasks.bench import run_bench
+
+        run_bench(app)
+        return
     run_app(app)
 
 

@@ -21,8 +21,7 @@ import torch
 
 from deepinfer.hal import SPECS, get_backend
 from deepinfer.hal.spec import compare, dtype_skip_reason
-from tests.hal.oracle import _clone
-from tests.hal.test_parity import _to_device
+from deepinfer.hal.parity import to_device
 
 RESULTS = Path(__file__).parent / "results"
 FIELDS = ("card", "date", "command", "op", "case", "status", "max_abs_err", "mean_abs_err", "detail")
@@ -49,9 +48,9 @@ def run_case(backend, op: str, case_name: str) -> dict:
     if reason:
         return {"status": "skipped", "detail": reason}
     inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
-    want = spec.reference(**_clone(inputs))
+    want = spec.reference(**to_device(inputs, torch.device("cpu")))
     try:
-        got = backend.implementations()[op](**_to_device(_clone(inputs), torch.device("cuda")))
+        got = backend.implementations()[op](**to_device(inputs, torch.device("cuda")))
         torch.cuda.synchronize()
     except Exception as error:
         return {"status": "error", "detail": f"{type(error).__name__}: {str(error)[:400]}"}

@@ -328,7 +328,22 @@ class EngineConfig:
                  f"use one of {list(SEED_SCOPES)}")
 
 
-TASKS = ("generate", "parity")
+@dataclass
+class BenchConfig:
+    """One engine point of task=bench: ``batch`` requests of ``prompt_tokens`` random tokens, each
+    generating ``output_tokens`` (the decoding policy from ``decoding``), drawn with ``seed``."""
+
+    batch: int = 1
+    prompt_tokens: int = 512
+    output_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("batch", "prompt_tokens", "output_tokens"):
+            _require(getattr(self, key) >= 1, f"bench.{key}", getattr(self, key), "must be >= 1")
+
+
+TASKS = ("generate", "parity", "bench")
 """What ``python -m deepinfer task=...`` can run."""
 
 
@@ -347,8 +362,9 @@ class AppConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine sizes and switches (``engine=<preset>``)."""
     task: str = "generate"
-    """What ``python -m deepinfer`` does: ``generate`` (prompts to text) or ``parity`` (the op
-    parity grid and a greedy generation on two backends, :mod:`deepinfer.tasks.parity`)."""
+    """What ``python -m deepinfer`` does: ``generate`` (prompts to text), ``parity`` (the op
+    parity grid and a greedy generation on two backends, :mod:`deepinfer.tasks.parity`) or
+    ``bench`` (one engine point, :mod:`deepinfer.tasks.bench`; sweeps are Hydra multiruns)."""
     prompt: Optional[str] = None
     """One prompt to generate from."""
     prompts_file: Optional[str] = None
@@ -374,7 +390,10 @@ class AppConfig:
     generate_tokens: int = 32
     """task=parity: greedy tokens a prompt of the end-to-end comparison (0 skips it)."""
     output_dir: Optional[str] = None
-    """task=parity: where ``parity.csv`` and ``parity.png`` go (default ``outputs/parity_<a>_vs_<b>``)."""
+    """Where task=parity writes ``parity.csv`` and ``parity.png`` (default
+    ``outputs/parity_<a>_vs_<b>``) and task=bench appends to ``bench.csv`` (default ``outputs/bench``)."""
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    """task=bench: the engine point measured."""
 
     def __post_init__(self) -> None:
         _require(self.prompt is None or self.prompts_file is None, "prompts_file", self.prompts_file,

@@ -10,7 +10,7 @@ from deepinfer.hal import SPECS, get_backend
 from deepinfer.hal.formats import decode_tokens
 from tests.hal.oracle import _clone
 from tests.hal.test_batch_invariance import PER_SEQUENCE_KEYS, ROW_ARGS, _outputs, _row_count, _rows
-from tests.hal.test_parity import _to_device
+from deepinfer.hal.parity import to_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("tilelang") is None,
                                                   reason="the sm100 backend needs tilelang")]
@@ -34,7 +34,7 @@ def _bf16_cases(op: str) -> list[str]:
 
 def _inputs(op: str, case: str) -> dict:
     inputs = SPECS[op].case(case).make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
-    return _to_device(inputs, CUDA)
+    return to_device(inputs, CUDA)
 
 
 EXTRA_ROW_ARGS = {"apply_rope": ("x", "positions"), "kv_load": ("slots",), "swiglu": ("gate", "up")}

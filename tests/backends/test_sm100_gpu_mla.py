@@ -13,7 +13,7 @@ from deepinfer.hal.ops.mla import _decode_case, _prefill_case
 from deepinfer.hal.spec import compare
 from tests.backends.test_sm100_gpu_invariance import MLA_KERNELS
 from tests.hal.oracle import _clone
-from tests.hal.test_parity import _to_device
+from deepinfer.hal.parity import to_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("tilelang") is None,
                                                   reason="the sm100 backend needs tilelang")]
@@ -38,7 +38,7 @@ def _check(op: str, make, mla: str) -> None:
             inputs[name] = inputs[name].to(torch.bfloat16)
     want = SPECS[op].reference(**{k: v.float() if k in ("q", "kv") else v for k, v in _clone(inputs).items()})
     impl = get_backend("sm100", {"mla_kernel": mla}).implementations()[op]
-    got = impl(**_to_device(_clone(inputs), torch.device("cuda")))
+    got = impl(**to_device(_clone(inputs), torch.device("cuda")))
     failures = compare(got, want, SPECS[op].tolerance(torch.bfloat16), f"{op}/{mla}")
     assert not failures, "\n".join(failures)
 
