@@ -4,6 +4,7 @@ the outputs of one process token for token (batch-invariant mode): greedy, seede
 sampling; under expert parallelism each rank holds only its share of the routed experts, under
 data parallelism only its share of the requests; plans are refused where they cannot run."""
 import gc
+import hashlib
 import os
 import socket
 from pathlib import Path
@@ -58,8 +59,13 @@ def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list
         tokens = _generate(llm, prompts)
         llm._enqueue, llm.model.forward = enqueue, forward
         placements.append([m.placement.physical_to_logical.tolist() for m in llm.balancing.maps])
+        caches = llm.runner.caches
+        digest = hashlib.sha256(b"".join(
+            getattr(layer, name).contiguous().view(torch.uint8).numpy().tobytes()
+            for layer in [*caches.layers, *caches.draft_layers]
+            for name in ("swa_ring", "compressed", "index_k", "compress_state") if getattr(layer, name) is not None))
         torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm, prompts), "placements": placements,
-                    "split": split},
+                    "split": split, "caches": digest.hexdigest()},
                    Path(out_dir) / f"rank{rank}.pt")
         leave(llm.groups)
         del llm, enqueue
@@ -142,15 +148,18 @@ def test_expert_parallel_with_dspark_equals_one_process(tmp_path):
 @pytest.mark.parametrize("plan, world", [("cp2", 2), pytest.param("cp4", 4, marks=pytest.mark.slow)])
 def test_context_parallel_outputs_equal_one_process(tmp_path, plan, world):
     """Every rank runs every request; each prefill step's rows are split evenly over the ranks
-    (each computes about 1/world of them), and the greedy tokens and samples are one process's."""
+    (each computes about 1/world of them), every rank ends with the same cache, bit for bit, and
+    the greedy tokens and samples are one process's."""
     prompts = [*PROMPTS, LONG_PROMPT]
     single = LLM("tiny", overrides=COMMON)
     want = {"tokens": _generate(single, prompts), "sampled": _sampled(single, prompts)}
-    for rank, result in enumerate(_run(tmp_path, plan, world, prompts=prompts)):
+    results = _run(tmp_path, plan, world, prompts=prompts)
+    for rank, result in enumerate(results):
         assert result["tokens"] == want["tokens"], f"rank {rank} of {plan}"
         assert result["sampled"] == want["sampled"], f"rank {rank} of {plan}"
         assert result["ran"] == list(range(len(prompts))), f"rank {rank} ran {result['ran']}"
         assert result["split"], f"rank {rank} of {plan} split no prefill step"
+        assert result["caches"] == results[0]["caches"], f"rank {rank}'s cache replica differs from rank 0's"
         for mine, whole in result["split"]:
             assert abs(mine - whole / world) <= 2 * len(prompts), f"rank {rank}: {mine} of {whole} rows"
 
