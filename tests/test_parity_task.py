@@ -74,7 +74,7 @@ def test_a_wrong_op_fails_its_rows_and_the_run(tmp_path, capsys):
 @pytest.mark.parametrize("overrides, message", [
     (["task=parity"], "give backend_b=NAME"),
     (["task=parity", "backend_b=reference", "ops=[no_such_op]"], "unknown ops"),
-    (["task=bench"], "is not available yet"),
+    (["task=train"], "is not available yet"),
     (["task=parity", "sizes=[huge]"], "list case sizes among tiny, real"),
 ])
 def test_bad_parity_arguments_are_refused(overrides, message):

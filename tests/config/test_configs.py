@@ -116,10 +116,10 @@ def test_compose_inside_a_running_hydra_app(tmp_path):
 
 
 def test_cli_refuses_unknown_task_and_writes_nothing(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "deepinfer", "task=bench"], cwd=tmp_path,
+    run = subprocess.run([sys.executable, "-m", "deepinfer", "task=train"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0
-    assert "task='bench' is not available yet" in run.stderr
+    assert "task='train' is not available yet" in run.stderr
     assert not [path for path in tmp_path.rglob("*") if path.is_file()]
 
 

@@ -1,6 +1,7 @@
 """Sparse indexer ("lightning indexer" style): per-query logits over compressed keys, then top-k."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from deepinfer.hal.formats import cast_back
@@ -38,7 +39,7 @@ def indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
 def scaled_weights(weights: torch.Tensor, weight_scale: float) -> torch.Tensor:
     """``weights`` in float32 times ``weight_scale`` rounded to float32 (a float32 product; the
     scale stays a host scalar, so a CUDA graph can capture the product)."""
-    return weights.float() * float(torch.tensor(weight_scale, dtype=torch.float32))
+    return weights.float() * float(np.float32(weight_scale))
 
 
 def check_indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_format: str | None) -> None:
