@@ -15,7 +15,7 @@ from deepinfer.hal.backend import Backend, Capabilities
 from deepinfer_backends.ascend950.platform import PLATFORMS, native_status
 
 EXECUTIONS = ("native", "emulate")
-EMULATED = ("grouped_gemm", "kv_norm_rope_store", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
+EMULATED = ("apply_rope", "grouped_gemm", "kv_norm_rope_store", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
 """Ops the emulation implements."""
 HARDWARE_VALIDATED = {op: False for op in EMULATED}
 """Per kernel: whether a run on a 950 has checked it (none has)."""
@@ -72,10 +72,11 @@ class Ascend950Backend(Backend):
                                       "backend.execution=emulate runs their plans on the CPU")
         import functools
 
-        from deepinfer_backends.ascend950.emulate import grouped_gemm, kv_norm_rope_store, mla, rms_norm
+        from deepinfer_backends.ascend950.emulate import apply_rope, grouped_gemm, kv_norm_rope_store, mla, rms_norm
 
         platform = self.options.platform
-        return {"grouped_gemm": functools.partial(grouped_gemm.grouped_gemm, platform=platform),
+        return {"apply_rope": functools.partial(apply_rope.apply_rope, platform=platform),
+                "grouped_gemm": functools.partial(grouped_gemm.grouped_gemm, platform=platform),
                 "kv_norm_rope_store": functools.partial(kv_norm_rope_store.kv_norm_rope_store, platform=platform),
                 "mla_sparse_decode": functools.partial(mla.mla_sparse_decode, platform=platform),
                 "mla_sparse_prefill": functools.partial(mla.mla_sparse_prefill, platform=platform),
