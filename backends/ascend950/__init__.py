@@ -7,6 +7,7 @@ The emulation serves :data:`EMULATED` ops; with ``backend.fallback=reference`` t
 model runs on the reference. Importing this module never imports ``torch_npu``."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +71,6 @@ class Ascend950Backend(Backend):
                                    f"backend.execution=emulate, or another backend")
             raise NotImplementedError("the ascend950 tilelang-ascend kernels are not implemented yet; "
                                       "backend.execution=emulate runs their plans on the CPU")
-        import functools
-
         from deepinfer_backends.ascend950.emulate import apply_rope, grouped_gemm, kv_norm_rope_store, mla, rms_norm
 
         platform = self.options.platform
