@@ -10,7 +10,7 @@ from deepinfer.hal.formats import token_format
 from deepinfer.hal.ops.kv_cache import kv_cast, kv_store
 from deepinfer.hal.ops.rope import apply_rope
 from deepinfer_backends.ascend950.buffers import AI_CORES
-from deepinfer_backends.ascend950.emulate.plan import BlockPlan, WriteRecord
+from deepinfer_backends.ascend950.emulate.plan import run_row_tiles
 from deepinfer_backends.ascend950.emulate.rms_norm import rms_norm, row_tile
 
 
@@ -22,17 +22,11 @@ def kv_norm_rope_store(x: torch.Tensor, weight: torch.Tensor, eps: float, positi
     if x.dim() != 2 or x.shape[1] != spec.dim or not x.is_floating_point():
         raise ValueError(f"x must be a float tensor [T, {spec.dim}] for format {fmt!r}, got {x.dtype} "
                          f"{tuple(x.shape)}")
-    rows = row_tile(spec.dim, x.element_size(), platform)
     out = torch.empty_like(x)
-    record = WriteRecord(x.shape[0], 1)
-    plan = BlockPlan(2 * AI_CORES[platform])
-    for r0 in range(0, x.shape[0], rows):
-        plan.add((r0, min(r0 + rows, x.shape[0])))
-    for core_tiles in plan.per_core():
-        for r0, r1 in core_tiles:
-            keys = apply_rope(rms_norm(x[r0:r1], weight, eps, platform=platform), positions[r0:r1], cos_sin)
-            kv_store(cache, slots[r0:r1], keys, fmt)
-            out[r0:r1] = kv_cast(keys, fmt).to(x.dtype)
-            record.store(slice(r0, r1), slice(0, 1))
-    record.check(x.shape[0])
+
+    def store(first: int, end: int) -> None:
+        keys = apply_rope(rms_norm(x[first:end], weight, eps, platform=platform), positions[first:end], cos_sin)
+        kv_store(cache, slots[first:end], keys, fmt)
+        out[first:end] = kv_cast(keys, fmt).to(x.dtype)
+    run_row_tiles(x.shape[0], row_tile(spec.dim, x.element_size(), platform), 2 * AI_CORES[platform], store)
     return out

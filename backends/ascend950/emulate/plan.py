@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -39,3 +40,18 @@ class WriteRecord:
                                  f"{int(written.min())}..{int(written.max())} (want exactly 1)")
         if rest.numel() and rest.any():
             raise AssertionError("a tile stored rows past the last expert segment")
+
+
+def run_row_tiles(rows: int, tile: int, cores: int, body: Callable[[int, int], None]) -> None:
+    """``body(first, end)`` for each tile of ``tile`` rows of a ``rows``-row output, the tiles
+    handed to ``cores`` vector cores round-robin and run core by core; then checks every row was
+    stored exactly once."""
+    record = WriteRecord(rows, 1)
+    plan = BlockPlan(cores)
+    for first in range(0, rows, tile):
+        plan.add((first, min(first + tile, rows)))
+    for core_tiles in plan.per_core():
+        for first, end in core_tiles:
+            body(first, end)
+            record.store(slice(first, end), slice(0, 1))
+    record.check(rows)

@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.hal.backend import UnsupportedInput
 from deepinfer_backends.ascend950.buffers import AI_CORES, KIB, Buffer, layout
-from deepinfer_backends.ascend950.emulate.plan import BlockPlan, WriteRecord
+from deepinfer_backends.ascend950.emulate.plan import run_row_tiles
 
 def row_tile(dim: int, element: int, platform: str = "A5") -> int:
     """Rows a vector core's UB tile holds: input, residual and output rows (double-buffered)
@@ -32,18 +32,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                f"{x.element_size()} B is not a multiple of 32 B")
     flat = x.reshape(-1, dim)
     summed = flat.float() + residual.reshape(-1, dim).float() if residual is not None else flat.float()
-    rows = row_tile(dim, x.element_size(), platform)
     out = torch.empty_like(flat)
-    record = WriteRecord(flat.shape[0], 1)
-    plan = BlockPlan(2 * AI_CORES[platform])
-    for r0 in range(0, flat.shape[0], rows):
-        plan.add((r0, min(r0 + rows, flat.shape[0])))
     w = weight.float()
-    for core_tiles in plan.per_core():
-        for r0, r1 in core_tiles:
-            tile = summed[r0:r1]
-            out[r0:r1] = (tile * torch.rsqrt(tile.pow(2).mean(dim=-1, keepdim=True) + eps) * w).to(x.dtype)
-            record.store(slice(r0, r1), slice(0, 1))
-    record.check(flat.shape[0])
+
+    def normalise(first: int, end: int) -> None:
+        tile = summed[first:end]
+        out[first:end] = (tile * torch.rsqrt(tile.pow(2).mean(dim=-1, keepdim=True) + eps) * w).to(x.dtype)
+    run_row_tiles(flat.shape[0], row_tile(dim, x.element_size(), platform), 2 * AI_CORES[platform], normalise)
     normed = out.view(x.shape)
     return (normed, summed.to(residual.dtype).view(residual.shape)) if residual is not None else normed
