@@ -41,6 +41,20 @@ def command_line(module: str | None = None) -> str:
     return " ".join([head, *(shlex.quote(a) for a in args)])
 
 
+def pyplot():
+    """matplotlib's ``pyplot`` drawing off-screen (Agg), or None, with a note, where matplotlib is
+    not installed (it comes with the ``experiments`` and ``dev`` extras)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install 'deepinfer[experiments]')")
+        return None
+    return plt
+
+
 def write_results(path: Path | str, rows: Iterable[Mapping[str, Any]], command: str) -> Path:
     """Write ``rows`` to the CSV ``path`` (folders made), each prefixed with the run's card, date,
     commit and ``command``; the columns are the union of the rows' keys, in first-seen order."""

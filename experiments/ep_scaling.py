@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.parallel.eplb import rebalance, static_placement
+from deepinfer.results import pyplot
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, LAYERS, EXPERTS, TOP_K, NODE = 4096, 40, 384, 6, 8
@@ -99,13 +100,8 @@ def main(argv=None) -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'deepinfer[experiments]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     eps = [r["ep"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

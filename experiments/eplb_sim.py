@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.parallel.eplb import rebalance, static_placement
+from deepinfer.results import pyplot
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -67,13 +68,8 @@ def main(argv=None) -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'deepinfer[experiments]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)

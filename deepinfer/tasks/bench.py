@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from deepinfer.results import command_line, write_results
+from deepinfer.results import command_line, pyplot, write_results
 
 
 def run_bench(app) -> dict:
@@ -97,12 +97,8 @@ def append_row(path: Path, row: dict, command: str) -> Path:
 def plot(path: Path, figure: Path) -> Path | None:
     """Prefill tok/s against the time to the last first token, and decode tok/s against tok/s per
     user, one line per decoding policy and prompt length; None where matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no plot: matplotlib is not installed (pip install 'deepinfer[experiments]')")
+    plt = pyplot()
+    if plt is None:
         return None
     rows = list(csv.DictReader(path.open()))
     fig, (prefill, decode) = plt.subplots(1, 2, figsize=(11, 4))

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from deepinfer.hal.parity import ParityRow, Side, parity_grid
-from deepinfer.results import command_line, write_results
+from deepinfer.results import command_line, pyplot, write_results
 
 PARITY_PROMPTS = ("def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):",
                   "for i in range(10):")
@@ -82,12 +82,8 @@ def generation_agreement(app, a: Side, b: Side, prompts: list[str]) -> tuple[flo
 def heat_map(rows: list[ParityRow], a: Side, b: Side, path: Path) -> Path | None:
     """``log10`` of each case's largest error as a share of its tolerance, ops by row, cases by
     column (grey: skipped); None, with a note, where matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no heat map: matplotlib is not installed (pip install 'deepinfer[experiments]')")
+    plt = pyplot()
+    if plt is None:
         return None
     ops = list(dict.fromkeys(row.op for row in rows))
     width = max((sum(row.op == op for row in rows) for op in ops), default=1)
