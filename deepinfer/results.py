@@ -55,18 +55,18 @@ def pyplot():
     return plt
 
 
-def write_results(path: Path | str, rows: Iterable[Mapping[str, Any]], command: str) -> Path:
+def write_results(path: Path | str, rows: Iterable[Mapping[str, Any]], command: str, append: bool = False) -> Path:
     """Write ``rows`` to the CSV ``path`` (folders made), each prefixed with the run's card, date,
-    commit and ``command``; the columns are the union of the rows' keys, in first-seen order."""
+    commit and ``command``; with ``append``, after the rows ``path`` holds (each keeps its own).
+    The columns are the union of the rows' keys, in first-seen order."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = list(rows)
     meta = {"card": card(), "date": datetime.date.today().isoformat(), "commit": git_commit(), "command": command}
-    columns = list(meta)
-    for row in rows:
-        columns += [key for key in row if key not in columns]
+    earlier = list(csv.DictReader(path.open())) if append and path.exists() else []
+    rows = earlier + [{**meta, **row} for row in rows]
+    columns = list(dict.fromkeys([*meta, *(key for row in rows for key in row)]))
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        writer.writerows({**meta, **row} for row in rows)
+        writer.writerows(rows)
     return path

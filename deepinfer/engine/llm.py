@@ -360,8 +360,8 @@ class LLM:
         """Schedule the waiting requests whose matcher is ready; fail those whose grammar did not
         compile (or not in time). Returns the failed ones."""
         failed, waiting = [], []
-        if self.groups is not None and self.groups.data is None and self._awaiting_grammar:
-            # every rank runs every request, in the same steps: admission waits on no rank's compile speed
+        if self.groups is not None and self.groups.shared_schedule and self._awaiting_grammar:
+            # admission waits on no rank's compile speed
             concurrent.futures.wait([r.grammar.future for r in self._awaiting_grammar])
         for request in self._awaiting_grammar:
             if not self.grammars.poll(request.grammar):

@@ -32,6 +32,11 @@ class ProcessGroups:
     data: object = None
     context: object = None
 
+    @property
+    def shared_schedule(self) -> bool:
+        """Whether every rank runs every request, in the same steps (no attention DP)."""
+        return self.data is None
+
 
 def plan_world(plan) -> int:
     """Processes a plan (:class:`~deepinfer.config.schema.ParallelConfig`) runs on."""

@@ -56,7 +56,7 @@ def run_bench(app) -> dict:
            "step_ms_median": round(1000 * statistics.median(step_times), 3) if step_times else 0.0,
            "accepted_per_step": round(sum(r.num_accepted for r in requests) / verify_steps, 3) if verify_steps else 0.0}
     out = Path(app.output_dir or "outputs/bench")
-    path = append_row(out / "bench.csv", row, job_command())
+    path = write_results(out / "bench.csv", [row], job_command(), append=True)
     print("  ".join(f"{key} {value}" for key, value in row.items()))
     print(f"wrote {path}")
     figure = plot(path, out / "bench.png")
@@ -75,23 +75,6 @@ def job_command() -> str:
     except ValueError:  # not run through Hydra's main (a call from Python)
         return command_line("deepinfer")
     return " ".join(["python -m deepinfer", *(shlex.quote(o) for o in overrides)])
-
-
-def append_row(path: Path, row: dict, command: str) -> Path:
-    """``row`` after the rows ``path`` holds (each keeps its own card, date, commit and command)."""
-    earlier = list(csv.DictReader(path.open())) if path.exists() else []
-    if not earlier:
-        return write_results(path, [row], command)
-    fresh = Path(str(path) + ".new")
-    write_results(fresh, [row], command)
-    rows = earlier + list(csv.DictReader(fresh.open()))
-    fresh.unlink()
-    columns = list(dict.fromkeys(key for r in rows for key in r))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def plot(path: Path, figure: Path) -> Path | None:
