@@ -57,8 +57,7 @@ class ContextShard:
         if len({t.dtype for t in local}) != 1:
             raise ValueError(f"gathered tensors share one dtype, got {[t.dtype for t in local]}")
         widths = [int(np.prod(t.shape[1:])) for t in local]
-        packed = torch.cat([t.reshape(t.shape[0], -1) for t in local], dim=1) if len(local) > 1 \
-            else local[0].reshape(local[0].shape[0], -1)
+        packed = torch.cat([t.reshape(t.shape[0], -1) for t in local], dim=1)
         padded = packed.new_zeros(self.width, packed.shape[1])
         padded[:packed.shape[0]] = packed
         if dist.get_backend(self.group) == "gloo":
