@@ -108,6 +108,11 @@ class ParallelConfig:
     """Ranks the routed experts are spread over."""
     context_parallel: int = 1
     """Ranks a long prefill is split over (balanced, 2*cp pieces)."""
+    world_size: Optional[int] = None
+    """Processes the plan runs on; None: its largest dimension. 1 runs a plan of several ranks on
+    one process (``torchrun --nproc-per-node 1``) with every group it names joined through the
+    device's collective backend: a check of the launch path and the collectives on one device,
+    not a scaling run."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for the other ranks before the run ends with an error."""
     num_extra_experts: int = 0
@@ -122,6 +127,9 @@ class ParallelConfig:
         for key in ("data_parallel", "expert_parallel", "context_parallel"):
             value = getattr(self, key)
             _require(value >= 1, f"parallel.{key}", value, "must be >= 1")
+        dims = max(self.data_parallel, self.expert_parallel, self.context_parallel)
+        _require(self.world_size in (None, 1, dims), "parallel.world_size", self.world_size,
+                 f"use {dims} (the plan's ranks), 1 (the plan's groups on one process) or null")
         _require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0")
         _require(self.num_extra_experts >= 0, "parallel.num_extra_experts", self.num_extra_experts, "must be >= 0")
         _require(self.eplb_interval >= 0, "parallel.eplb_interval", self.eplb_interval, "must be >= 0 (0: never)")

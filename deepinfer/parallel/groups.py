@@ -40,6 +40,13 @@ class ProcessGroups:
 
 def plan_world(plan) -> int:
     """Processes a plan (:class:`~deepinfer.config.schema.ParallelConfig`) runs on."""
+    if plan.world_size is not None:
+        return plan.world_size
+    return plan_ranks(plan)
+
+
+def plan_ranks(plan) -> int:
+    """The largest dimension of a plan: more than one where it names process groups."""
     return max(plan.data_parallel, plan.expert_parallel, plan.context_parallel)
 
 
@@ -51,7 +58,7 @@ def check_plan(parallel, decoding) -> None:
                          f"yet (parallel.context_parallel={parallel.context_parallel}, data_parallel="
                          f"{parallel.data_parallel}, expert_parallel={parallel.expert_parallel}); use a context-"
                          f"parallel plan alone (cp2, cp4) or the DP and EP plans without it")
-    shared_schedule = parallel.data_parallel == 1 and plan_world(parallel) > 1
+    shared_schedule = parallel.data_parallel == 1 and plan_ranks(parallel) > 1
     if shared_schedule and decoding.num_draft_tokens and decoding.varlen:
         raise ValueError(f"parallel={parallel.name} runs every request on every rank in the same steps, and DSpark's "
                          f"confidence-scheduled verify lengths (decoding.varlen=true) follow each rank's own step "
@@ -64,10 +71,11 @@ def check_plan(parallel, decoding) -> None:
 
 
 def join(plan, device: torch.device) -> ProcessGroups | None:
-    """Join (or reuse) the default process group for ``plan``; None for a one-rank plan. Refuses a
-    launch whose ``WORLD_SIZE`` is not the plan's, naming the torchrun command that fits."""
+    """Join (or reuse) the default process group for ``plan``; None for a plan that names no group.
+    Refuses a launch whose ``WORLD_SIZE`` is not the plan's, naming the torchrun command that fits.
+    With ``parallel.world_size=1`` the plan's groups are joined on one process."""
     world = plan_world(plan)
-    if world == 1:
+    if plan_ranks(plan) == 1:
         return None
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != world:

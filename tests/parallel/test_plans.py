@@ -187,6 +187,27 @@ def test_data_and_expert_parallel_with_dspark_equals_one_process(tmp_path):
         assert result["ran"] == list(range(rank, len(PROMPTS), 2)), f"rank {rank} ran {result['ran']}"
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("plan, extra", [
+    ("ep2", ["parallel.num_extra_experts=2", "parallel.eplb_interval=4"]), ("dp2", []), ("cp2", []), ("dp2_ep2", [])])
+def test_a_plan_on_one_process_runs_its_groups_and_equals_one_process(tmp_path, single_process, plan, extra):
+    """``parallel.world_size=1`` (torchrun --nproc-per-node 1): the plan's collectives run through
+    a process group of one rank (EPLB re-placing mid-run under ep2) and the outputs are the plain
+    single-process run's."""
+    prompts = [*PROMPTS, LONG_PROMPT] if plan == "cp2" else PROMPTS
+    want = single_process if plan != "cp2" else None
+    if want is None:
+        single = LLM("tiny", overrides=COMMON)
+        want = {"tokens": _generate(single, prompts), "sampled": _sampled(single, prompts)}
+    (result,) = _run(tmp_path, plan, 1, ["parallel.world_size=1", *extra], prompts=prompts)
+    assert result["tokens"] == want["tokens"]
+    assert result["sampled"] == want["sampled"]
+    if plan == "cp2":
+        assert result["split"], "no prefill step went through the context group"
+    if extra:
+        assert result["placements"][0] != result["placements"][1], "EPLB did not re-place the replicas"
+
+
 def test_balanced_rows_take_mirrored_pieces_of_each_sequence():
     """Two sequences of 8 and 5 rows over two ranks: pieces of 2 rows (8 rows) and 2 rows (5 rows:
     the last piece empty); rank 0 takes pieces 0 and 3, rank 1 pieces 1 and 2."""
@@ -206,6 +227,11 @@ def test_a_plan_launched_on_the_wrong_number_of_processes_is_refused(monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(RuntimeError, match=r"parallel=ep2 runs on 2 processes.*torchrun --nproc-per-node 2"):
         LLM("tiny", overrides=["parallel=ep2", *COMMON])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"parallel=ep2 runs on 1 processes.*torchrun --nproc-per-node 1"):
+        LLM("tiny", overrides=["parallel=ep2", "parallel.world_size=1", *COMMON])
+    with pytest.raises(ValueError, match=r"parallel.world_size.*use 2 \(the plan's ranks\), 1"):
+        LLM("tiny", overrides=["parallel=ep2", "parallel.world_size=3", *COMMON])
 
 
 @pytest.mark.parametrize("override, message", [
