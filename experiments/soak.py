@@ -2,35 +2,58 @@
 preemption, and the books kept: every request finishes exactly once, with the length it asked
 for (or a stop it reached), none failed, none lost.
 
-    python experiments/soak.py [--model tiny] [--backend reference] [--requests 1000] [--max-prompt 4096]
-        [--max-output 64] [--kv-blocks N] [--check-alone 20] [--no-structured] [--tag T] [hydra overrides...]
+    python experiments/soak.py [study.requests=1000] [study.max_prompt=4096] [study.max_output=64]
+        [study.kv_blocks=N] [study.check_alone=20] [study.structured=false] [study.tag=T] [overrides...]
 
 Requests mix greedy, seeded sampling and structured outputs (a regex, a JSON schema); DSpark
-drafts them all with ``decoding=dspark`` (the default here). ``--kv-blocks`` defaults to what two
-of the longest requests need, so that long prompts preempt each other. With
-``engine.batch_invariant=true``, ``--check-alone N`` runs N random requests again alone (on a
-fresh engine) and requires the same tokens. Prints the counts and writes
-``experiments/results/soak_<device>[_<tag>].csv``."""
+drafts them all (``configs/experiment/soak.yaml`` picks ``decoding=dspark``). ``study.kv_blocks``
+defaults to what two of the longest requests need, so that long prompts preempt each other. With
+``engine.batch_invariant=true``, ``study.check_alone=N`` runs N random requests again alone (on a
+fresh engine) and requires the same tokens. Prints a progress line every ``study.progress_s``
+seconds, then the counts, and writes ``experiments/results/soak_<device>[_<tag>].csv``."""
 from __future__ import annotations
 
-import argparse
 import collections
-import csv
-import datetime
+import dataclasses
 import math
-import platform
 import random
 import sys
 import time
-from pathlib import Path
-
-import torch
+from dataclasses import dataclass
+from typing import Optional
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.output_processor import request_output
+from deepinfer.results import command_line, write_results
+from deepinfer.study import StudySettings, compose_study
 
-RESULTS = Path(__file__).parent / "results"
 KINDS = ("greedy", "sampled", "regex", "json")
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@dataclass
+class SoakSettings(StudySettings):
+    """The soak's requests and budget."""
+
+    FAST = ("model=tiny_random", "engine.prefill_chunk_tokens=64", "study.requests=100", "study.max_prompt=250",
+            "study.max_output=8", "study.kv_blocks=4", "study.check_alone=4")
+
+    requests: int = 1000
+    """Requests submitted at once."""
+    max_prompt: int = 4096
+    """Prompt lengths are uniform in 1..max_prompt (random token ids)."""
+    max_output: int = 64
+    """Output lengths are uniform in 1..max_output."""
+    kv_blocks: Optional[int] = None
+    """Paged KV blocks of 128 tokens; None: what two of the longest requests need."""
+    check_alone: int = 0
+    """Requests run again alone on a fresh engine, whose tokens must be the same (batch invariance)."""
+    structured: bool = True
+    """Mix in regex and JSON-schema requests (needs xgrammar)."""
+    seed: int = 0
+    """Seed of the request mix."""
+    progress_s: float = 60.0
+    """Seconds between progress lines (finished, running, waiting, preemptions)."""
 
 
 def make_requests(count: int, max_prompt: int, max_output: int, vocab: int, seed: int, structured: bool):
@@ -68,59 +91,56 @@ def check_outputs(made, outputs) -> collections.Counter:
     return counts
 
 
-def soak(model: str, backend: str, overrides: list[str], requests: int, max_prompt: int, max_output: int,
-         kv_blocks: int | None, check_alone: int, seed: int = 0, structured: bool = True) -> dict:
-    """Run the soak; returns its counts (``submitted``, ``completed``, ``preempted``, outcomes by
-    kind, ``alone_checked`` and ``alone_equal``, ``seconds``)."""
+def run_with_progress(llm: LLM, made, every_s: float) -> list:
+    """Queue every request and step the engine until all finish, printing a progress line every
+    ``every_s`` seconds; the outputs in submission order."""
+    requests = [llm.add_request(prompt, params) for _, prompt, params in made]
+    started = last = time.perf_counter()
+    while not all(r.finished for r in requests):
+        llm.step()
+        if time.perf_counter() - last >= every_s:
+            last = time.perf_counter()
+            done = sum(r.finished for r in requests)
+            print(f"[{last - started:7.0f} s] finished {done}/{len(requests)}, running {len(llm.scheduler.running)}, "
+                  f"waiting {len(llm.scheduler.waiting)}, preemptions {llm.scheduler.num_preemptions}", flush=True)
+    llm.drain()
+    return [request_output(r) for r in requests]
+
+
+def soak(app, settings: SoakSettings) -> dict:
+    """Run the soak on the engine ``app`` describes; returns its counts (``submitted``,
+    ``completed``, ``preempted``, outcomes by kind, ``alone_checked`` and ``alone_equal``,
+    ``seconds``)."""
     page = 128
-    blocks = kv_blocks or 2 * math.ceil((max_prompt + max_output) / page) + 1
-    base = ["engine.use_tqdm=false", f"model.max_model_len={max_prompt + max_output + 16}",
-            f"engine.num_kv_blocks={blocks}"]
-    llm = LLM(model, backend, base + overrides)
-    made = make_requests(requests, max_prompt, max_output, llm.model.cfg.vocab_size, seed, structured)
+    blocks = settings.kv_blocks or 2 * math.ceil((settings.max_prompt + settings.max_output) / page) + 1
+    app = dataclasses.replace(
+        app, model=dataclasses.replace(app.model, max_model_len=settings.max_prompt + settings.max_output + 16),
+        engine=dataclasses.replace(app.engine, num_kv_blocks=blocks, use_tqdm=False))
+    llm = LLM.from_config(app)
+    made = make_requests(settings.requests, settings.max_prompt, settings.max_output, llm.model.cfg.vocab_size,
+                         settings.seed, settings.structured)
     started = time.perf_counter()
-    outputs = llm.generate([p for _, p, _ in made], [params for _, _, params in made])
+    outputs = run_with_progress(llm, made, settings.progress_s)
     seconds = time.perf_counter() - started
     counts = check_outputs(made, outputs)
-    result = {"submitted": requests, "completed": len(outputs), "preempted": llm.scheduler.num_preemptions,
+    result = {"submitted": settings.requests, "completed": len(outputs), "preempted": llm.scheduler.num_preemptions,
               "kv_blocks": blocks, "seconds": round(seconds, 1), **dict(sorted(counts.items()))}
-    if check_alone:
-        picked = random.Random(seed + 1).sample(range(requests), min(check_alone, requests))
-        alone = LLM(model, backend, base + overrides)
+    if settings.check_alone:
+        picked = random.Random(settings.seed + 1).sample(range(settings.requests),
+                                                         min(settings.check_alone, settings.requests))
+        alone = LLM.from_config(app)
         equal = sum(alone.generate([made[i][1]], [made[i][2]])[0].token_ids == outputs[i].token_ids for i in picked)
         result.update(alone_checked=len(picked), alone_equal=equal)
     return result
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--backend", default="reference")
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--max-prompt", type=int, default=4096)
-    parser.add_argument("--max-output", type=int, default=64)
-    parser.add_argument("--kv-blocks", type=int)
-    parser.add_argument("--check-alone", type=int, default=0)
-    parser.add_argument("--no-structured", action="store_true", help="greedy and sampled requests only")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tag")
-    args, overrides = parser.parse_known_args(argv)
-    if not any(o.startswith("decoding") for o in overrides):
-        overrides.append("decoding=dspark")
-    result = soak(args.model, args.backend, overrides, args.requests, args.max_prompt, args.max_output,
-                  args.kv_blocks, args.check_alone, args.seed, not args.no_structured)
+    app, settings = compose_study("soak", SoakSettings, argv)
+    result = soak(app, settings)
     for key, value in result.items():
         print(f"{key:24} {value}")
-    device = "cuda" if any("device=cuda" in o for o in overrides) else "cpu"
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"soak_{device}{'_' + args.tag if args.tag else ''}.csv"
-    command = "python experiments/soak.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["machine", "torch", "date", "command", "key", "value"])
-        for key, value in result.items():
-            writer.writerow([platform.machine(), torch.__version__, datetime.date.today().isoformat(), command,
-                             key, value])
+    path = write_results(settings.results_path(f"soak_{app.backend.device}"),
+                         [{"key": key, "value": value} for key, value in result.items()], command_line())
     print(f"wrote {path}")
     return 0
 

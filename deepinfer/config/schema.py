@@ -402,6 +402,9 @@ class AppConfig:
     ``outputs/parity_<a>_vs_<b>``) and task=bench appends to ``bench.csv`` (default ``outputs/bench``)."""
     bench: BenchConfig = field(default_factory=BenchConfig)
     """task=bench: the engine point measured."""
+    study: Any = None
+    """An experiment script's own settings (:mod:`deepinfer.study`): its dataclass, selected by
+    ``configs/experiment/<name>.yaml``; None outside a study."""
 
     def __post_init__(self) -> None:
         _require(self.prompt is None or self.prompts_file is None, "prompts_file", self.prompts_file,

@@ -2,21 +2,18 @@
 sampling, regex and JSON outputs, all drafted by DSpark) on a KV budget that preempts again and
 again, with batch invariance on: all complete once, none failed, and requests run again alone
 give the same tokens."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from deepinfer.study import compose_study, load_script
+
 pytest.importorskip("xgrammar")
-SPEC = importlib.util.spec_from_file_location("soak", Path(__file__).parents[2] / "experiments" / "soak.py")
-soak = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(soak)
+soak = load_script("soak")
 
 
 def test_every_request_completes_once_under_repeated_preemption():
-    result = soak.soak("tiny_random", "reference", ["decoding=dspark", "engine.batch_invariant=true",
-                                                    "engine.prefill_chunk_tokens=64"],
-                       requests=100, max_prompt=250, max_output=8, kv_blocks=4, check_alone=4)
+    app, settings = compose_study("soak", soak.SoakSettings, ["study.fast=true", "engine.batch_invariant=true"])
+    assert settings.requests == 100 and app.decoding.num_draft_tokens == 5
+    result = soak.soak(app, settings)
     assert result["completed"] == result["submitted"] == 100
     assert result["preempted"] >= 20, result
     assert not any(key.endswith(":error") for key in result), result
