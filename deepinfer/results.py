@@ -55,6 +55,17 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path | str) -> Path:
+    """Save ``fig`` as a PNG of its own size (inches x 100 dpi, no cropping) and close it."""
+    path = Path(path).with_suffix(".png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
 def write_results(path: Path | str, rows: Iterable[Mapping[str, Any]], command: str, append: bool = False) -> Path:
     """Write ``rows`` to the CSV ``path`` (folders made), each prefixed with the run's card, date,
     commit and ``command``; with ``append``, after the rows ``path`` holds (each keeps its own).

@@ -14,6 +14,7 @@ small points on a CPU, which the test suite runs for every study."""
 from __future__ import annotations
 
 import importlib.util
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ class StudySettings:
 
     FAST: ClassVar[tuple[str, ...]] = ()
     """Overrides of the fast mode (``study.fast=true``), applied before the command line's."""
+    DEVICE: ClassVar[str] = "cpu"
+    """What the fast mode needs: ``cpu`` (any machine) or ``cuda`` (a kernel study; skipped elsewhere)."""
+    PLOTS: ClassVar[bool] = False
+    """Whether the study draws a PNG beside its CSV."""
 
     fast: bool = False
     """Run the fast mode: a few small points, for the test suite and a first look."""
@@ -69,6 +74,13 @@ def compose_study(name: str, settings: type[S], argv: Sequence[str] | None = Non
     if app.study.fast and settings.FAST:
         app = compose([f"experiment={name}", *settings.FAST, *argv])
     return app, app.study
+
+
+def study_command(name: str, argv: Sequence[str] | None = None) -> str:
+    """The command of this run of study ``name`` (``argv``, default the command line's),
+    runnable from the repository's root."""
+    args = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", f"experiments/{name}.py", *args])
 
 
 def load_script(name: str) -> ModuleType:

@@ -24,15 +24,15 @@ from typing import Optional
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.output_processor import request_output
-from deepinfer.results import command_line, write_results
-from deepinfer.study import StudySettings, compose_study
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
 KINDS = ("greedy", "sampled", "regex", "json")
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
 
 @dataclass
-class SoakSettings(StudySettings):
+class Settings(StudySettings):
     """The soak's requests and budget."""
 
     FAST = ("model=tiny_random", "engine.prefill_chunk_tokens=64", "study.requests=100", "study.max_prompt=250",
@@ -107,7 +107,7 @@ def run_with_progress(llm: LLM, made, every_s: float) -> list:
     return [request_output(r) for r in requests]
 
 
-def soak(app, settings: SoakSettings) -> dict:
+def soak(app, settings: Settings) -> dict:
     """Run the soak on the engine ``app`` describes; returns its counts (``submitted``,
     ``completed``, ``preempted``, outcomes by kind, ``alone_checked`` and ``alone_equal``,
     ``seconds``)."""
@@ -135,12 +135,12 @@ def soak(app, settings: SoakSettings) -> dict:
 
 
 def main(argv=None) -> int:
-    app, settings = compose_study("soak", SoakSettings, argv)
+    app, settings = compose_study("soak", Settings, argv)
     result = soak(app, settings)
     for key, value in result.items():
         print(f"{key:24} {value}")
     path = write_results(settings.results_path(f"soak_{app.backend.device}"),
-                         [{"key": key, "value": value} for key, value in result.items()], command_line())
+                         [{"key": key, "value": value} for key, value in result.items()], study_command("soak", argv))
     print(f"wrote {path}")
     return 0
 

@@ -11,7 +11,7 @@ soak = load_script("soak")
 
 
 def test_every_request_completes_once_under_repeated_preemption():
-    app, settings = compose_study("soak", soak.SoakSettings, ["study.fast=true", "engine.batch_invariant=true"])
+    app, settings = compose_study("soak", soak.Settings, ["study.fast=true", "engine.batch_invariant=true"])
     assert settings.requests == 100 and app.decoding.num_draft_tokens == 5
     result = soak.soak(app, settings)
     assert result["completed"] == result["submitted"] == 100
