@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every parallel plan on one GPU through NCCL (repo root, device machine; carry .carry/whl): each plan launched
 # with torchrun --nproc-per-node 1 and parallel.world_size=1, so that its process groups (expert, data, context)
-# are joined with NCCL and every collective runs with one rank. model=small (random weights), the reference
-# backend on CUDA in batch-invariant mode; greedy and seeded sampling (experiments/parallel_launch_check.py), compared token
+# are joined with NCCL and every collective runs with one rank. model=tiny (MODEL=small: random weights, about
+# a minute per launch to initialise), the reference backend on CUDA in batch-invariant mode; greedy and seeded sampling (experiments/parallel_launch_check.py), compared token
 # for token with the plain one-process run (parallel=single). A check of the launch path and the outputs, not a speed or scaling run.
 #   bash experiments/parallel_one_gpu_run.sh [extra overrides...]
 set -uo pipefail
@@ -16,7 +16,7 @@ print("import os")
 print("class Stack:")
 print(" ".join(f"def scale_{i}(x): return x * {i} + {i * i}" for i in range(150)))  # about 3k tokens: split by cp2
 PY
-common=(model=small model.max_model_len=4096 backend.device=cuda engine.batch_invariant=true engine.max_num_seqs=4
+common=(model=${MODEL:-tiny} model.max_model_len=4096 backend.device=cuda engine.batch_invariant=true engine.max_num_seqs=4
         engine.num_kv_blocks=64 "$@")
 run() {  # tag command...
   local tag=$1; shift
