@@ -40,6 +40,8 @@ class StudySettings:
     """What the fast mode needs: ``cpu`` (any machine) or ``cuda`` (a kernel study; skipped elsewhere)."""
     PLOTS: ClassVar[bool] = False
     """Whether the study draws a PNG beside its CSV."""
+    DOWNLOADS: ClassVar[bool] = False
+    """Whether even the fast mode downloads (the test suite leaves such a study to a person)."""
 
     fast: bool = False
     """Run the fast mode: a few small points, for the test suite and a first look."""
@@ -66,13 +68,17 @@ def compose_study(name: str, settings: type[S], argv: Sequence[str] | None = Non
     if bad:
         raise ConfigError(f"{bad}: a study takes Hydra overrides (key=value), for example study.fast=true or "
                           f"model=tiny; its settings: {_keys(settings)}")
-    ConfigStore.instance().store(group="study", name=name, node=settings)
-    app = compose([f"experiment={name}", *argv])
-    if not isinstance(app.study, settings):
-        raise ConfigError(f"configs/experiment/{name}.yaml must select its settings with '- /study: {name}' "
-                          f"in its defaults list")
-    if app.study.fast and settings.FAST:
-        app = compose([f"experiment={name}", *settings.FAST, *argv])
+    store = ConfigStore.instance()
+    store.store(group="study", name=name, node=settings)
+    try:  # registered only while the study composes: elsewhere experiment=<name> says how to run it
+        app = compose([f"experiment={name}", *argv])
+        if not isinstance(app.study, settings):
+            raise ConfigError(f"configs/experiment/{name}.yaml must select its settings with '- /study: {name}' "
+                              f"in its defaults list")
+        if app.study.fast and settings.FAST:
+            app = compose([f"experiment={name}", *settings.FAST, *argv])
+    finally:
+        store.repo.get("study", {}).pop(f"{name}.yaml", None)
     return app, app.study
 
 

@@ -19,8 +19,8 @@ sed -n '/^\[project.entry-points."deepinfer.backends"\]/,/^$/p' "$base/pyproject
   | sed 's/^\[project.entry-points."deepinfer.backends"\]/[deepinfer.backends]/; s/"//g' \
   >/tmp/shimb/deepinfer-0.1.0.dist-info/entry_points.txt
 bench() {  # tree tag pythonpath
-  (cd "$1" && PYTHONPATH="$3" timeout ${AB_TIMEOUT:-180} python3 experiments/bench_engine.py --tag "ab_$2" \
-    --backends sm100 "${@:4}" model.dtype=bfloat16 2>&1 | grep -v "it/s\]\|TileLang\|_warn_once\|acc_events" \
+  (cd "$1" && PYTHONPATH="$3" timeout ${AB_TIMEOUT:-180} python3 experiments/bench_engine.py study.tag="ab_$2" \
+    study.reference=false "${@:4}" model.dtype=bfloat16 2>&1 | grep -v "it/s\]\|TileLang\|_warn_once\|acc_events" \
     | tee "$out/ab_$2.log" | grep -E "^engine|kernels|wrote" ; cp experiments/results/bench_engine_ab_$2.csv "$out/" 2>/dev/null)
   echo "$2 done at $(( $(date +%s) - start )) s"
 }

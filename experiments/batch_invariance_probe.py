@@ -7,35 +7,48 @@ bitwise equal to its output alone. Both tables of the reference backend are prob
 references (``engine.batch_invariant=false``) and the batch-invariant table (``true``). Rows
 named ``torch:`` probe the PyTorch primitives that explain the differences.
 
-    python experiments/batch_invariance_probe.py [--scale tiny|v41] [--threads N] [--device cuda]
+    python experiments/batch_invariance_probe.py [study.scales=[tiny,v41]] [study.threads=N] [study.device=cuda]
 
 Prints a table and writes ``experiments/results/batch_invariance_probe_<device>.csv``.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
-import platform
 import sys
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from deepinfer.config.schema import ConfigError
 from deepinfer.hal import SPECS, get_backend
 from deepinfer.hal.formats import encode_tokens
 from deepinfer.hal.ops.mhc import sinkhorn
 from deepinfer.hal.ops.rope import rope_cos_sin, rope_inv_freq
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
 PROBE_SEED, SHARED_SEED = 1234, 99
-RESULTS = Path(__file__).parent / "results"
 DIMS = {  # hidden, vocab, q_lora, heads, experts, top_k, index heads, window, index top-k
     "tiny": dict(hidden=64, vocab=512, rank=32, heads=2, experts=8, top_k=2, index_heads=2, window=8, topk=8),
     "v41": dict(hidden=4096, vocab=129280, rank=1280, heads=64, experts=384, top_k=6, index_heads=64, window=128,
                 topk=512),
 }
 SIZES = {"tiny": (1, 2, 3, 4, 5, 8, 17, 32, 33, 64, 100), "v41": (1, 2, 3, 5, 17, 33)}
+
+
+@dataclass
+class Settings(StudySettings):
+    """The op dims probed and where the ops run."""
+
+    FAST = ("study.scales=[tiny]",)
+
+    scales: list[str] = field(default_factory=lambda: ["v41", "tiny"])
+    """Op dims, in this order: the tiny model's (``tiny``) and V4.1's (``v41``)."""
+    threads: Optional[int] = None
+    """Torch CPU threads; None: torch's default."""
+    device: str = "cpu"
+    """Torch device the ops run on."""
 
 
 def _randn(gen, *shape):
@@ -201,40 +214,33 @@ def _flat(out):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scale", choices=sorted(DIMS), action="append",
-                        help="op dims: the tiny model's or V4.1's (default: both)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--device", default="cpu", help="torch device the ops run on")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    _, settings = compose_study("batch_invariance_probe", Settings, argv)
+    unknown = sorted(set(settings.scales) - set(DIMS))
+    if unknown:
+        raise ConfigError(f"study.scales={settings.scales}: unknown {unknown}; use some of {sorted(DIMS)}")
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     backend = get_backend("reference")
     tables = {"false": backend.implementations(), "true": backend.implementations(batch_invariant=True)}
-    device = torch.device(args.device)
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda" else
-               f"{platform.processor() or platform.machine()} {torch.backends.cpu.get_cpu_capability()} "
-               f"{args.threads} threads")
+    device = torch.device(settings.device)
+    on_cpu = device.type == "cpu"
+    machine = dict(cpu_capability=torch.backends.cpu.get_cpu_capability() if on_cpu else "",
+                   threads=torch.get_num_threads() if on_cpu else "")
     rows = []
     print(f"{'scale':5} {'op':32} {'batch_invariant':>15} {'configs':>8} {'differ':>7} {'max |diff|':>11}")
-    for scale in args.scale or sorted(DIMS, reverse=True):
+    for scale in settings.scales:
         for name, op, build in cases(DIMS[scale]):
             modes = [("-", op)] if not isinstance(op, str) else [(m, t[op]) for m, t in tables.items()]
             for mode, fn in modes:
                 tried, differing, worst = probe(fn, build, SIZES[scale], device)
                 print(f"{scale:5} {name:32} {mode:>15} {tried:8d} {differing:7d} {worst:11.3g}")
-                rows.append(dict(scale=scale, op=name, batch_invariant=mode, configs=tried, differ=differing,
-                                 max_abs_diff=worst))
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"batch_invariance_probe_{device.type}.csv"
-    stamp = dict(machine=machine, torch=torch.__version__,
-                 date=datetime.date.today().isoformat(), command=" ".join(["python", *sys.argv]))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*stamp, *rows[0]])
-        writer.writeheader()
-        writer.writerows({**stamp, **row} for row in rows)
+                rows.append(dict(**machine, scale=scale, op=name, batch_invariant=mode, configs=tried,
+                                 differ=differing, max_abs_diff=worst))
+    path = write_results(settings.results_path(f"batch_invariance_probe_{device.type}"), rows,
+                         study_command("batch_invariance_probe", argv))
     print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

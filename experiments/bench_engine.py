@@ -1,97 +1,157 @@
-"""The engine end to end on one GPU: prefill and decode throughput against the HF peer, the
-measured ceilings and the floor, all in one run.
+"""The engine end to end: prefill and decode throughput against the HF peer, the measured
+ceilings and the floor, all in one run (on one GPU; the fast mode runs on the CPU).
 
 Rows (``kind``):
 
-* ``engine``: ``LLM`` (Hydra-composed: ``model``, each ``--backends`` entry, the overrides) per
-  prompt length, batch size and DSpark off/on. Greedy requests of random tokens are prefilled
-  (``prefill_tok_s``: prompt tokens over the prefill steps' wall time), then ``--steps`` decode
-  steps are timed one by one (``step_ms``: median; ``decode_tok_s``: emitted tokens over the
-  decode steps' wall time; ``tok_s_per_user``: that over the batch).
-* ``hf``: transformers' ``DeepseekV3ForCausalLM`` with the widths of ``--hf-widths`` (random
+* ``engine``: ``LLM`` on the composed config (``model``, ``backend`` and the overrides), then on
+  the reference backend of the same device (``study.reference``), per prompt length, batch size
+  and DSpark off/on. Greedy requests of random tokens are prefilled (``prefill_tok_s``: prompt
+  tokens over the prefill steps' wall time), then ``study.steps`` decode steps are timed one by
+  one (``step_ms``: median; ``decode_tok_s``: emitted tokens over the decode steps' wall time;
+  ``tok_s_per_user``: that over the batch).
+* ``hf``: transformers' ``DeepseekV3ForCausalLM`` with the widths of :data:`HF_WIDTHS` (random
   weights, bf16, eager PyTorch with SDPA attention, its own KV cache), same prompts and steps.
 * ``ceiling``: device copy bandwidth (GB/s, a large device-to-device copy), and the dense bf16
   matmul and FP8 e4m3 ``torch._scaled_mm`` rates (TFLOP/s, 8192-cubed).
-* ``floor``: per engine point of the first backend, the bytes a decode step must read (non-expert weights, the
-  experts a batch routes to in expectation with uniform routing, the LM head, and each
-  sequence's attended KV) over the measured copy bandwidth.
+* ``floor``: per engine point of the composed backend, the bytes a decode step must read
+  (non-expert weights, the experts a batch routes to in expectation with uniform routing, the LM
+  head, and each sequence's attended KV) over the measured copy bandwidth.
 
-``--dspark-model`` (the trained ``tiny``) adds rows with drafts off and on, to read the
-wall-clock speedup of DSpark; ``--compare-async`` adds the first backend's rows with
-asynchronous scheduling off (engines run with it on, the GPU default); ``--trace-prefill``
-prints the heaviest kernels of one traced prefill, ``--trace-decode`` the kernels of a few eager
-decode steps by HAL op. Prints a table, writes
-``experiments/results/bench_engine_<tag>.csv`` after every row (``--append`` keeps an earlier
-run's rows, each with its own stamp) and the Pareto-style plot (decode tok/s against tok/s per
-user) beside it.
+DSpark rows run the composed ``decoding`` (``decoding=dspark`` with ``decoding.varlen=false``, the
+study's default); ``study.dspark_model=tiny`` (the trained ``tiny``) adds rows with drafts off
+and on, to read the wall-clock speedup of DSpark; ``study.compare_async=true`` adds the composed
+backend's rows with asynchronous scheduling off (engines run with it on, the GPU default);
+``study.trace_prefill=B`` prints the heaviest kernels of one traced prefill,
+``study.trace_decode=B`` the kernels of a few eager decode steps by HAL op. Prints a table,
+writes ``experiments/results/bench_engine_<tag>.csv`` after every row (``study.append=true``
+keeps an earlier run's rows, each with its own stamp) and the Pareto-style plot (decode tok/s
+against tok/s per user) beside it.
 
-    python experiments/bench_engine.py --tag h200 [--backends sm100 reference] [--batches 1 4 16 64 128]
-        [--prompts 512 4096] [--steps 32] [--hf] [--dspark-model tiny] [--compare-async] [--append]
-        [--trace-prefill B] [--trace-decode B] [overrides...]
+    python experiments/bench_engine.py [study.tag=h200] [study.reference=true] [study.batches=[1,4,16,64,128]]
+        [study.prompts=[512,4096]] [study.steps=32] [study.hf=true] [study.dspark_model=tiny]
+        [study.compare_async=true] [study.append=true] [study.trace_prefill=B] [study.trace_decode=B] [overrides...]
 """
 from __future__ import annotations
 
-import argparse
 import csv
-import datetime
+import dataclasses
 import gc
 import math
 import random
 import statistics
-import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from bench_ops import ceilings, write_csv
-from op_profile import host_syncs, idle_gaps, is_op_range, labelled_ops, op_table, op_times
 from deepinfer import LLM, SamplingParams
+from deepinfer.config.schema import AppConfig, BackendConfig, ModelConfig
+from deepinfer.models.registry import model_preset
+from deepinfer.results import pyplot, save_figure, write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ops import ceilings  # noqa: E402
+from op_profile import host_syncs, idle_gaps, is_op_range, labelled_ops, op_table, op_times  # noqa: E402
+
 HF_WIDTHS = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64,
                  num_key_value_heads=64, q_lora_rank=1280, kv_lora_rank=512, qk_rope_head_dim=64,
                  qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=6,
                  moe_intermediate_size=2048, intermediate_size=2048, n_shared_experts=1, n_group=1, topk_group=1,
                  first_k_dense_replace=0)
 """The HF peer: ``model=small``'s attention and MoE widths in DeepSeek-V3's layout."""
-STAMP = ("card", "date", "commit", "torch", "command")
+META = ("card", "date", "commit", "command")
+"""The columns :func:`deepinfer.results.write_results` puts first (kept as text when read back)."""
 
 
-def engine_rows(backend: str, model: str, prompts: list[int], batches: list[int], steps: int, dspark: bool,
-                overrides: list[str], bandwidth: float, record, profile: tuple[int, ...] = (),
-                memory_share: float = 0.45, asynchronous: bool = True, trace_prefill: int = 0,
-                trace_decode: int = 0, floors: bool = True) -> None:
-    """One engine's points, each passed to ``record`` as it is measured (then the floor rows, with
-    ``floors``). Engines run one after another in this process, each taking ``memory_share`` of
-    the card (``engine.gpu_memory_utilization``). Each point runs once untimed first, so no kernel
-    compiles while it is timed. ``trace_prefill``: a batch size whose prefill at
-    the first prompt length is traced once more, after the timed points, its heaviest kernels
-    printed; ``trace_decode``: a batch size whose decode steps are traced eagerly by op."""
-    longest = max(prompts) + steps * 8 + 64
-    decoding = ["decoding=dspark", "decoding.varlen=false"] if dspark else ["decoding=greedy"]
-    if backend == "reference":
-        overrides = [*overrides, "backend.device=cuda"]
-    llm = LLM(model, backend, ["engine.use_tqdm=false", f"engine.max_num_seqs={max(batches)}",
-                               f"model.max_model_len={longest}", f"engine.max_num_batched_tokens={max(8192, max(prompts))}",
-                               f"engine.prefill_chunk_tokens={max(prompts)}",
-                               f"engine.gpu_memory_utilization={memory_share}",
-                               f"engine.async_scheduling={str(asynchronous).lower()}", *decoding, *overrides])
+@dataclass
+class Settings(StudySettings):
+    """The engine points, peers and traces of one run."""
+
+    FAST = ("model=tiny_random", "backend=reference", "study.ceilings=false", "study.prompts=[16]",
+            "study.batches=[1,2]", "study.steps=2", "study.profile_batches=[]", "study.trace_prefill=0")
+    PLOTS = True
+
+    tag: Optional[str] = "h200"
+    """Suffix of the result files' names (for example the card: ``h200``)."""
+    reference: bool = True
+    """Also the reference backend's rows, on the composed backend's device (unless that is the reference)."""
+    batches: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 128])
+    """Batch sizes of the composed backend."""
+    prompts: list[int] = field(default_factory=lambda: [512, 4096])
+    """Prompt lengths of the composed backend."""
+    reference_batches: list[int] = field(default_factory=lambda: [1, 16, 64])
+    """Batch sizes of the reference backend (it is slow)."""
+    reference_prompts: list[int] = field(default_factory=lambda: [512])
+    """Prompt lengths of the reference backend."""
+    steps: int = 32
+    """Decode steps timed per point."""
+    dspark: bool = False
+    """Also every engine point with DSpark on (the composed ``decoding``)."""
+    dspark_model: Optional[str] = None
+    """A model preset (e.g. ``tiny``, run at ``model.dtype``) whose DSpark off/on rows are added; None: none."""
+    dspark_batches: list[int] = field(default_factory=lambda: [1, 16, 64])
+    """Batch sizes of the ``dspark_model`` rows (first prompt length)."""
+    hf: bool = False
+    """Add the HF transformers peer rows (a CUDA GPU)."""
+    hf_max_kv_gib: float = 40.0
+    """Largest KV cache of an HF point; larger points are skipped."""
+    compare_async: bool = False
+    """Also the composed backend with asynchronous scheduling off (first prompt length)."""
+    ceilings: bool = True
+    """Measure the copy bandwidth and matmul rates (a CUDA GPU), and the floor rows they give."""
+    profile_batches: list[int] = field(default_factory=lambda: [1, 64])
+    """Engine points (first prompt length) whose decode steps are traced for GPU idle time."""
+    trace_prefill: int = 16
+    """Batch size whose prefill (first prompt length) the composed backend traces; 0: none."""
+    trace_decode: int = 0
+    """Batch size whose decode steps (first prompt length) the composed backend traces by op; 0: none."""
+    append: bool = False
+    """Keep the rows already in the CSV (each with its own card, date, commit and command)."""
+
+
+def engine_config(app: AppConfig, backend: BackendConfig, model: ModelConfig, prompts: list[int],
+                  batches: list[int], steps: int, dspark: bool, memory_share: float,
+                  asynchronous: bool) -> AppConfig:
+    """``app`` with ``backend`` and ``model``, sized for the points, with DSpark (``app``'s
+    decoding) or without, taking ``memory_share`` of the card."""
+    decoding = app.decoding if dspark else dataclasses.replace(app.decoding, name="greedy", num_draft_tokens=0,
+                                                               confidence_temperatures=None)
+    engine = dataclasses.replace(app.engine, use_tqdm=False, max_num_seqs=max(batches),
+                                 max_num_batched_tokens=max(8192, max(prompts)), prefill_chunk_tokens=max(prompts),
+                                 gpu_memory_utilization=memory_share, async_scheduling=asynchronous)
+    model = dataclasses.replace(model, max_model_len=max(prompts) + steps * 8 + 64)
+    return dataclasses.replace(app, backend=backend, model=model, decoding=decoding, engine=engine)
+
+
+def engine_rows(app: AppConfig, prompts: list[int], batches: list[int], steps: int, bandwidth: Optional[float],
+                record, profile: tuple[int, ...] = (), trace_prefill: int = 0, trace_decode: int = 0,
+                floors: bool = True) -> None:
+    """One engine's points (the engine ``app`` describes), each passed to ``record`` as it is
+    measured (then the floor rows, with ``floors`` and a ``bandwidth``). Engines run one after
+    another in this process. Each point runs once untimed first, so no kernel compiles while it
+    is timed. ``trace_prefill``: a batch size whose prefill at the first prompt length is traced
+    once more, after the timed points, its heaviest kernels printed; ``trace_decode``: a batch
+    size whose decode steps are traced eagerly by op."""
+    llm = LLM.from_config(app)
     rows = []
     for prompt in prompts:
         for batch in batches:
             _point(llm, prompt, batch, 4)  # untimed: the kernels of this point's shapes compile here
             row = _point(llm, prompt, batch, steps, profile=batch in profile and prompt == prompts[0])
-            row.update(kind="engine", backend=backend, model=model, dspark=dspark, prompt=prompt, batch=batch,
-                       asynchronous=asynchronous)
+            row.update(kind="engine", backend=app.backend.name, model=app.model.name,
+                       dspark=bool(app.decoding.num_draft_tokens), prompt=prompt, batch=batch,
+                       asynchronous=app.engine.async_scheduling)
             rows.append(row)
             record(row)
     if trace_prefill:
         print(prefill_kernels(llm, prompts[0], trace_prefill), flush=True)
     if trace_decode:
         print(decode_kernels(llm, prompts[0], trace_decode), flush=True)
-    for row in floor_rows(llm, rows, bandwidth) if floors else []:
+    for row in floor_rows(llm, rows, bandwidth) if floors and bandwidth else []:
         record(row)
     del llm
     gc.collect()
@@ -312,11 +372,10 @@ def _line(row: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Decode tok/s against tok/s per user, one panel per prompt length, saved as ``path``."""
+    plt = pyplot()
+    if plt is None:
+        return
     prompts = sorted({r["prompt"] for r in rows if r.get("prompt")})
     fig, axes = plt.subplots(1, max(len(prompts), 1), figsize=(6 * max(len(prompts), 1), 5), squeeze=False)
     for ax, prompt in zip(axes[0], prompts):
@@ -339,95 +398,70 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"decode, {prompt}-token prompts (labels: batch)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def run(app: AppConfig, settings: Settings, record) -> None:
+    """Every row of the run, each passed to ``record``: the ceilings, the composed backend's
+    engines, the reference's, the ``dspark_model`` rows and the HF peer."""
+    bandwidth = None
+    if settings.ceilings:
+        measured = ceilings()
+        bandwidth = measured["copy_bw"]
+        record(dict(kind="ceiling", backend="copy", model="-", gb_s=round(bandwidth / 1e9, 1)))
+        record(dict(kind="ceiling", backend="bf16_matmul", model="-", tflop_s=round(measured["dense_bf16"] / 1e12, 1)))
+        record(dict(kind="ceiling", backend="fp8_scaled_mm", model="-",
+                    tflop_s=round(measured["dense_fp8"] / 1e12, 1)))
+    steps, profile = settings.steps, tuple(settings.profile_batches)
+    drafts = [False, True] if settings.dspark else [False]
+    for dspark in drafts:
+        engine_rows(engine_config(app, app.backend, app.model, settings.prompts, settings.batches, steps, dspark, 0.45,
+                                  True), settings.prompts, settings.batches, steps, bandwidth, record, profile=profile,
+                    trace_prefill=0 if dspark else settings.trace_prefill,
+                    trace_decode=0 if dspark else settings.trace_decode)
+    if settings.compare_async:
+        prompts = settings.prompts[:1]
+        engine_rows(engine_config(app, app.backend, app.model, prompts, settings.batches, steps, False, 0.45, False),
+                    prompts, settings.batches, steps, bandwidth, record, profile=profile, floors=False)
+    if settings.reference and app.backend.name != "reference":
+        reference = BackendConfig(name="reference", device=app.backend.device)
+        prompts, batches = settings.reference_prompts, settings.reference_batches
+        for dspark in drafts:
+            engine_rows(engine_config(app, reference, app.model, prompts, batches, steps, dspark, 0.3, True),
+                        prompts, batches, steps, bandwidth, record, floors=False)
+    if settings.dspark_model:
+        model = dataclasses.replace(ModelConfig(**model_preset(settings.dspark_model)), dtype=app.model.dtype)
+        prompts, batches = settings.prompts[:1], settings.dspark_batches
+        for dspark in (False, True):
+            engine_rows(engine_config(app, app.backend, model, prompts, batches, steps, dspark, 0.1, True),
+                        prompts, batches, steps, bandwidth, record, profile=profile, floors=False)
+    if settings.hf:
+        hf_rows(settings.prompts, settings.batches, steps, settings.hf_max_kv_gib, record)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tag", default="h200")
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--backends", nargs="*", default=["sm100", "reference"])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 128])
-    parser.add_argument("--prompts", type=int, nargs="+", default=[512, 4096])
-    parser.add_argument("--reference-batches", type=int, nargs="+", default=[1, 16, 64],
-                        help="batch sizes of the reference backend (it is slow)")
-    parser.add_argument("--reference-prompts", type=int, nargs="+", default=[512])
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--dspark", action="store_true", help="also every engine point with DSpark on")
-    parser.add_argument("--dspark-model", default="", help="e.g. tiny: DSpark off/on rows on a trained model")
-    parser.add_argument("--dspark-batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--dspark-backend", default="",
-                        help="the backend of the --dspark-model rows (default: the first of --backends)")
-    parser.add_argument("--hf", action="store_true", help="add the HF transformers peer rows")
-    parser.add_argument("--compare-async", action="store_true",
-                        help="also the first backend with asynchronous scheduling off (first prompt length)")
-    parser.add_argument("--hf-max-kv-gib", type=float, default=40.0)
-    parser.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
-                        help="engine points (first prompt length) whose decode steps are traced for GPU idle time")
-    parser.add_argument("--trace-prefill", type=int, default=16,
-                        help="batch size whose prefill (first prompt length) the first backend traces; 0: none")
-    parser.add_argument("--trace-decode", type=int, default=0,
-                        help="batch size whose decode steps (first prompt length) the first backend traces by op")
-    parser.add_argument("--append", action="store_true",
-                        help="keep the rows already in the CSV (each with its own card, date, commit and command)")
-    parser.add_argument("--commit", default="", help="the commit to record where the tree is not a git checkout")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of every engine, e.g. backend.fallback=reference")
-    args = parser.parse_args(argv)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
-    stamp = dict(zip(STAMP, (torch.cuda.get_device_name(), datetime.date.today().isoformat(), commit or "-",
-                             torch.__version__, " ".join(["python", *sys.argv]))))
-    path = RESULTS / f"bench_engine_{args.tag}.csv"
-    measured = ceilings()
-    bandwidth = measured["copy_bw"]
-    earlier = _read(path) if args.append else []
-    rows = []
+    app, settings = compose_study("bench_engine", Settings, argv)
+    path, command = settings.results_path("bench_engine"), study_command("bench_engine", argv)
+    shown = _read(path) if settings.append else []
+    appending = settings.append
 
     def record(row: dict) -> None:
-        rows.append(row)
+        nonlocal appending
         if row["kind"] != "floor":
             print(_line(row) if row["kind"] != "ceiling" else row, flush=True)
-        _write(path, stamp, rows, earlier)
+        write_results(path, [row], command, append=appending)
+        appending = True
+        shown.append(row)
+        plot(shown, path.with_suffix(".png"))
 
-    record(dict(kind="ceiling", backend="copy", model="-", gb_s=round(bandwidth / 1e9, 1)))
-    record(dict(kind="ceiling", backend="bf16_matmul", model="-", tflop_s=round(measured["dense_bf16"] / 1e12, 1)))
-    record(dict(kind="ceiling", backend="fp8_scaled_mm", model="-", tflop_s=round(measured["dense_fp8"] / 1e12, 1)))
-    first = args.backends[0] if args.backends else ""
-    for backend in args.backends:
-        reference = backend == "reference"
-        for dspark in ([False, True] if args.dspark else [False]):
-            engine_rows(backend, args.model, args.reference_prompts if reference else args.prompts,
-                        args.reference_batches if reference else args.batches, args.steps, dspark, args.overrides,
-                        bandwidth, record, profile=() if reference else tuple(args.profile_batches),
-                        memory_share=0.3 if reference else 0.45,
-                        trace_prefill=args.trace_prefill if backend == first and not dspark else 0,
-                        trace_decode=args.trace_decode if backend == first and not dspark else 0,
-                        floors=backend == first)
-        if backend == first and args.compare_async:
-            engine_rows(backend, args.model, args.prompts[:1], args.batches, args.steps, False, args.overrides,
-                        bandwidth, record, profile=tuple(args.profile_batches), asynchronous=False, floors=False)
-    if args.dspark_model:
-        for dspark in (False, True):
-            engine_rows(args.dspark_backend or first, args.dspark_model, [args.prompts[0]], args.dspark_batches,
-                        args.steps, dspark, args.overrides, bandwidth, record, profile=tuple(args.profile_batches),
-                        memory_share=0.1, floors=False)
-    if args.hf:
-        hf_rows(args.prompts, args.batches, args.steps, args.hf_max_kv_gib, record)
+    run(app, settings, record)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
 
-def _write(path: Path, stamp: dict, rows: list[dict], earlier: list[dict]) -> None:
-    stamped = earlier + [{**stamp, **r} for r in rows]
-    fields = list(stamp) + sorted({k for r in stamped for k in r} - set(stamp))
-    write_csv(path, fields, stamped)
-    plot(stamped, path.with_suffix(".png"))
-
-
 def _read(path: Path) -> list[dict]:
-    """The rows of an earlier run's CSV, numbers and booleans parsed back (the stamp columns stay
-    text), empty cells dropped."""
+    """The rows of an earlier run's CSV, numbers and booleans parsed back (the :data:`META`
+    columns stay text), empty cells dropped."""
     if not path.exists():
         return []
 
@@ -441,8 +475,8 @@ def _read(path: Path) -> list[dict]:
                 pass
         return text
     with open(path, newline="") as f:
-        return [{k: v if k in STAMP else parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+        return [{k: v if k in META else parse(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

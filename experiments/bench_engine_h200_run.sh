@@ -7,8 +7,8 @@
 # start, default 590; its CSV holds every row measured by then). Logs and results go to $OUT.
 #   bash experiments/bench_engine_h200_run.sh [tests] [profile] [bench] [bench arguments...]
 # The recorded run (experiments/results/bench_engine_h200.*):
-#   bash experiments/bench_engine_h200_run.sh tests bench --backends sm100 reference --reference-batches 1 16 \
-#     --compare-async --dspark-model tiny --hf --steps 16 --commit <commit>
+#   bash experiments/bench_engine_h200_run.sh tests bench study.reference_batches=[1,16] \
+#     study.compare_async=true study.dspark_model=tiny study.hf=true study.steps=16
 set -u
 export TILELANG_CACHE_DIR=/tmp/tlcache
 out=${OUT:-/tmp/out}
@@ -40,7 +40,7 @@ if [[ $stages == *profile* ]]; then
   echo "profile done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *bench* ]]; then
-  timeout $(( ${BENCH_UNTIL:-590} - ($(date +%s) - start) )) python3 experiments/bench_engine.py --tag h200 "$@" $sm100 \
+  timeout $(( ${BENCH_UNTIL:-590} - ($(date +%s) - start) )) python3 experiments/bench_engine.py study.tag=h200 "$@" $sm100 \
     2>&1 | grep -v "it/s\]\|TileLang\|lacks it\|_warn_once\|acc_events" | tee "$out/bench_engine.log" | tail -80
   cp experiments/results/bench_engine_* "$out/" 2>/dev/null
 fi

@@ -7,30 +7,52 @@ TFLOP/s, their ratios to the two ceilings and to the roofline floor ``max(bytes 
 flops / dense_rate)``. Kernels are compiled first, in parallel processes, so compile time stays
 out of the run.
 
-    python experiments/bench_ops.py [--sweep quick|full] [--only NAME_PART ...] [--jobs N] [--out DIR]
-        [hydra overrides...]
+    python experiments/bench_ops.py [study.sweep=quick|full] [study.only=[NAME_PART,...]] [study.jobs=N]
+        [study.output_dir=DIR] [overrides...]
 
-Prints a table and writes ``sm100_ops_<card>.csv`` (e.g. ``sm100_ops_h200.csv``) (card, date, command on every row) under
-``experiments/results/`` or ``--out``.
+The backend is the composed one (``backend=sm100``, the study's default, with its ``backend.*``
+values). Prints a table and writes ``sm100_ops_<card>.csv`` (e.g. ``sm100_ops_h200.csv``) under
+``experiments/results/`` or ``study.output_dir``.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
 import multiprocessing
 import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from deepinfer.config.schema import BackendConfig, ConfigError
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_points import POINTS, Point  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
-FIELDS = ("card", "date", "command", "op", "backend", "shape", "time_us", "gb_s", "tflop_s", "frac_copy_bw",
-          "frac_dense_bf16", "frac_dense_fp8", "frac_roofline", "timing", "note")
+COLUMNS = ("op", "backend", "shape", "time_us", "gb_s", "tflop_s", "frac_copy_bw", "frac_dense_bf16", "frac_dense_fp8",
+           "frac_roofline", "timing", "note")
+"""A row's columns, in the CSV's order."""
+
+
+@dataclass
+class Settings(StudySettings):
+    """Which op points run, and how their kernels compile."""
+
+    FAST = ("study.only=[rms_hidden_256,swa_keys_t1]", "study.jobs=1")
+    DEVICE = "cuda"
+
+    sweep: str = "quick"
+    """``quick`` (the points marked quick) or ``full`` (every point of ``bench_points.POINTS``)."""
+    only: list[str] = field(default_factory=list)
+    """Keep the points whose name contains one of these (empty: every point of the sweep)."""
+    jobs: int = 8
+    """Processes compiling the points' kernels before the run (1: none, the timed run compiles)."""
+
+    def __post_init__(self) -> None:
+        if self.sweep not in ("quick", "full"):
+            raise ConfigError(f"study.sweep={self.sweep!r} is invalid: use quick or full")
 
 
 def timed(fn, reps: int = 20, rounds: int = 5, graph: bool = True) -> tuple[float, str]:
@@ -90,13 +112,12 @@ def dense_rate(rows: int, n: int, k: int) -> float:
     return 2 * rows * n * k / seconds
 
 
-def _warm(args: tuple[str, tuple, str]) -> str:
+def _warm(args: tuple[str, BackendConfig]) -> str:
     """Compile one point's kernels in a child process (fills TileLang's disk cache)."""
-    name, overrides, backend = args
+    name, backend = args
     try:
         point = POINTS[name]
-        ops = _op_table(overrides, backend)
-        fn = point.build(ops)
+        fn = point.build(backend_ops(backend))
         fn()
         torch.cuda.synchronize()
         return f"{name}: ok"
@@ -104,13 +125,11 @@ def _warm(args: tuple[str, tuple, str]) -> str:
         return f"{name}: {type(error).__name__}: {error}"
 
 
-def _op_table(overrides, backend: str):
-    from deepinfer.config.compose import compose
+def backend_ops(backend: BackendConfig):
+    """The op table of ``backend`` (a composed ``backend`` section)."""
     from deepinfer.hal import OpTable
 
-    cfg = compose(list(overrides) + [f"backend={backend}"])
-    return OpTable(cfg.backend.name, cfg.backend.fallback, dict(cfg.backend.overrides),
-                   options=cfg.backend.op_options)
+    return OpTable(backend.name, backend.fallback, dict(backend.overrides), options=backend.op_options)
 
 
 def measure(point: Point, ops, backend: str, peaks: dict[str, float]) -> dict:
@@ -134,55 +153,61 @@ def measure(point: Point, ops, backend: str, peaks: dict[str, float]) -> dict:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", default="quick", choices=("quick", "full"))
-    parser.add_argument("--jobs", type=int, default=8, help="processes compiling kernels before the run")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--backend", default="sm100")
-    parser.add_argument("--only", nargs="+", help="only points whose name contains one of these strings")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the app config")
-    args = parser.parse_args()
-    names = [n for n, p in POINTS.items() if (args.sweep == "full" or p.quick)
-             and (not args.only or any(part in n for part in args.only))]
-    card = torch.cuda.get_device_name().replace(" ", "_")
-    stamp = {"card": card, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-             "command": " ".join(["python", *sys.argv])}
-    if args.jobs > 1:
-        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-            for line in pool.imap_unordered(_warm, [(n, tuple(args.overrides), args.backend) for n in names]):
+def chosen_points(settings: Settings) -> list[str]:
+    """The names of the points the run times: the sweep's, narrowed by ``settings.only``."""
+    return [name for name, point in POINTS.items() if (settings.sweep == "full" or point.quick)
+            and (not settings.only or any(part in name for part in settings.only))]
+
+
+def ceiling_rows(peaks: dict[str, float]) -> list[dict]:
+    """The rows of the measured ceilings."""
+    return [{"op": "ceiling", "backend": "torch", "shape": "copy 2 GiB / mm 8192^3", "gb_s": peaks["copy_bw"] / 1e9,
+             "tflop_s": peaks["dense_bf16"] / 1e12},
+            {"op": "ceiling", "backend": "torch", "shape": "_scaled_mm e4m3 8192^3",
+             "tflop_s": peaks["dense_fp8"] / 1e12}]
+
+
+def point_rows(name: str, backend: BackendConfig, tables: dict, peaks: dict[str, float]) -> list[dict]:
+    """Point ``name`` on ``backend`` and, where the point asks for it, on the reference; a failure
+    is a row whose note says why."""
+    point = POINTS[name]
+    rows = []
+    for which in (backend.name, "reference") if point.with_reference else (backend.name,):
+        try:
+            row = measure(point, tables[which], which, peaks)
+        except Exception as error:
+            row = {"op": point.op, "backend": which, "shape": point.shape,
+                   "note": f"FAILED {type(error).__name__}: {str(error)[:300]}"}
+        rows.append(_ordered(row))
+        print(_line(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    app, settings = compose_study("bench_ops", Settings, argv)
+    names = chosen_points(settings)
+    if settings.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(settings.jobs) as pool:
+            for line in pool.imap_unordered(_warm, [(name, app.backend) for name in names]):
                 print("compiled", line, flush=True)
+    card = torch.cuda.get_device_name().replace(" ", "_")
     peaks = ceilings()
     print(f"{card}: copy {peaks['copy_bw'] / 1e9:.0f} GB/s, dense bf16 {peaks['dense_bf16'] / 1e12:.0f} TFLOP/s, "
           f"dense fp8 {peaks['dense_fp8'] / 1e12:.0f} TFLOP/s", flush=True)
-    rows = [{**stamp, "op": "ceiling", "backend": "torch", "shape": "copy 2 GiB / mm 8192^3",
-             "gb_s": peaks["copy_bw"] / 1e9, "tflop_s": peaks["dense_bf16"] / 1e12},
-            {**stamp, "op": "ceiling", "backend": "torch", "shape": "_scaled_mm e4m3 8192^3",
-             "tflop_s": peaks["dense_fp8"] / 1e12}]
-    tables = {args.backend: _op_table(args.overrides, args.backend), "reference": _op_table(args.overrides, "reference")}
+    rows = [_ordered(row) for row in ceiling_rows(peaks)]
+    tables = {app.backend.name: backend_ops(app.backend), "reference": backend_ops(BackendConfig())}
     for name in names:
-        point = POINTS[name]
-        for backend in (args.backend, "reference") if point.with_reference else (args.backend,):
-            try:
-                row = measure(point, tables[backend], backend, peaks)
-            except Exception as error:
-                row = {"op": point.op, "backend": backend, "shape": point.shape,
-                       "note": f"FAILED {type(error).__name__}: {str(error)[:300]}"}
-            rows.append({**stamp, **row})
-            print(_line(rows[-1]), flush=True)
-            torch.cuda.empty_cache()
-    path = write_csv(args.out / f"sm100_ops_{card.lower().removeprefix('nvidia_')}.csv", FIELDS, rows)
+        rows += point_rows(name, app.backend, tables, peaks)
+    path = write_results(settings.results_path(f"sm100_ops_{card.lower().removeprefix('nvidia_')}"), rows,
+                         study_command("bench_ops", argv))
     print("\n" + "\n".join(_line(r) for r in rows) + f"\nwrote {path}")
+    return 0
 
 
-def write_csv(path: Path, fields, rows: list[dict]) -> Path:
-    """Write ``rows`` (dicts keyed by ``fields``) to ``path`` with a header, creating its folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+def _ordered(row: dict) -> dict:
+    """``row`` with every one of :data:`COLUMNS`, in order (empty where it has none)."""
+    return {column: row.get(column, "") for column in COLUMNS}
 
 
 def _line(row: dict) -> str:
@@ -194,4 +219,4 @@ def _line(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,29 +5,43 @@ Each prompt is prefilled alone through the engine (``experiment=bounded_replay``
 rows each consumer layer computes (checked against the rows a hook sees); the divergence columns
 report (not judge) how far ``compact`` moves the sampled row's logits from ``off``.
 
-    python experiments/bounded_replay.py [--lengths 1024,2048,...] [--tag cpu] [hydra overrides...]
+    python experiments/bounded_replay.py [study.lengths=[1024,2048,...]] [study.threads=N] [study.tag=cpu]
+        [overrides...]
 
 Writes experiments/results/bounded_replay_<tag>.csv and a PNG beside it.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import platform
+import dataclasses
 import random
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.config.compose import compose
 from deepinfer.models.deepseek_v41.config import ATTENTION_DIM, INDEX_HEAD_DIM
+from deepinfer.results import pyplot, save_figure, write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("off", "compact")
+
+
+@dataclass
+class Settings(StudySettings):
+    """The prompt lengths swept and the CPU threads."""
+
+    FAST = ("study.lengths=[512,1024]", "study.threads=1")
+    PLOTS = True
+
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768])
+    """Prompt lengths, each prefilled alone in both modes."""
+    threads: Optional[int] = None
+    """Torch CPU threads; None: torch's default."""
+    tag: Optional[str] = "cpu"
+    """Suffix of the result files' names (for example the card: ``h200``)."""
 
 
 def query_chunks(length: int, chunk: int, keep: int | None) -> list[tuple[int, int]]:
@@ -77,70 +91,63 @@ def prefill(llm: LLM, prompt: list[int]) -> tuple[float, int, torch.Tensor]:
             hook.remove()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--tag", default="cpu")
-    args, overrides = parser.parse_known_args()
-    torch.set_num_threads(args.threads)
-    lengths = [int(n) for n in args.lengths.split(",")]
-    base = ["experiment=bounded_replay", *overrides]
-    llms = {mode: LLM.from_config(compose(base + [f"engine.bounded_replay.mode={mode}"])) for mode in MODES}
-    app, cfg = llms["compact"].config, llms["compact"].model.cfg
+def engines(app) -> dict[str, LLM]:
+    """One engine per bounded-replay mode, otherwise as ``app`` describes."""
+    engine = app.engine
+    return {mode: LLM.from_config(dataclasses.replace(app, engine=dataclasses.replace(
+        engine, bounded_replay=dataclasses.replace(engine.bounded_replay, mode=mode)))) for mode in MODES}
+
+
+def measure(llms: dict[str, LLM], length: int, keep: int, chunk: int) -> dict:
+    """The result row of one prompt length: time, consumer rows and FLOPs per mode, and the
+    sampled row's logit divergence."""
+    cfg = llms["compact"].model.cfg
+    prompt = [random.Random(length).randrange(3, cfg.vocab_size) for _ in range(length)]
+    result = {}
+    for mode, llm in llms.items():
+        seconds, seen, logits = prefill(llm, prompt)
+        chunks = query_chunks(length, chunk, keep if mode == "compact" else None)
+        expected = sum(r for r, _ in chunks)
+        if seen != expected:
+            raise RuntimeError(f"{mode} at {length} tokens: the first consumer layer computed {seen} rows, "
+                               f"the analytic count is {expected}")
+        result[mode] = (seconds, seen, consumer_flops(cfg, chunks, length), logits)
+    off_s, off_rows, off_flops, off_logits = result["off"]
+    cmp_s, cmp_rows, cmp_flops, cmp_logits = result["compact"]
+    return {
+        "prompt_tokens": length, "keep_tokens": keep, "chunk_tokens": chunk,
+        "off_prefill_s": off_s, "compact_prefill_s": cmp_s, "time_ratio": off_s / cmp_s,
+        "off_consumer_rows": off_rows, "compact_consumer_rows": cmp_rows,
+        "off_consumer_gflops": off_flops / 1e9, "compact_consumer_gflops": cmp_flops / 1e9,
+        "flops_ratio": off_flops / cmp_flops,
+        "max_abs_logit_diff": float((off_logits - cmp_logits).abs().max()),
+        "same_next_token": int(off_logits.argmax()) == int(cmp_logits.argmax()),
+    }
+
+
+def main(argv=None) -> int:
+    app, settings = compose_study("bounded_replay", Settings, argv)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    llms = engines(app)
     keep, chunk = app.engine.bounded_replay.keep_tokens, min(app.engine.prefill_chunk_tokens,
                                                              app.engine.max_num_batched_tokens)
     for llm in llms.values():
         prefill(llm, list(range(3, 3 + 2 * keep)))
-    rows, path = [], RESULTS / f"bounded_replay_{args.tag}.csv"
-    for length in lengths:
-        prompt = [random.Random(length).randrange(3, cfg.vocab_size) for _ in range(length)]
-        result = {}
-        for mode, llm in llms.items():
-            seconds, seen, logits = prefill(llm, prompt)
-            chunks = query_chunks(length, chunk, keep if mode == "compact" else None)
-            expected = sum(r for r, _ in chunks)
-            if seen != expected:
-                raise RuntimeError(f"{mode} at {length} tokens: the first consumer layer computed {seen} rows, "
-                                   f"the analytic count is {expected}")
-            result[mode] = (seconds, seen, consumer_flops(cfg, chunks, length), logits)
-        off_s, off_rows, off_flops, off_logits = result["off"]
-        cmp_s, cmp_rows, cmp_flops, cmp_logits = result["compact"]
-        rows.append({
-            "prompt_tokens": length, "keep_tokens": keep, "chunk_tokens": chunk,
-            "off_prefill_s": off_s, "compact_prefill_s": cmp_s, "time_ratio": off_s / cmp_s,
-            "off_consumer_rows": off_rows, "compact_consumer_rows": cmp_rows,
-            "off_consumer_gflops": off_flops / 1e9, "compact_consumer_gflops": cmp_flops / 1e9,
-            "flops_ratio": off_flops / cmp_flops,
-            "max_abs_logit_diff": float((off_logits - cmp_logits).abs().max()),
-            "same_next_token": int(off_logits.argmax()) == int(cmp_logits.argmax()),
-        })
+    rows, path = [], settings.results_path("bounded_replay")
+    for length in settings.lengths:
+        rows.append(measure(llms, length, keep, chunk))
         print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
               flush=True)
-        write_csv(rows, path, args.threads)  # after every length, so a cut-short sweep keeps its rows
-    plot(rows, path.with_suffix(".png"), f"model={app.model.name}, {args.tag}")
+        write_results(path, rows, study_command("bounded_replay", argv))  # a cut-short sweep keeps its rows
+    plot(rows, path, f"model={app.model.name}, {settings.tag}")
+    return 0
 
 
-def write_csv(rows, path: Path, threads: int) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    with path.open("w", newline="") as f:
-        card = f" {torch.cuda.get_device_name()}," if torch.cuda.is_available() else ""
-        f.write(f"# {stamp}; {platform.node()} {platform.machine()} {threads} threads,{card} torch {torch.__version__}; "
-                f"command: python experiments/bounded_replay.py {' '.join(sys.argv[1:])}\n")
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def plot(rows, path: Path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'deepinfer[experiments]'): no plot")
+def plot(rows, path, title: str) -> None:
+    """Prefill time and consumer-layer GFLOPs against prompt length, both modes, beside ``path``."""
+    plt = pyplot()
+    if plt is None:
         return
     lengths = [r["prompt_tokens"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -155,9 +162,8 @@ def plot(rows, path: Path, title: str) -> None:
         ax.legend()
     fig.suptitle(f"SWA bounded replay, keep_tokens={rows[0]['keep_tokens']} ({title})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    print(f"wrote {save_figure(fig, path.with_suffix('.png'))}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

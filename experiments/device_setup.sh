@@ -6,7 +6,7 @@
 # DEEPINFER_SM100_COMPILE_LOG to $OUT/sm100_kernels.jsonl when $OUT is set (experiments/README.md).
 mkdir -p /tmp/site /tmp/shim/deepinfer-0.1.0.dist-info
 if [ "${TILELANG:-0}" = 1 ]; then tar -xJf .carry/tilelang-cp312.tar.xz -C /tmp/site || exit 1; fi
-# Kernels compiled ahead on the CPU machine (experiments/prewarm_kernels.py --pack .carry/tlcache.tar.xz), and a
+# Kernels compiled ahead on the CPU machine (experiments/prewarm_kernels.py study.pack=.carry/tlcache.tar.xz), and a
 # log of the ones this run compiles, which comes back in $OUT for the next prewarm.
 if [ -f .carry/tlcache.tar.xz ] && [ -n "${TILELANG_CACHE_DIR:-}" ]; then
   mkdir -p "$TILELANG_CACHE_DIR" && tar -xJf .carry/tlcache.tar.xz -C "$TILELANG_CACHE_DIR"

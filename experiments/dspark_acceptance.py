@@ -4,31 +4,51 @@ Reports acceptance per draft position, mean accepted length, tokens per target f
 vs off) and wall-clock speedup at several batch sizes. Writes a CSV and a PNG under
 experiments/results/.
 
-    python experiments/dspark_acceptance.py [--batches 1,8,32] [--max-tokens 48] [hydra overrides...]
+    python experiments/dspark_acceptance.py [study.batches=[1,8,32]] [study.max_tokens=48] [study.heldout=true]
+        [study.tag=cpu] [overrides...]
 
-for example ``model=tiny backend=reference`` (the defaults) or ``model.checkpoint=DIR``.
+for example ``model=tiny backend=reference`` (the defaults) or ``model.checkpoint=DIR``. DSpark runs
+with the composed ``decoding`` (``decoding=dspark`` and its ``decoding.*`` values), the plain run
+with the same config and no drafts.
 """
 from __future__ import annotations
 
-import argparse
-import csv
+import dataclasses
 import json
-import platform
 import random
 import sys
 import time
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import Optional
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.config.compose import compose
+from deepinfer.config.schema import ConfigError
+from deepinfer.results import pyplot, save_figure, write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
-RESULTS = Path(__file__).resolve().parent / "results"
+
+@dataclass
+class Settings(StudySettings):
+    """The batch sizes and requests measured."""
+
+    FAST = ("study.batches=[1,2]", "study.max_tokens=8")
+    PLOTS = True
+
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32])
+    """Batch sizes, each run without and with DSpark."""
+    max_tokens: int = 48
+    """Output tokens per request."""
+    temperature: float = 0.0
+    """Sampling temperature of every request (seeded)."""
+    heldout: bool = False
+    """Prompts from the checkpoint's heldout_sample.json instead of random token ids."""
+    tag: Optional[str] = "cpu"
+    """Suffix of the result files' names (for example the card: ``h200``)."""
 
 
 def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of 16..64 random token ids."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(count)]
 
@@ -41,19 +61,22 @@ def heldout_prompts(llm: LLM, count: int) -> list[str]:
     return [sample["prompts"][i % len(sample["prompts"])] for i in range(count)]
 
 
-def run(overrides: list[str], batch: int, max_tokens: int, temperature: float, draft: bool, heldout: bool):
-    extra = ["decoding=dspark"] if draft else ["decoding=greedy"]
-    app = compose(overrides + extra + [f"engine.max_num_seqs={max(batch, 1)}", "engine.use_tqdm=false"])
-    llm = LLM.from_config(app)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=1)
-    batch_prompts = heldout_prompts(llm, batch) if heldout else prompts(batch, llm.model.cfg.vocab_size)
-    llm.generate(batch_prompts[:1], SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
+def run(app, settings: Settings, batch: int, draft: bool):
+    """(outputs, seconds, draft tokens) of one batch through a fresh engine, with DSpark or without."""
+    decoding = app.decoding if draft else dataclasses.replace(app.decoding, name="greedy", num_draft_tokens=0,
+                                                              confidence_temperatures=None)
+    engine = dataclasses.replace(app.engine, max_num_seqs=max(batch, 1))
+    llm = LLM.from_config(dataclasses.replace(app, decoding=decoding, engine=engine))
+    params = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens, ignore_eos=True, seed=1)
+    batch_prompts = heldout_prompts(llm, batch) if settings.heldout else prompts(batch, llm.model.cfg.vocab_size)
+    llm.generate(batch_prompts[:1], SamplingParams(temperature=settings.temperature, max_tokens=4, ignore_eos=True))
     started = time.perf_counter()
     outputs = llm.generate(batch_prompts, params)
-    return outputs, time.perf_counter() - started, app.decoding.num_draft_tokens if draft else 0
+    return outputs, time.perf_counter() - started, decoding.num_draft_tokens
 
 
 def per_position(outputs, k: int) -> list[float]:
+    """Acceptance rate of each draft position, among the drafts verified there."""
     verified, accepted = [0] * k, [0] * k
     for out in outputs:
         for drafted, taken in out.verify_log:
@@ -63,54 +86,42 @@ def per_position(outputs, k: int) -> list[float]:
     return [a / v if v else 0.0 for a, v in zip(accepted, verified)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--tag", default="cpu")
-    parser.add_argument("--heldout", action="store_true",
-                        help="prompts from the checkpoint's heldout_sample.json instead of random token ids")
-    args, overrides = parser.parse_known_args()
+def measure(app, settings: Settings, batch: int) -> dict:
+    """The result row of one batch size."""
+    _, plain_s, _ = run(app, settings, batch, False)
+    drafted, draft_s, k = run(app, settings, batch, True)
+    tokens = sum(len(o.token_ids) for o in drafted)
+    forwards = sum(len(o.token_ids) - o.num_accepted for o in drafted)
+    steps = sum(o.metrics["verify_steps"] for o in drafted)
+    rates = per_position(drafted, k)
+    return {
+        "batch": batch, "draft_tokens": k, "mean_accepted_length": sum(o.num_accepted for o in drafted) / max(steps, 1),
+        "tokens_per_target_forward": tokens / max(forwards, 1),
+        "wall_speedup": plain_s / draft_s, "plain_s": plain_s, "dspark_s": draft_s,
+        "calibration_error": sum(o.metrics["calibration_error"] for o in drafted) / len(drafted),
+        **{f"accept_pos{i}": r for i, r in enumerate(rates)},
+    }
+
+
+def main(argv=None) -> int:
+    app, settings = compose_study("dspark_acceptance", Settings, argv)
+    if not app.decoding.num_draft_tokens:
+        raise ConfigError(f"decoding={app.decoding.name} drafts no tokens: use decoding=dspark (the study's default)")
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        plain, plain_s, _ = run(overrides, batch, args.max_tokens, args.temperature, False, args.heldout)
-        drafted, draft_s, k = run(overrides, batch, args.max_tokens, args.temperature, True, args.heldout)
-        tokens = sum(len(o.token_ids) for o in drafted)
-        forwards = sum(len(o.token_ids) - o.num_accepted for o in drafted)
-        steps = sum(o.metrics["verify_steps"] for o in drafted)
-        rates = per_position(drafted, k)
-        rows.append({
-            "batch": batch, "draft_tokens": k, "mean_accepted_length": sum(o.num_accepted for o in drafted) / max(steps, 1),
-            "tokens_per_target_forward": tokens / max(forwards, 1),
-            "wall_speedup": plain_s / draft_s, "plain_s": plain_s, "dspark_s": draft_s,
-            "calibration_error": sum(o.metrics["calibration_error"] for o in drafted) / len(drafted),
-            **{f"accept_pos{i}": r for i, r in enumerate(rates)},
-        })
+    for batch in settings.batches:
+        rows.append(measure(app, settings, batch))
         print(" | ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                          for key, value in rows[-1].items()), flush=True)
-    write(rows, args, overrides)
-
-
-def write(rows, args, overrides) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    path = RESULTS / f"dspark_acceptance_{args.tag}.csv"
-    with path.open("w", newline="") as f:
-        card = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-        f.write(f"# {stamp}; {platform.node()} {platform.processor() or platform.machine()}{card}, torch {torch.__version__}; "
-                f"command: python experiments/dspark_acceptance.py {' '.join(sys.argv[1:])}\n")
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    path = write_results(settings.results_path("dspark_acceptance"), rows, study_command("dspark_acceptance", argv))
     print(f"wrote {path}")
-    try:
-        import matplotlib
+    plot(rows, path, f"model={app.model.name}, backend={app.backend.name} on {app.backend.device}")
+    return 0
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'deepinfer[experiments]'): no plot")
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Acceptance by draft position, one line per batch size, beside ``path``."""
+    plt = pyplot()
+    if plt is None:
         return
     k = rows[0]["draft_tokens"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -119,12 +130,11 @@ def write(rows, args, overrides) -> None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate (given verified)")
     ax.set_ylim(0, 1)
-    ax.set_title(f"DSpark acceptance ({' '.join(overrides) or 'model=tiny'})")
+    ax.set_title(f"DSpark acceptance ({title})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=120)
-    print(f"wrote {path.with_suffix('.png')}")
+    print(f"wrote {save_figure(fig, path.with_suffix('.png'))}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,30 +9,47 @@ on Zipf-skewed routing). A model, not a measurement: the inputs are printed with
   back per (token, rank): 8192 bytes.
 - Routing is uniform for the byte counts (a token's 6 experts fall on ``EP (1 - (1 - 1/EP)^6)``
   ranks on average); ranks beyond the first node's 8 are reached over RDMA.
-- Balance: ``max / mean`` of the ranks' routed tokens for Zipf(``--exponent``) loads over a random
+- Balance: ``max / mean`` of the ranks' routed tokens for Zipf(``study.exponent``) loads over a random
   order of the experts, static placement against EPLB with one redundant expert per rank.
 
 Prints the table, writes ``experiments/results/ep_scaling.csv`` and a plot beside it.
 
-    python experiments/ep_scaling.py [--tokens-per-rank 128] [--nvlink-gbs 450] [--rdma-gbs 50]"""
+    python experiments/ep_scaling.py [study.tokens_per_rank=128] [study.nvlink_gbs=450] [study.rdma_gbs=50]
+        [study.exponent=1.0] [study.steps=20]"""
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
-import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from deepinfer.parallel.eplb import rebalance, static_placement
-from deepinfer.results import pyplot
+from deepinfer.results import pyplot, save_figure, write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
-RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, LAYERS, EXPERTS, TOP_K, NODE = 4096, 40, 384, 6, 8
 DISPATCH_ROW = HIDDEN + HIDDEN // 32  # FP8 values and their UE8M0 scales
 COMBINE_ROW = 2 * HIDDEN  # bf16
+
+
+@dataclass
+class Settings(StudySettings):
+    """The decode load and the links of the model."""
+
+    FAST = ("study.steps=4",)
+    PLOTS = True
+
+    tokens_per_rank: int = 128
+    """Decode rows a rank routes a step."""
+    nvlink_gbs: float = 450.0
+    """GB/s a GPU sends within its node."""
+    rdma_gbs: float = 50.0
+    """GB/s a GPU sends to other nodes."""
+    exponent: float = 1.0
+    """Zipf exponent of the experts' popularity."""
+    steps: int = 20
+    """Steps of routing EPLB's policy sees, and steps it is judged on."""
 
 
 def ranks_reached(ep: int) -> float:
@@ -48,52 +65,41 @@ def zipf_loads(steps: int, tokens: int, exponent: float, order: torch.Tensor, ge
     return torch.poisson(rate.expand(steps, EXPERTS).contiguous(), generator=gen)
 
 
+def ep_row(ep: int, settings: Settings) -> dict:
+    """The exchange and the balance at expert parallelism ``ep``."""
+    reached = ranks_reached(ep)
+    remote = reached * (1 - 1 / ep)  # the token's own rank sends nothing
+    off_node = remote * max(0, ep - NODE) / (ep - 1)
+    on_node = remote - off_node
+    per_layer = settings.tokens_per_rank * (DISPATCH_ROW + COMBINE_ROW)
+    seconds = LAYERS * per_layer * (on_node / (settings.nvlink_gbs * 1e9) + off_node / (settings.rdma_gbs * 1e9))
+    gen = torch.Generator().manual_seed(ep)
+    order = torch.randperm(EXPERTS, generator=gen)
+    seen = zipf_loads(settings.steps, settings.tokens_per_rank * ep, settings.exponent, order, gen)
+    judged = zipf_loads(settings.steps, settings.tokens_per_rank * ep, settings.exponent, order, gen)
+    return {"ep": ep, "tokens_per_rank": settings.tokens_per_rank, "ranks_reached": round(reached, 2),
+            "mb_per_rank_step": round(LAYERS * per_layer * remote / 1e6, 1),
+            "mb_off_node_per_rank_step": round(LAYERS * per_layer * off_node / 1e6, 1),
+            "exchange_ms": round(1e3 * seconds, 3),
+            "imbalance_static": round(static_placement(EXPERTS, 0, ep).imbalance(judged), 3),
+            "imbalance_eplb": round(rebalance(seen, ep, ep).imbalance(judged), 3)}
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens-per-rank", type=int, default=128, help="decode rows a rank routes a step")
-    parser.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s a GPU sends within its node")
-    parser.add_argument("--rdma-gbs", type=float, default=50.0, help="GB/s a GPU sends to other nodes")
-    parser.add_argument("--exponent", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args(argv)
-    rows = []
-    for ep in (8, 16, 32, 64):
-        reached = ranks_reached(ep)
-        remote = reached * (1 - 1 / ep)  # the token's own rank sends nothing
-        off_node = remote * max(0, ep - NODE) / (ep - 1)
-        on_node = remote - off_node
-        per_layer = args.tokens_per_rank * (DISPATCH_ROW + COMBINE_ROW)
-        seconds = LAYERS * per_layer * (on_node / (args.nvlink_gbs * 1e9) + off_node / (args.rdma_gbs * 1e9))
-        gen = torch.Generator().manual_seed(ep)
-        order = torch.randperm(EXPERTS, generator=gen)
-        seen = zipf_loads(args.steps, args.tokens_per_rank * ep, args.exponent, order, gen)
-        judged = zipf_loads(args.steps, args.tokens_per_rank * ep, args.exponent, order, gen)
-        row = {"ep": ep, "tokens_per_rank": args.tokens_per_rank, "ranks_reached": round(reached, 2),
-               "mb_per_rank_step": round(LAYERS * per_layer * remote / 1e6, 1),
-               "mb_off_node_per_rank_step": round(LAYERS * per_layer * off_node / 1e6, 1),
-               "exchange_ms": round(1e3 * seconds, 3),
-               "imbalance_static": round(static_placement(EXPERTS, 0, ep).imbalance(judged), 3),
-               "imbalance_eplb": round(rebalance(seen, ep, ep).imbalance(judged), 3)}
-        rows.append(row)
-    print(f"V4.1-Flash MoE (H={HIDDEN}, {LAYERS} layers, E={EXPERTS}, top-{TOP_K}), {args.tokens_per_rank} decode "
-          f"rows a rank, NVLink {args.nvlink_gbs:g} GB/s, RDMA {args.rdma_gbs:g} GB/s, Zipf exponent {args.exponent:g}")
+    app, settings = compose_study("ep_scaling", Settings, argv)
+    rows = [ep_row(ep, settings) for ep in (8, 16, 32, 64)]
+    print(f"V4.1-Flash MoE (H={HIDDEN}, {LAYERS} layers, E={EXPERTS}, top-{TOP_K}), {settings.tokens_per_rank} decode "
+          f"rows a rank, NVLink {settings.nvlink_gbs:g} GB/s, RDMA {settings.rdma_gbs:g} GB/s, Zipf exponent "
+          f"{settings.exponent:g}")
     print(f"{'EP':>4} {'ranks/token':>11} {'MB/rank/step':>12} {'of it RDMA':>10} {'exchange ms':>11} "
           f"{'max/mean static':>15} {'EPLB (+1/rank)':>14}")
     for r in rows:
         print(f"{r['ep']:4d} {r['ranks_reached']:11.2f} {r['mb_per_rank_step']:12.1f} "
               f"{r['mb_off_node_per_rank_step']:10.1f} {r['exchange_ms']:11.3f} {r['imbalance_static']:15.3f} "
               f"{r['imbalance_eplb']:14.3f}")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "ep_scaling.csv"
-    command = "python experiments/ep_scaling.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, ["machine", "torch", "date", "command", "nvlink_gbs", "rdma_gbs", "exponent",
-                                    *rows[0]])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({"machine": platform.machine(), "torch": torch.__version__,
-                             "date": datetime.date.today().isoformat(), "command": command,
-                             "nvlink_gbs": args.nvlink_gbs, "rdma_gbs": args.rdma_gbs, "exponent": args.exponent, **r})
+    inputs = {"nvlink_gbs": settings.nvlink_gbs, "rdma_gbs": settings.rdma_gbs, "exponent": settings.exponent}
+    path = write_results(settings.results_path("ep_scaling"), [{**inputs, **r} for r in rows],
+                         study_command("ep_scaling", argv))
     _plot(rows, path.with_suffix(".png"))
     print(f"wrote {path}")
     return 0
@@ -117,7 +123,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.minorticks_off()
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ difference (against |theirs|, over values at least 1e-3 of the largest), the sha
 "exact" for integers and bytes), whether the row agrees, and why it may not. Their sources are
 imported at run time from the unpacked sdists; nothing of theirs is copied here.
 
-    python experiments/fidelity.py [--source DIR] [--out CSV]
+    python experiments/fidelity.py [study.source=DIR] [study.groups=[GROUP,...]] [study.output_dir=DIR]
 
 ``DIR`` holds ``deepinfer-0.1.0/`` and ``tile_kernels-2.1.0/`` as unpacked from the sdists;
 without it both are fetched from the index pip is configured with (its JSON simple API) into a
-temporary folder. Writes ``experiments/results/fidelity.csv``. Never run in CI (it downloads).
+temporary folder. ``study.groups`` runs some of the row groups of :data:`GROUPS` (the fast mode
+runs three cheap ones). Writes ``experiments/results/fidelity.csv``. Without ``study.source`` it downloads.
 
 Their package is also called ``deepinfer``: it is imported under that name while ours is set
 aside (see :func:`fidelity_upstream.load_upstream`), a few imports that need CUDA, the native extension or Python
@@ -21,31 +22,50 @@ sent to the CPU (:class:`CpuForCuda`). Rows that use a stub say so.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
-import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
+from deepinfer.config.schema import ConfigError
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import RESULTS, write_csv  # noqa: E402
 from fidelity_upstream import STUBS, CpuForCuda, fetch_sources, load_upstream  # noqa: E402
 from deepinfer.hal import SPECS, Tolerance, formats  # noqa: E402
 from deepinfer.hal.ops import (  # noqa: E402
     activation, compress, grouped_gemm, mhc, norm, rope, routing, sampling, speculative,
 )
 
-FIELDS = ("date", "commit", "machine", "command", "item", "our_function", "their_function", "max_abs_diff",
-          "max_rel_diff", "mismatch_share", "tolerance", "agrees", "note")
+COLUMNS = ("item", "our_function", "their_function", "max_abs_diff", "max_rel_diff", "mismatch_share", "tolerance",
+           "agrees", "note")
+"""A row's columns, in the CSV's order."""
 EXACT = "exact"
 V41_YARN = {"type": "yarn", "original_max_position_embeddings": 65536, "factor": 16.0, "beta_fast": 32,
             "beta_slow": 1, "mscale": False, "mscale_all_dim": False}
 
 
+@dataclass
+class Settings(StudySettings):
+    """Where their sources come from, and which rows run."""
+
+    FAST = ("study.groups=[compress,gate,swiglu]",)
+    DOWNLOADS = True
+
+    source: Optional[str] = None
+    """Folder with ``deepinfer-0.1.0/`` and ``tile_kernels-2.1.0/`` unpacked; None: fetched from pip's index."""
+    groups: list[str] = field(default_factory=list)
+    """Row groups of :data:`GROUPS` to run, in that order (empty: every one)."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.groups) - set(GROUPS))
+        if unknown:
+            raise ConfigError(f"study.groups={list(self.groups)!r} names unknown groups {unknown}; "
+                              f"use some of {list(GROUPS)}")
 
 
 def row(item, ours, theirs, got, want, tolerance: Tolerance | None, note="", per_row=False, max_abs=None) -> dict:
@@ -461,32 +481,37 @@ NOT_COMPARED = (
 """Ops whose DeepInfer side runs only as CUDA code: (item, ours, theirs, what it runs)."""
 
 
-def run(source: Path) -> list[dict]:
+def not_compared_rows(up, gen) -> list[dict]:
+    """The ops of :data:`NOT_COMPARED`, each a row that says why."""
+    return [{"item": item, "our_function": ours, "their_function": theirs, "agrees": "",
+             "note": f"not compared: no PyTorch reference in the two sdists, only {what}"}
+            for item, ours, theirs, what in NOT_COMPARED]
+
+
+GROUPS = {"mhc": mhc_rows, "sampling": sampling_rows, "quantization": quantization_rows, "rope": rope_rows,
+          "norm": norm_rows, "compress": compress_rows, "gate": gate_rows,
+          "swiglu": lambda up, gen: [swiglu_row(up, gen)], "logits": lambda up, gen: [logits_row(up, gen)],
+          "not_compared": not_compared_rows}
+"""Row groups by name, in the order they run: each takes their modules and the shared generator."""
+
+
+def run(source: Path, groups: list[str]) -> list[dict]:
+    """The rows of ``groups`` (every group when empty), their modules imported from ``source``."""
     up = load_upstream(source)
     gen = torch.Generator().manual_seed(29)
-    return [*mhc_rows(up, gen), *sampling_rows(up, gen), *quantization_rows(up, gen), *rope_rows(up, gen),
-            *norm_rows(up, gen), *compress_rows(up, gen), *gate_rows(up, gen), swiglu_row(up, gen),
-            logits_row(up, gen),
-            *({"item": item, "our_function": ours, "their_function": theirs, "agrees": "",
-               "note": f"not compared: no PyTorch reference in the two sdists, only {what}"}
-              for item, ours, theirs, what in NOT_COMPARED)]
+    return [r for name, rows in GROUPS.items() if not groups or name in groups for r in rows(up, gen)]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--source", type=Path, help="folder with deepinfer-0.1.0/ and tile_kernels-2.1.0/ unpacked")
-    parser.add_argument("--out", type=Path, default=RESULTS / "fidelity.csv")
-    args = parser.parse_args(argv)
+    app, settings = compose_study("fidelity", Settings, argv)
     with tempfile.TemporaryDirectory() as scratch:
-        rows = run(args.source or fetch_sources(Path(scratch)))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    stamp = {"date": datetime.date.today().isoformat(), "commit": commit or "-",
-             "machine": f"{platform.machine()} CPU, torch {torch.__version__}",
-             "command": " ".join(["python", *sys.argv])}
+        rows = run(Path(settings.source) if settings.source else fetch_sources(Path(scratch)), settings.groups)
     for r in rows:
         print(f"{str(r['agrees']):<5} {r['item']:<64} abs {r.get('max_abs_diff', ''):>9} "
               f"share {r.get('mismatch_share', ''):>8}  {r['note'][:90]}")
-    print("wrote", write_csv(args.out, FIELDS, [{**stamp, **r} for r in rows]))
+    path = write_results(settings.results_path("fidelity"), [{column: r.get(column, "") for column in COLUMNS}
+                                                             for r in rows], study_command("fidelity", argv))
+    print("wrote", path)
     return 0
 
 

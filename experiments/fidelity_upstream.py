@@ -60,10 +60,7 @@ def fetch_sources(dest: Path) -> Path:
 def _pip_index_url() -> str:
     configured = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
                                 capture_output=True, text=True).stdout.strip()
-    if configured:
-        return configured
-    from pip._internal.models.index import PyPI
-    return PyPI.simple_url
+    return configured or "https://pypi.org/simple"
 
 
 def load_upstream(source: Path) -> types.SimpleNamespace:

@@ -8,28 +8,43 @@ loads 16-byte units of many rows at once (``BLOCK`` units, all in flight togethe
 them to one word, so only the reads cost. The same units read in index order (contiguous rows)
 calibrate the kernel against the copy.
 
-    python experiments/gather_ceiling.py [--out DIR]
+    python experiments/gather_ceiling.py [study.batch=256] [study.context=65536] [study.output_dir=DIR]
+        [overrides...]
 
 Prints a table (GB/s read, and as a fraction of the copy bandwidth measured in the same run) and
-writes ``gather_ceiling_<card>.csv`` under ``experiments/results/`` or ``--out``."""
+writes ``gather_ceiling_<card>.csv`` under ``experiments/results/`` or ``study.output_dir``."""
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import RESULTS, ceilings, timed, write_csv  # noqa: E402
+from bench_ops import ceilings, timed  # noqa: E402
 from bench_points import (FP4_ROW, FP8_ROW, TOPK, WINDOW, _fp4_rows, _fp8_rows, _gen, _per_row_indices,  # noqa: E402
                           extra_region)
 
 BLOCK = 2048
-FIELDS = ("card", "date", "command", "case", "rows", "row_bytes", "time_us", "gb_s", "frac_copy")
+
+
+@dataclass
+class Settings(StudySettings):
+    """The decode point whose index lists are read."""
+
+    FAST = ("study.batch=8", "study.context=8192")
+    DEVICE = "cuda"
+
+    batch: int = 256
+    """Decode queries (one index list each)."""
+    context: int = 65536
+    """Context length of each query (the spread of its fp4 top-k indices)."""
 
 
 @triton.jit
@@ -77,28 +92,25 @@ def cases(batch: int, context: int) -> dict[str, tuple[torch.Tensor, torch.Tenso
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--context", type=int, default=65536)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    _, settings = compose_study("gather_ceiling", Settings, argv)
     card = torch.cuda.get_device_name()
     ceiling = ceilings()
-    common = dict(card=card, date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                  command="python " + " ".join(sys.argv))
-    print(f"{card}: copy {ceiling['copy_bw'] / 1e9:.0f} GB/s (read + write); batch {args.batch}, "
-          f"context {args.context}")
+    print(f"{card}: copy {ceiling['copy_bw'] / 1e9:.0f} GB/s (read + write); batch {settings.batch}, "
+          f"context {settings.context}")
     rows = []
-    for name, (cache, keys) in cases(args.batch, args.context).items():
+    for name, (cache, keys) in cases(settings.batch, settings.context).items():
         seconds, _ = timed(read_rows(cache, keys)[0])
         read = keys.numel() * cache.shape[1]
-        rows.append(dict(common, case=name, rows=keys.numel(), row_bytes=cache.shape[1], time_us=seconds * 1e6,
+        rows.append(dict(case=name, rows=keys.numel(), row_bytes=cache.shape[1], time_us=seconds * 1e6,
                          gb_s=read / seconds / 1e9, frac_copy=read / seconds / ceiling["copy_bw"]))
         print(f"{name:34s} {keys.numel():8d} rows {seconds * 1e6:8.1f} us {rows[-1]['gb_s']:7.0f} GB/s "
               f"copy {rows[-1]['frac_copy']:.2f}")
-    print(f"wrote {write_csv(args.out / f'gather_ceiling_{card.split()[-1].lower()}.csv', FIELDS, rows)}")
+    path = write_results(settings.results_path(f"gather_ceiling_{card.split()[-1].lower()}"), rows,
+                         study_command("gather_ceiling", argv))
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,24 +4,27 @@ calls of the step. On a GPU each
 is at least one kernel launch beside the ops' own, so this is the list to fuse away; it runs on
 any CPU.
 
-    python experiments/glue_ops.py [--batch 1] [--prompt 64] [--steps 2] [--prefill] [overrides ...]
+    python experiments/glue_ops.py [study.batch=1] [study.prompt=64] [study.steps=2] [study.prefill=true]
+        [overrides...]
 
-Decode steps of ``--batch`` requests (``model=tiny backend=reference`` unless overridden) after
-their prefill (or, with ``--prefill``, their prefill step), run eagerly; prints the calls per
-step by source line and aten op."""
+Decode steps of ``study.batch`` requests (the composed engine: ``model=tiny backend=reference``
+unless overridden) after their prefill (or, with ``study.prefill=true``, their prefill step), run
+eagerly; prints the calls per step by source line and aten op, and writes them to
+``experiments/results/glue_ops_<decode|prefill>.csv``."""
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import sys
 import threading
 import traceback
+from dataclasses import dataclass
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
 FREE = {"aten.view.default", "aten._unsafe_view.default", "aten.detach.default", "aten.alias.default",
         "aten.empty.memory_format", "aten.empty_strided.default", "aten.t.default", "aten.transpose.int",
@@ -32,6 +35,22 @@ FREE = {"aten.view.default", "aten._unsafe_view.default", "aten.detach.default",
         "aten.unflatten.int", "aten.flatten.using_ints", "aten.is_same_size.default", "aten.sym_size.int",
         "aten.empty_like.default"}
 """Metadata-only aten ops (no kernel on a GPU)."""
+
+
+@dataclass
+class Settings(StudySettings):
+    """The requests whose steps are counted."""
+
+    FAST = ("study.prompt=16", "study.steps=1")
+
+    batch: int = 1
+    """Requests in the step."""
+    prompt: int = 64
+    """Prompt tokens of each request."""
+    steps: int = 2
+    """Decode steps counted (their mean per step is printed)."""
+    prefill: bool = False
+    """Count the prefill step instead of decode steps."""
 
 
 class GlueCounter(TorchDispatchMode):
@@ -69,23 +88,8 @@ def _caller() -> str:
     return f"{frame.filename.split('/deepinfer/')[-1]}:{frame.lineno} {frame.line.strip()[:70]}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--prefill", action="store_true", help="count the prefill step instead")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    llm = LLM(overrides=["model=tiny", "backend=reference", *args.overrides])
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
-    for i in range(args.batch):
-        llm.add_request([(7 * i + j) % 100 + 3 for j in range(args.prompt)], params)
-    if not args.prefill:
-        while llm.step().num_prefill_tokens:
-            pass
-        llm.step()
-    steps = 1 if args.prefill else args.steps
+def count_step_calls(llm: LLM, steps: int) -> GlueCounter:
+    """The HAL op calls and glue calls of ``llm``'s next ``steps`` steps."""
     counter = GlueCounter()
     saved = dict(llm.ops._impls)
     for name, impl in saved.items():
@@ -96,14 +100,36 @@ def main() -> None:
                 llm.step()
     finally:
         llm.ops._impls.update(saved)
+    return counter
+
+
+def main(argv=None) -> int:
+    app, settings = compose_study("glue_ops", Settings, argv)
+    llm = LLM.from_config(app)
+    params = SamplingParams(temperature=0, max_tokens=settings.steps + 4, ignore_eos=True)
+    for i in range(settings.batch):
+        llm.add_request([(7 * i + j) % 100 + 3 for j in range(settings.prompt)], params)
+    if not settings.prefill:
+        while llm.step().num_prefill_tokens:
+            pass
+        llm.step()
+    steps = 1 if settings.prefill else settings.steps
+    counter = count_step_calls(llm, steps)
     total = sum(counter.counts.values()) / steps
-    kind = "prefill" if args.prefill else "decode"
+    kind = "prefill" if settings.prefill else "decode"
     calls = sum(counter.op_calls.values()) / steps
-    print(f"HAL op calls per {kind} step (batch {args.batch}): {calls:.0f} "
+    print(f"HAL op calls per {kind} step (batch {settings.batch}): {calls:.0f} "
           f"({', '.join(f'{op} {n / steps:g}' for op, n in sorted(counter.op_calls.items()))})")
-    print(f"glue calls per {kind} step (batch {args.batch}): {total:.0f}")
+    print(f"glue calls per {kind} step (batch {settings.batch}): {total:.0f}")
+    rows = [{"step": kind, "batch": settings.batch, "kind": "hal_op", "op": op, "where": "", "per_step": n / steps}
+            for op, n in sorted(counter.op_calls.items())]
     for (where, op), count in sorted(counter.counts.items(), key=lambda item: (item[0][0], item[0][1])):
         print(f"{count / steps:6.1f}  {op:40s} {where}")
+        rows.append({"step": kind, "batch": settings.batch, "kind": "glue", "op": op, "where": where,
+                     "per_step": count / steps})
+    path = write_results(settings.results_path(f"glue_ops_{kind}"), rows, study_command("glue_ops", argv))
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The grouped GEMM kernels side by side on one GPU, on the MoE shapes of ``bench_ops.py`` and a
-few tile variants. bf16 (``--formats bf16``, the default): the portable kernel
+few tile variants. bf16 (``study.formats=[bf16]``, the default): the portable kernel
 (``kernels/grouped_gemm.py``, TileLang's automatic pipeline), the warp-specialised one with
 hand-placed barriers (``kernels/grouped_gemm_ws.py``) and the Triton kernel for few rows per expert
-(``fused/grouped_gemm_skinny.py``). Block-scaled (``--formats fp8:mxfp4`` and
+(``fused/grouped_gemm_skinny.py``). Block-scaled (``study.formats=[fp8:mxfp4]`` and
 so on, x format first): the decode-then-wgmma kernel (``kernels/grouped_gemm_quant.py``) and the
 warp-specialised one whose decoder warpgroup feeds a bf16 ring (``kernels/grouped_gemm_quant_ws.py``),
 the one for few rows per expert that decodes into ``mma.sync`` registers (``kernels/grouped_gemm_quant_skinny.py``),
@@ -14,24 +14,27 @@ torch's dense bf16 matmul of the same total FLOPs (``rows x n x k`` in one GEMM)
 same run, and the bytes it must move (``bench_points.gemm_bytes``) per second, as a share of the copy
 bandwidth measured in the same run.
 
-    python experiments/grouped_gemm_kernels.py [--formats bf16 fp8:mxfp4 ...] [--only LABEL_PART ...]
-        [--kernels NAME_PART ...] [--ws-module ALIAS=MODULE ...] [--out DIR]
+    python experiments/grouped_gemm_kernels.py [study.formats=[bf16,fp8:mxfp4,...]] [study.only=[LABEL_PART,...]]
+        [study.kernels=[NAME_PART,...]] [+study.ws_modules.ALIAS=MODULE] [+study.skinny_modules.ALIAS=MODULE]
+        [study.output_dir=DIR] [overrides...]
 
-Prints a table and writes ``grouped_gemm_kernels_<card>.csv`` under ``experiments/results/`` or ``--out``.
+Prints a table and writes ``grouped_gemm_kernels_<card>.csv`` under ``experiments/results/`` or
+``study.output_dir``.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from deepinfer.hal.formats import Quantized
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import RESULTS, ceilings, dense_rate, timed, write_csv  # noqa: E402
+from bench_ops import ceilings, dense_rate, timed  # noqa: E402
 from bench_points import _gemm_operand, gemm_bytes  # noqa: E402
 
 HIDDEN, INTERMEDIATE, TOP = 4096, 2048, 6
@@ -90,13 +93,27 @@ SKINNY_VARIANTS = {  # name -> tiles of grouped_gemm_quant_skinny (rows a tile, 
     "skinny t32": {"block_t": 32, "warps": 4, "depth": 2},
     "skinny t64 d1": {"block_t": 64, "warps": 4, "depth": 1},
 }
-EXTRA_WS_MODULES: dict[str, str] = {}
-EXTRA_SKINNY_MODULES: dict[str, str] = {}
-"""alias -> kernels module also run with each ``WS_VARIANTS`` (``SKINNY_VARIANTS``) tile (``--ws-module``,
-``--skinny-module``: an earlier copy put beside the current one, timed side by side)."""
 BF16_BESIDE = "(bf16 operands)"  # the kernel name's tag for the bf16 kernel timed beside the block-scaled ones
-FIELDS = ("card", "date", "command", "formats", "shape", "kernel", "max_err", "time_us", "tflop_s",
-          "frac_dense_same_flops", "frac_dense_8192", "gb_s", "frac_copy")
+
+
+@dataclass
+class Settings(StudySettings):
+    """Which formats, points and kernels run."""
+
+    FAST = ("study.only=['small b1 w1']", "study.kernels=[portable,'triton skinny','ws 64x256 s4']")
+    DEVICE = "cuda"
+
+    formats: list[str] = field(default_factory=lambda: ["bf16"])
+    """bf16, or X:W block-scaled pairs (fp8:fp8, fp8:mxfp4, bf16:fp8, bf16:mxfp4)."""
+    only: list[str] = field(default_factory=list)
+    """Keep the points whose label contains one of these (empty: every point)."""
+    kernels: list[str] = field(default_factory=list)
+    """Keep the kernels whose name contains one of these (empty: every kernel)."""
+    ws_modules: dict[str, str] = field(default_factory=dict)
+    """ALIAS -> kernels module also run as ``grouped_gemm_bf16_ws`` with each ``WS_VARIANTS`` tile
+    (an earlier copy put beside the current one, timed side by side)."""
+    skinny_modules: dict[str, str] = field(default_factory=dict)
+    """ALIAS -> kernels module also run as ``grouped_gemm_quant_skinny`` with each ``SKINNY_VARIANTS`` tile."""
 
 
 def routed(experts: int, rows: int, n: int, k: int, formats: tuple[str, str] = ("bf16", "bf16"),
@@ -127,11 +144,13 @@ def reference(x, w, sizes) -> torch.Tensor:
     return out
 
 
-def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = ("bf16", "bf16")):
+def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = ("bf16", "bf16"),
+            ws_modules: dict[str, str] | None = None, skinny_modules: dict[str, str] | None = None):
     """name -> callable(x, w, sizes). bf16: the portable kernel with the wrapper's tiles, then each
-    variant of the warp-specialised one. Block-scaled: the portable block-scaled kernel with the
-    wrapper's tiles, each variant of the warp-specialised one, and the bf16 warp-specialised kernel
-    (on bf16 operands of the same shape, made on its first call)."""
+    variant of the warp-specialised one (and of each ``ws_modules`` copy). Block-scaled: the
+    portable block-scaled kernel with the wrapper's tiles, each variant of the warp-specialised one
+    and of the one for few rows (and of each ``skinny_modules`` copy), and the bf16
+    warp-specialised kernel (on bf16 operands of the same shape, made on its first call)."""
     from deepinfer_backends.sm100 import gemm
     from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
     from deepinfer_backends.sm100.launch import compiled
@@ -164,7 +183,7 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
         table["triton skinny"] = gemm.grouped_gemm_few_rows
         for name, tiles in WS_VARIANTS.items():
             table[name] = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", tiles)
-            for alias, module in EXTRA_WS_MODULES.items():
+            for alias, module in (ws_modules or {}).items():
                 table[f"{alias}{name[2:]}"] = launcher(module, "grouped_gemm_bf16_ws", tiles)
         return table
     quant = gemm.portable_quant_tiles(rows, experts, n, k)
@@ -174,7 +193,7 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
         table[name] = launcher("grouped_gemm_quant_ws", "grouped_gemm_quant_ws", tiles, *formats, dtype=torch.float32)
     for name, tiles in SKINNY_VARIANTS.items():
         table[name] = launcher("grouped_gemm_quant_skinny", "grouped_gemm_quant_skinny", tiles, dtype=torch.float32)
-        for alias, module in EXTRA_SKINNY_MODULES.items():
+        for alias, module in (skinny_modules or {}).items():
             table[f"{alias}{name[6:]}"] = launcher(module, "grouped_gemm_quant_skinny", tiles, dtype=torch.float32)
     bf16_call, bf16_operands = launcher("grouped_gemm_ws", "grouped_gemm_bf16_ws", ws_bf16), []
 
@@ -186,7 +205,7 @@ def kernels(experts: int, n: int, k: int, rows: int, formats: tuple[str, str] = 
     return table
 
 
-def edge_check(formats: tuple[str, str], names) -> None:
+def edge_check(formats: tuple[str, str], settings: Settings) -> None:
     """Every kernel on segments that are empty, shorter than a warpgroup's 64 rows, or end just past
     a tile; block-scaled operands with scale bytes over the whole range the decode branches on."""
     sizes = torch.tensor([0, 1, 63, 64, 65, 128, 129, 300, 0], device="cuda")
@@ -198,67 +217,68 @@ def edge_check(formats: tuple[str, str], names) -> None:
             operand.scale.copy_(torch.randint(0, 141, operand.scale.shape, device="cuda", generator=g,
                                               dtype=torch.uint8))
     expected = reference(x, w, sizes)
-    for name, call in kernels(len(sizes), n, k, int(sizes.sum()), formats).items():
-        if names and not any(part in name for part in names) or BF16_BESIDE in name:
+    table = kernels(len(sizes), n, k, int(sizes.sum()), formats, settings.ws_modules, settings.skinny_modules)
+    for name, call in table.items():
+        if not wanted(name, settings.kernels) or BF16_BESIDE in name:
             continue
         err = ((call(x, w, sizes).float() - expected).abs().max() / expected.abs().max()).item()
         print(f"edge {':'.join(formats)} segments {sizes.tolist()} n={n} k={k} {name:18s} max err {err:.1e} "
               f"{'pass' if err < 1e-2 else 'FAIL'}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--formats", nargs="*", default=["bf16"],
-                        help="bf16, or X:W block-scaled pairs (fp8:fp8, fp8:mxfp4, bf16:fp8, bf16:mxfp4)")
-    parser.add_argument("--only", nargs="*", default=None, help="keep points whose label contains one of these")
-    parser.add_argument("--kernels", nargs="*", default=None, help="keep kernels whose name contains one of these")
-    parser.add_argument("--ws-module", nargs="*", default=[], metavar="ALIAS=MODULE",
-                        help="also run kernels.MODULE.grouped_gemm_bf16_ws with each ws tile, named ALIAS ...")
-    parser.add_argument("--skinny-module", nargs="*", default=[], metavar="ALIAS=MODULE",
-                        help="also run kernels.MODULE.grouped_gemm_quant_skinny with each skinny tile, named ALIAS ...")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    EXTRA_WS_MODULES.update(spec.split("=") for spec in args.ws_module)
-    EXTRA_SKINNY_MODULES.update(spec.split("=") for spec in args.skinny_module)
+def wanted(label: str, parts: list[str]) -> bool:
+    """Whether ``label`` contains one of ``parts`` (every label when there are none)."""
+    return not parts or any(part in label for part in parts)
+
+
+def measure_point(formats: tuple[str, str], point: tuple, settings: Settings, peaks: dict[str, float]) -> list[dict]:
+    """One row per kernel of ``settings.kernels`` that runs at ``point`` (``(label, experts, rows,
+    n, k)`` of :data:`POINTS`); a kernel that fails is printed and left out."""
+    label, experts, rows, n, k = point
+    x, w, sizes = routed(experts, rows, n, k, formats, balanced="balanced" in label)
+    expected = reference(x, w, sizes)
+    same = dense_rate(rows, n, k)
+    flops = 2.0 * rows * n * k
+    moved = gemm_bytes(experts, rows, n, k, *formats)
+    out = []
+    for name, call in kernels(experts, n, k, rows, formats, settings.ws_modules, settings.skinny_modules).items():
+        if not wanted(name, settings.kernels):
+            continue
+        try:
+            err = float("nan") if BF16_BESIDE in name else \
+                ((call(x, w, sizes).float() - expected).abs().max() / expected.abs().max()).item()
+            seconds, _ = timed(lambda: call(x, w, sizes), reps=5)
+        except Exception as error:  # a variant that does not fit (shared memory) is reported, not fatal
+            print(f"{label:18s} {name:18s} error: {type(error).__name__}: {str(error)[:120]}")
+            continue
+        row = {"formats": ":".join(formats), "shape": f"{label} E={experts} M={rows} N={n} K={k}", "kernel": name,
+               "max_err": err, "time_us": seconds * 1e6, "tflop_s": flops / seconds / 1e12,
+               "frac_dense_same_flops": flops / seconds / same,
+               "frac_dense_8192": flops / seconds / peaks["dense_bf16"], "gb_s": moved / seconds / 1e9,
+               "frac_copy": moved / seconds / peaks["copy_bw"]}
+        out.append(row)
+        print(f"{':'.join(formats):11s} {label:18s} {name:18s} err {err:.1e} {row['time_us']:9.1f} us "
+              f"{row['tflop_s']:6.1f} TF/s same-FLOPs dense {same / 1e12:4.0f}: "
+              f"{row['frac_dense_same_flops']:.2f}  8192^3: {row['frac_dense_8192']:.2f}  "
+              f"{row['gb_s']:6.0f} GB/s copy: {row['frac_copy']:.2f}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    _, settings = compose_study("grouped_gemm_kernels", Settings, argv)
     card = torch.cuda.get_device_name().replace(" ", "_")
     peaks = ceilings()
-    dense, copy = peaks["dense_bf16"], peaks["copy_bw"]
-    print(f"{card}: dense bf16 8192^3 {dense / 1e12:.0f} TFLOP/s, copy {copy / 1e9:.0f} GB/s")
-    stamp, command = datetime.datetime.now().isoformat(timespec="minutes"), " ".join(sys.argv)
-    rows_out = []
-    for formats in (tuple((f.split(":") * 2)[:2]) for f in args.formats):
-        edge_check(formats, args.kernels)
-        for label, experts, rows, n, k in POINTS:
-            if args.only and not any(part in label for part in args.only):
-                continue
-            x, w, sizes = routed(experts, rows, n, k, formats, balanced="balanced" in label)
-            expected = reference(x, w, sizes)
-            same = dense_rate(rows, n, k)
-            flops = 2.0 * rows * n * k
-            moved = gemm_bytes(experts, rows, n, k, *formats)
-            for name, call in kernels(experts, n, k, rows, formats).items():
-                if args.kernels and not any(part in name for part in args.kernels):
-                    continue
-                try:
-                    err = float("nan") if BF16_BESIDE in name else \
-                        ((call(x, w, sizes).float() - expected).abs().max() / expected.abs().max()).item()
-                    seconds, _ = timed(lambda: call(x, w, sizes), reps=5)
-                except Exception as error:  # a variant that does not fit (shared memory) is reported, not fatal
-                    print(f"{label:18s} {name:18s} error: {type(error).__name__}: {str(error)[:120]}")
-                    continue
-                row = {"card": card, "date": stamp, "command": command, "formats": ":".join(formats),
-                       "shape": f"{label} E={experts} M={rows} N={n} K={k}", "kernel": name, "max_err": err,
-                       "time_us": seconds * 1e6, "tflop_s": flops / seconds / 1e12,
-                       "frac_dense_same_flops": flops / seconds / same, "frac_dense_8192": flops / seconds / dense,
-                       "gb_s": moved / seconds / 1e9, "frac_copy": moved / seconds / copy}
-                rows_out.append(row)
-                print(f"{':'.join(formats):11s} {label:18s} {name:18s} err {err:.1e} {row['time_us']:9.1f} us "
-                      f"{row['tflop_s']:6.1f} TF/s same-FLOPs dense {same / 1e12:4.0f}: "
-                      f"{row['frac_dense_same_flops']:.2f}  8192^3: {row['frac_dense_8192']:.2f}  "
-                      f"{row['gb_s']:6.0f} GB/s copy: {row['frac_copy']:.2f}", flush=True)
-    path = write_csv(args.out / f"grouped_gemm_kernels_{card.split('_')[-1].lower()}.csv", FIELDS, rows_out)
+    print(f"{card}: dense bf16 8192^3 {peaks['dense_bf16'] / 1e12:.0f} TFLOP/s, copy {peaks['copy_bw'] / 1e9:.0f} GB/s")
+    rows = []
+    for formats in (tuple((f.split(":") * 2)[:2]) for f in settings.formats):
+        edge_check(formats, settings)
+        rows += [row for point in POINTS if wanted(point[0], settings.only)
+                 for row in measure_point(formats, point, settings, peaks)]
+    path = write_results(settings.results_path(f"grouped_gemm_kernels_{card.split('_')[-1].lower()}"), rows,
+                         study_command("grouped_gemm_kernels", argv))
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,30 +3,45 @@
 For each batch size, ``B`` seeded requests (temperature 1) are prefilled, then their decode
 steps are timed; the two modes alternate, repeat after repeat, so both see the same machine
 load, and each mode's best repeat is kept; slowdown is the extra time per token (off / on - 1).
-Extra arguments are Hydra overrides of the engine config (e.g. ``backend.device=cuda``).
+The engine is the composed config (``configs/experiment/invariance_cost.yaml``: ``model=tiny_random``
+on the reference backend; e.g. ``backend.device=cuda`` or ``backend=sm100 backend.fallback=reference``).
 
-    python experiments/invariance_cost.py [--batch-sizes 1 8 32] [--steps 16] [--repeats 3] [--tag T]
-        [--backend reference] [overrides...]
+    python experiments/invariance_cost.py [study.batch_sizes=[1,8,32]] [study.steps=16] [study.repeats=3]
+        [study.tag=T] [overrides...]
 
 With ``decoding=dspark decoding.varlen=false`` a step emits several tokens; the rate counts
 tokens. Prints a table and writes ``experiments/results/invariance_cost_<device>[_<tag>].csv``.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
-import platform
+import dataclasses
 import random
 import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
-RESULTS = Path(__file__).parent / "results"
+
+@dataclass
+class Settings(StudySettings):
+    """The batch sizes and how long each is timed."""
+
+    FAST = ("study.batch_sizes=[1,2]", "study.steps=4", "study.repeats=1", "study.threads=1")
+
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
+    """Batch sizes, each timed in both modes."""
+    steps: int = 16
+    """Decode steps timed per repeat."""
+    repeats: int = 3
+    """Repeats of every (batch, mode); the best is kept."""
+    threads: Optional[int] = None
+    """Torch CPU threads; None: torch's default."""
 
 
 def decode_tokens_per_second(llm: LLM, batch: int, steps: int, seed: int) -> float:
@@ -56,50 +71,37 @@ def _synchronize(llm: LLM) -> None:
         torch.cuda.synchronize(device)
 
 
+def engines(app, max_batch: int) -> dict[str, LLM]:
+    """The engine ``app`` describes with ``engine.batch_invariant`` off (``false``) and on (``true``)."""
+    return {mode: LLM.from_config(dataclasses.replace(app, engine=dataclasses.replace(
+        app.engine, max_num_seqs=max_batch, batch_invariant=mode == "true"))) for mode in ("false", "true")}
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per repeat")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--model", default="tiny_random")
-    parser.add_argument("--backend", default="reference", help="e.g. sm100 (with backend.fallback=reference)")
-    parser.add_argument("--tag", default="", help="suffix of the CSV name, e.g. dspark")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. backend.device=cuda")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    base = ["engine.use_tqdm=false", f"engine.max_num_seqs={max(args.batch_sizes)}", *args.overrides]
-    engines = {mode: LLM(args.model, args.backend, base + [f"engine.batch_invariant={mode}"])
-               for mode in ("false", "true")}
-    device = engines["false"].model.embed.weight.device
-    best = {(b, m): 0.0 for b in args.batch_sizes for m in engines}
-    for repeat in range(args.repeats):
-        for batch in args.batch_sizes:
-            for mode, llm in engines.items():
-                rate = decode_tokens_per_second(llm, batch, args.steps, seed=repeat)
+    app, settings = compose_study("invariance_cost", Settings, argv)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    llms = engines(app, max(settings.batch_sizes))
+    device = llms["false"].model.embed.weight.device
+    best = {(b, m): 0.0 for b in settings.batch_sizes for m in llms}
+    for repeat in range(settings.repeats):
+        for batch in settings.batch_sizes:
+            for mode, llm in llms.items():
+                rate = decode_tokens_per_second(llm, batch, settings.steps, seed=repeat)
                 best[batch, mode] = max(best[batch, mode], rate)
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else f"{platform.processor() or platform.machine()} {args.threads} threads")
-    stamp = dict(machine=machine, torch=torch.__version__, date=datetime.date.today().isoformat(),
-                 command=" ".join(["python", *sys.argv]), model=args.model,
-                 backend=args.backend)
     rows = []
     print(f"{'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'slowdown':>9}")
-    for batch in args.batch_sizes:
+    for batch in settings.batch_sizes:
         off, on = best[batch, "false"], best[batch, "true"]
         slowdown = 100 * (off / on - 1)
         print(f"{batch:5d} {off:10.1f} {on:10.1f} {slowdown:8.1f}%")
-        rows.append(dict(batch=batch, decode_tok_s_off=round(off, 2), decode_tok_s_on=round(on, 2),
-                         slowdown_pct=round(slowdown, 1)))
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"invariance_cost_{device.type}{'_' + args.tag if args.tag else ''}.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*stamp, *rows[0]])
-        writer.writeheader()
-        writer.writerows({**stamp, **row} for row in rows)
+        rows.append(dict(model=app.model.name, backend=app.backend.name, threads=torch.get_num_threads(), batch=batch,
+                         decode_tok_s_off=round(off, 2), decode_tok_s_on=round(on, 2), slowdown_pct=round(slowdown, 1)))
+    path = write_results(settings.results_path(f"invariance_cost_{device.type}"), rows,
+                         study_command("invariance_cost", argv))
     print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

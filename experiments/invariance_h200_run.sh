@@ -12,8 +12,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 timeout 400 python3 -m pytest -q -p no:cacheprovider --runslow -rA -k cuda tests/engine/test_batch_invariance.py 2>&1 \
   | grep -v "it/s\]" | tail -25 | tee "$out/invariance_pytest.log"
 echo "tests done at $(( $(date +%s) - start )) s"
-timeout 120 python3 experiments/invariance_cost.py --repeats 3 backend.device=cuda 2>&1 | tail -5
-timeout $(( 570 - ($(date +%s) - start) )) python3 experiments/invariance_cost.py --repeats 3 --tag dspark \
+timeout 120 python3 experiments/invariance_cost.py study.repeats=3 backend.device=cuda 2>&1 | tail -5
+timeout $(( 570 - ($(date +%s) - start) )) python3 experiments/invariance_cost.py study.repeats=3 study.tag=dspark \
   backend.device=cuda decoding=dspark decoding.varlen=false 2>&1 | tail -5
 cp experiments/results/invariance_cost_cuda*.csv "$out/" 2>/dev/null
 echo "total $(( $(date +%s) - start )) s"

@@ -1,13 +1,15 @@
 """Each kernel choice of ``backend.options`` against the HAL reference on the GPU, through the
 sm100 backend's op table: sparse MLA decode and prefill with ``mla_kernel`` auto (the
 warp-specialised kernel on Hopper) and portable, and the bf16 grouped GEMM. Prints one line per
-check and exits non-zero on a mismatch.
+check, writes them to ``kernel_options_<card>.csv`` under ``experiments/results/`` or
+``study.output_dir``, and exits non-zero on a mismatch.
 
-    python experiments/kernel_options_h200_check.py      (on the GPU machine, with TileLang)
+    python experiments/kernel_options_h200_check.py [study.output_dir=DIR]   (on the GPU machine, with TileLang)
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +17,15 @@ import deepinfer.hal.ops  # noqa: F401  (declares every OpSpec)
 from deepinfer.hal.formats import encode_tokens
 from deepinfer.hal.registry import get_backend
 from deepinfer.hal.spec import SPECS
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
+
+
+@dataclass
+class Settings(StudySettings):
+    """The checks are fixed: small inputs, every choice of ``mla_kernel``."""
+
+    DEVICE = "cuda"
 
 
 def _random_rows(gen, fmt: str, count: int) -> torch.Tensor:
@@ -55,7 +66,9 @@ def _float(value):
     return value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
 
 
-def check(op: str, args: dict, options: dict) -> bool:
+def check(op: str, args: dict, options: dict) -> dict:
+    """``op`` of sm100 with ``options`` against the reference on ``args``: a row with the largest
+    absolute error of each output and whether all are within 3e-2 of the output's scale."""
     got = get_backend("sm100", options).implementations()[op](**{k: _cuda(v) for k, v in args.items()})
     want = SPECS[op].reference(**{k: _float(v) for k, v in args.items()})
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
@@ -63,17 +76,23 @@ def check(op: str, args: dict, options: dict) -> bool:
     ok = all(e <= 3e-2 * max(1.0, float(w.float().abs().max())) for e, w in zip(errors, want))
     print(f"{op:20s} {str(options):36s} max abs error {['%.2e' % e for e in errors]} {'pass' if ok else 'FAIL'}",
           flush=True)
-    return ok
+    return {"op": op, "options": str(options), "max_abs_errors": " ".join("%.2e" % e for e in errors),
+            "status": "pass" if ok else "FAIL"}
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    _, settings = compose_study("kernel_options_h200_check", Settings, argv)
     gen = torch.Generator().manual_seed(0)
     decode, prefill, gemm = _decode_args(gen), _prefill_args(gen), _gemm_args(gen)
-    results = [check(op, args, {"mla_kernel": mla}) for mla in ("auto", "portable")
-               for op, args in (("mla_sparse_decode", decode), ("mla_sparse_prefill", prefill))]
-    results.append(check("grouped_gemm", gemm, {}))
-    sys.exit(0 if all(results) else 1)
+    rows = [check(op, args, {"mla_kernel": mla}) for mla in ("auto", "portable")
+            for op, args in (("mla_sparse_decode", decode), ("mla_sparse_prefill", prefill))]
+    rows.append(check("grouped_gemm", gemm, {}))
+    card = torch.cuda.get_device_name().replace(" ", "_")
+    path = write_results(settings.results_path(f"kernel_options_{card.split('_')[-1].lower()}"), rows,
+                         study_command("kernel_options_h200_check", argv))
+    print(f"wrote {path}")
+    return 0 if all(row["status"] == "pass" for row in rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,22 +7,25 @@ which the parity grid checks against the reference) relative to that output's la
 the time (CUDA-graph replay, median of 5 rounds), TFLOP/s, and the fraction of the dense bf16 rate
 and of the copy bandwidth measured in the same run.
 
-    python experiments/mla_kernels.py [--only LABEL_PART ...] [--kernels NAME ...]
-                                      [--module NAME=MODULE[,OPTION=INT...] ...] [--out DIR]
+    python experiments/mla_kernels.py [study.only=[LABEL_PART,...]] [study.kernels=[NAME,...]]
+        [+study.modules.NAME={module:MODULE,OPTION:INT,...}] [study.output_dir=DIR] [overrides...]
 
-Prints a table and writes ``mla_kernels_<card>.csv`` under ``experiments/results/`` or ``--out``.
+Prints a table and writes ``mla_kernels_<card>.csv`` under ``experiments/results/`` or ``study.output_dir``.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import RESULTS, _op_table, ceilings, timed, write_csv  # noqa: E402
+from bench_ops import ceilings, timed  # noqa: E402
 from bench_points import Point, mla_decode, mla_prefill  # noqa: E402
 
 POINTS = {  # label -> Point (bench_points); contexts do not change the work, only the index spread
@@ -47,8 +50,22 @@ KERNELS = {  # name -> (kernels module, factory, options), as attention.mla_kern
     "ws k2r4": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 32, "key_stages": 2, "raw_stages": 4}),
     "ws b64k2": ("mla_sparse_ws", "sparse_mla_ws", {"block_k": 64, "key_stages": 2}),
 }
-FIELDS = ("card", "date", "command", "shape", "kernel", "max_diff", "time_us", "tflop_s", "frac_dense", "gb_s",
-          "frac_copy")
+
+
+@dataclass
+class Settings(StudySettings):
+    """Which points and kernels run."""
+
+    FAST = ("study.only=['decode h=64 B=16']", "study.kernels=[portable,ws]")
+    DEVICE = "cuda"
+
+    only: list[str] = field(default_factory=list)
+    """Keep the points whose label contains one of these (empty: every point)."""
+    kernels: list[str] = field(default_factory=list)
+    """Kernels to run, by name in ``KERNELS`` (empty: every one)."""
+    modules: dict[str, Any] = field(default_factory=dict)
+    """Also run ``kernels.MODULE.sparse_mla_ws`` as NAME (e.g. an earlier copy put beside it):
+    NAME -> ``{module: MODULE, OPTION: INT, ...}`` (``+study.modules.NAME={...}``), options over ``block_k=32``."""
 
 
 def bf16_decode(heads: int, batch: int, keys: int):
@@ -86,53 +103,68 @@ def run_with(kernel: tuple, fn):
         attention.mla_kernel = chosen
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", default=None, help="keep points whose label contains one of these")
-    parser.add_argument("--kernels", nargs="*", default=None, help=f"kernels to run (default all: {list(KERNELS)})")
-    parser.add_argument("--module", nargs="*", default=[], metavar="NAME=MODULE",
-                        help="also run kernels.MODULE.sparse_mla_ws as NAME (e.g. an earlier copy put beside it); "
-                             "NAME=MODULE,block_k=64,key_stages=2 sets its integer options")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    for spec in args.module:
-        name, module, *options = spec.replace(",", "=").split("=")
-        options = {key: int(value) for key, value in zip(options[::2], options[1::2])}
-        KERNELS[name] = (module, "sparse_mla_ws", {"block_k": 32} | options)
-    ops = _op_table([], "sm100")
+def op_table(app):
+    """The op table of ``app``'s backend (``configs/experiment/<study>.yaml`` picks sm100)."""
+    from deepinfer.hal import OpTable
+
+    return OpTable(app.backend.name, app.backend.fallback, dict(app.backend.overrides), options=app.backend.op_options)
+
+
+def chosen_kernels(settings: Settings) -> dict[str, tuple]:
+    """name -> (module, factory, options) in run order: ``settings.kernels`` (names of
+    :data:`KERNELS` or ``settings.modules``; all of :data:`KERNELS` when empty), then the
+    ``settings.modules`` not named there."""
+    table = dict(KERNELS)
+    for name, spec in settings.modules.items():
+        options = dict(spec)
+        table[name] = (options.pop("module"), "sparse_mla_ws", {"block_k": 32} | options)
+    names = list(settings.kernels or KERNELS)
+    names += [name for name in settings.modules if name not in names]
+    unknown = [name for name in names if name not in table]
+    if unknown:
+        raise ValueError(f"study.kernels names {unknown}, which are neither in KERNELS ({list(KERNELS)}) nor "
+                         f"study.modules; add them with +study.modules.NAME={{module:MODULE}}")
+    return {name: table[name] for name in names}
+
+
+def measure_point(label: str, point: Point, ops, kernels: dict[str, tuple], peaks: dict[str, float]) -> list[dict]:
+    """One row per kernel that runs at ``point`` (a kernel that fails is printed and left out)."""
+    call = point.build(ops)
+    first, rows = None, []
+    for name, kernel in kernels.items():
+        try:
+            out = run_with(kernel, call)[0].float()
+            seconds, _ = run_with(kernel, lambda: timed(call, reps=point.reps))
+        except Exception as error:  # a variant that does not fit is reported, not fatal
+            print(f"{label:22s} {name:14s} error: {type(error).__name__}: {str(error)[:160]}", flush=True)
+            continue
+        first = out if first is None else first
+        row = {"shape": f"{label} ({point.shape})", "kernel": name,
+               "max_diff": ((out - first).abs().max() / first.abs().max()).item(), "time_us": seconds * 1e6,
+               "tflop_s": point.flops / seconds / 1e12, "frac_dense": point.flops / seconds / peaks["dense_bf16"],
+               "gb_s": point.bytes / seconds / 1e9, "frac_copy": point.bytes / seconds / peaks["copy_bw"]}
+        rows.append(row)
+        print(f"{label:22s} {name:14s} diff {row['max_diff']:.1e} {row['time_us']:9.1f} us "
+              f"{row['tflop_s']:6.1f} TF/s dense {row['frac_dense']:.2f}  {row['gb_s']:6.0f} GB/s "
+              f"copy {row['frac_copy']:.2f}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    app, settings = compose_study("mla_kernels", Settings, argv)
+    kernels = chosen_kernels(settings)
+    ops = op_table(app)
     card = torch.cuda.get_device_name().replace(" ", "_")
     peaks = ceilings()
     print(f"{card}: copy {peaks['copy_bw'] / 1e9:.0f} GB/s, dense bf16 {peaks['dense_bf16'] / 1e12:.0f} TFLOP/s")
-    stamp, command = datetime.datetime.now().isoformat(timespec="minutes"), " ".join(sys.argv)
-    names = args.kernels or list(KERNELS)
-    names += [spec.split("=")[0] for spec in args.module if spec.split("=")[0] not in names]
-    rows_out = []
-    for label, point in POINTS.items():
-        if args.only and not any(part in label for part in args.only):
-            continue
-        call = point.build(ops)
-        first = None
-        for name in names:
-            kernel = KERNELS[name]
-            try:
-                out = run_with(kernel, call)[0].float()
-                seconds, _ = run_with(kernel, lambda: timed(call, reps=point.reps))
-            except Exception as error:  # a variant that does not fit is reported, not fatal
-                print(f"{label:22s} {name:14s} error: {type(error).__name__}: {str(error)[:160]}", flush=True)
-                continue
-            first = out if first is None else first
-            row = {"card": card, "date": stamp, "command": command, "shape": f"{label} ({point.shape})",
-                   "kernel": name, "max_diff": ((out - first).abs().max() / first.abs().max()).item(),
-                   "time_us": seconds * 1e6,
-                   "tflop_s": point.flops / seconds / 1e12, "frac_dense": point.flops / seconds / peaks["dense_bf16"],
-                   "gb_s": point.bytes / seconds / 1e9, "frac_copy": point.bytes / seconds / peaks["copy_bw"]}
-            rows_out.append(row)
-            print(f"{label:22s} {name:14s} diff {row['max_diff']:.1e} {row['time_us']:9.1f} us "
-                  f"{row['tflop_s']:6.1f} TF/s dense {row['frac_dense']:.2f}  {row['gb_s']:6.0f} GB/s "
-                  f"copy {row['frac_copy']:.2f}", flush=True)
-    path = write_csv(args.out / f"mla_kernels_{card.split('_')[-1].lower()}.csv", FIELDS, rows_out)
+    rows = [row for label, point in POINTS.items()
+            if not settings.only or any(part in label for part in settings.only)
+            for row in measure_point(label, point, ops, kernels, peaks)]
+    path = write_results(settings.results_path(f"mla_kernels_{card.split('_')[-1].lower()}"), rows,
+                         study_command("mla_kernels", argv))
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,29 +1,32 @@
 """Where a CTA of the warp-specialised sparse MLA kernel spends its time: a traced copy of
 ``kernels/mla_sparse_ws.py`` records ``clock()`` at the phase boundaries of each role (and the
 global timer at the CTA's start and end) and writes them over its row's ``lse``; this script runs
-it on decode points and prints each phase's median, min and max over the CTAs.
+it on decode points and prints each phase's median, min and max over the CTAs, and writes them to
+``mla_trace_<card>.csv`` under ``experiments/results/`` or ``study.output_dir``.
 
-    python experiments/mla_trace.py [--only LABEL_PART ...]
+    python experiments/mla_trace.py [study.only=[LABEL_PART,...]] [study.output_dir=DIR] [overrides...]
 
 The copy is made by inserting stamp statements after anchor lines of the kernel's source (each
 anchor must occur once, so a changed kernel fails loudly here rather than tracing the wrong place).
-Its outputs other than ``lse`` are the kernel's; the stamps add about 7 % to its time (46.8
-against 43.5 us at B = 132, ``experiments/results/mla_kernels_h200.txt``). Diagnostics only:
-nothing else imports it."""
+Its outputs other than ``lse`` are the kernel's; the stamps add a little to its time
+(``experiments/results/mla_kernels_h200.txt``). Diagnostics only: nothing else imports it."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import _op_table, timed  # noqa: E402
+from bench_ops import timed  # noqa: E402
 from bench_points import mla_decode  # noqa: E402
-from mla_kernels import run_with  # noqa: E402
+from mla_kernels import op_table, run_with  # noqa: E402
 
 TRACE_MODULE = "mla_sparse_ws_trace"
 SLOTS = 16
@@ -55,6 +58,17 @@ PHASES = [  # label, from slot, to slot (0: CTA start, 12: CTA end)
     ("output store (consumer 0)", 5, 6), ("output store (consumer 1, from consumer 0's row stats)", 5, 8),
     ("producer's last block decoded", 0, 11), ("CTA end", 0, 12),
 ]
+
+
+@dataclass
+class Settings(StudySettings):
+    """The decode points traced."""
+
+    FAST = ("study.only=['B=132']",)
+    DEVICE = "cuda"
+
+    only: list[str] = field(default_factory=list)
+    """Keep the points whose label contains one of these (empty: both)."""
 
 
 def traced_source(source: str) -> str:
@@ -101,34 +115,43 @@ def load_traced() -> None:
     spec.loader.exec_module(module)
 
 
-def report(label: str, lse: torch.Tensor, seconds: float) -> None:
-    """Print each of :data:`PHASES` over the CTAs from the stamps the traced kernel left in ``lse``."""
+def report(label: str, lse: torch.Tensor, seconds: float) -> list[dict]:
+    """Print each of :data:`PHASES` over the CTAs from the stamps the traced kernel left in ``lse``;
+    one row per phase (median, min and max microseconds)."""
     stamps = lse.reshape(lse.shape[0], -1)[:, :SLOTS].contiguous().view(torch.int32).long().cpu() & 0xFFFFFFFF
     span = lambda a, b: ((stamps[:, b] - stamps[:, a]) & 0xFFFFFFFF).double()  # noqa: E731 (cycles, or ns: 13, 14)
     ghz = (span(0, 12) / span(13, 14)).median().item()
     start = ((stamps[:, 13] - stamps[:, 13].min()) & 0xFFFFFFFF).double() / 1e3
     print(f"== {label}: {seconds * 1e6:.1f} us a call; CTAs start over {start.max():.1f} us; SM clock {ghz:.2f} GHz")
+    rows = []
     for name, a, b in PHASES:
         us = span(a, b) / ghz / 1e3
         print(f"   {name:52s} median {us.median():7.2f} us  min {us.min():7.2f}  max {us.max():7.2f}")
+        rows.append({"point": label, "call_us": seconds * 1e6, "sm_ghz": ghz, "phase": name,
+                     "median_us": us.median().item(), "min_us": us.min().item(), "max_us": us.max().item()})
+    return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", default=None, help="keep points whose label contains one of these")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    app, settings = compose_study("mla_trace", Settings, argv)
     load_traced()
-    ops, kernel = _op_table([], "sm100"), (TRACE_MODULE, "sparse_mla_ws", {"block_k": 32})
+    ops, kernel = op_table(app), (TRACE_MODULE, "sparse_mla_ws", {"block_k": 32})
+    rows = []
     for label, point in (("decode h=64 B=132 (one wave)", mla_decode(64, 132, 65536)),
                          ("decode h=64 B=256 (two waves)", mla_decode(64, 256, 65536))):
-        if args.only and not any(part in label for part in args.only):
+        if settings.only and not any(part in label for part in settings.only):
             continue
         call = point.build(ops)
         seconds, _ = run_with(kernel, lambda: timed(call, reps=point.reps))
         _, lse = run_with(kernel, call)
         torch.cuda.synchronize()
-        report(label, lse, seconds)
+        rows += report(label, lse, seconds)
+    card = torch.cuda.get_device_name().replace(" ", "_")
+    path = write_results(settings.results_path(f"mla_trace_{card.split('_')[-1].lower()}"), rows,
+                         study_command("mla_trace", argv))
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

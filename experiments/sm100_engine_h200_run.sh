@@ -34,8 +34,8 @@ if [[ $stages == *tests* ]]; then
   echo "tests done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *cost* ]]; then
-  timeout $(( 580 - ($(date +%s) - start) )) python3 experiments/invariance_cost.py --repeats 3 --backend sm100 \
-    --tag sm100 $sm100 2>&1 | tail -6
+  timeout $(( 580 - ($(date +%s) - start) )) python3 experiments/invariance_cost.py study.repeats=3 backend=sm100 \
+    study.tag=sm100 $sm100 2>&1 | tail -6
   cp experiments/results/invariance_cost_cuda_sm100.csv "$out/" 2>/dev/null
 fi
 echo "total $(( $(date +%s) - start )) s"

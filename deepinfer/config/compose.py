@@ -52,6 +52,9 @@ def compose(overrides: Sequence[str] = ()) -> AppConfig:
 
 def _unknown_option_error(error: MissingConfigException, overrides: Sequence[str]) -> ConfigError:
     group, _, option = (error.missing_cfg_file or "").rpartition("/")
+    if group == "study":
+        return ConfigError(f"experiment={option} is a study with settings of its own: run it with "
+                           f"python experiments/{option}.py [study.<key>=...] [overrides...]")
     if not group or not (CONFIG_ROOT / group).is_dir():
         return _composition_error(error, overrides)
     return ConfigError(f"unknown {group} option {option!r}; available: {group_options(group)} "

@@ -4,17 +4,16 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from deepinfer.study import REPO_ROOT
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the probe needs triton")
-ROOT = Path(__file__).resolve().parents[2]
 CHECK = r"""
-import sys
 import torch
-sys.path.insert(0, sys.argv[1])
-import gather_ceiling as probe
+from deepinfer.study import load_script
+probe = load_script("gather_ceiling")
 g = torch.Generator().manual_seed(0)
 for row_bytes, rows, keys_shape in ((288, 50, (3, 1, 7)), (528, 9, (2, 1, 5)), (1024, 4000, (2100,))):
     cache = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=g)
@@ -33,6 +32,6 @@ print("ok")
 def test_the_probe_kernel_sums_exactly_the_gathered_rows():
     """Row sizes of fp4, fp8 and bf16 keys; the last spans 66 programs (2100 rows of 64 units)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", CHECK, str(ROOT / "experiments")], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=REPO_ROOT)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

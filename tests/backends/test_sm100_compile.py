@@ -292,12 +292,9 @@ def test_key_decode_uses_bf16_multiplies_and_no_conversion_instruction(name):
 def test_the_mla_trace_tool_still_finds_its_anchors_in_the_kernel():
     """``experiments/mla_trace.py`` patches a copy of ``mla_sparse_ws.py`` at anchor lines (and
     raises when one is missing or repeated); after a change to the kernel its copy must still lower."""
-    from pathlib import Path
+    from deepinfer.study import load_script
 
-    path = Path(__file__).resolve().parents[2] / "experiments" / "mla_trace.py"
-    spec = importlib.util.spec_from_file_location("mla_trace", path)
-    mla_trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mla_trace)
+    mla_trace = load_script("mla_trace")
     mla_trace.load_traced()
     traced = sys.modules[f"deepinfer_backends.sm100.kernels.{mla_trace.TRACE_MODULE}"]
     cubin_checks.assert_launch_fits(cubin_checks.lower(traced.sparse_mla_ws, 64, 512, 128, 512, 512 ** -0.5))

@@ -37,7 +37,8 @@ def test_a_logged_kernel_replays_into_the_same_cache_entry(tmp_path):
                                     "kwargs": {"threads": 32}, "arch": toolchain.HOPPER}
     env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "prewarmed")}
     env.pop("DEEPINFER_SM100_COMPILE_LOG", None)
-    done = subprocess.run([sys.executable, "experiments/prewarm_kernels.py", str(log), "--jobs", "1"], env=env,
-                          check=True, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run([sys.executable, "experiments/prewarm_kernels.py", f"study.logs=[{log}]", "study.jobs=1",
+                           f"study.output_dir={tmp_path}"], env=env, check=True, capture_output=True, text=True,
+                          cwd=ROOT)
     assert "1 of 1 compiled" in done.stdout
     assert _entries(tmp_path / "run") == _entries(tmp_path / "prewarmed") != set()

@@ -1,6 +1,7 @@
 """Every config composes into a valid AppConfig, errors name what is wrong, and every model
 preset builds its architecture config (and, cheaply, its model)."""
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from deepinfer.hal import OpTable
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer.models.registry import CONFIG_ROOT, build_config, model_preset
+from deepinfer.study import compose_study, load_script
 
 GROUPS = sorted(path.name for path in CONFIG_ROOT.iterdir() if path.is_dir())
 GROUP_OPTIONS = [(group, option) for group in GROUPS for option in group_options(group)]
@@ -29,7 +31,13 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_option_composes(group, option):
-    app = compose([f"{group}={option}"])
+    study = group == "experiment" and re.search(r"^\s*-\s*/study:", (CONFIG_ROOT / group / f"{option}.yaml").read_text(), re.M)
+    if study:
+        with pytest.raises(ConfigError, match=f"python experiments/{option}.py"):
+            compose([f"{group}={option}"])
+        app, _ = compose_study(option, load_script(option).Settings, [])
+    else:
+        app = compose([f"{group}={option}"])
     assert isinstance(app, AppConfig)
     section = getattr(app, group, None)
     if section is not None and "name" in {f.name for f in dataclasses.fields(section)}:

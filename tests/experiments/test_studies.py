@@ -1,7 +1,8 @@
 """Every study (``configs/experiment/<name>.yaml`` selecting ``/study: <name>``, run by
 ``experiments/<name>.py``) runs in its fast mode and writes its results the one way: CSV rows
 that carry the card, date, commit and a command runnable from the repository, and a real PNG
-where the study plots. Kernel studies (``DEVICE = "cuda"``) run only on a GPU."""
+where the study plots. Kernel studies (``DEVICE = "cuda"``) run only on a GPU, and studies that
+download (``DOWNLOADS``) are left to a person."""
 import csv
 import re
 import struct
@@ -43,6 +44,8 @@ def test_a_study_runs_its_fast_mode_and_writes_its_results(name, tmp_path):
     assert issubclass(settings, StudySettings)
     if settings.DEVICE == "cuda" and not torch.cuda.is_available():
         pytest.skip(f"{name} measures GPU kernels; its fast mode needs a CUDA GPU")
+    if settings.DOWNLOADS:
+        pytest.skip(f"{name} downloads its inputs even in its fast mode; run it by hand")
     argv = ["study.fast=true", f"study.output_dir={tmp_path}"]
     assert not module.main(argv)
     tables = sorted(tmp_path.glob("**/*.csv"))
