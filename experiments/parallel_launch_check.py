@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from deepinfer import LLM, SamplingParams
 from deepinfer.parallel.groups import leave
 
@@ -23,8 +25,7 @@ def main(argv: list[str]) -> int:
     sampled = llm.generate(prompts, [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True,
                                                     seed=1234 + i) for i in range(len(prompts))])
     if llm.groups is None or llm.groups.rank == 0:
-        backend = "none" if llm.groups is None else __import__("torch.distributed").distributed.get_backend()
-        Path(out).write_text(json.dumps({"collectives": backend,
+        Path(out).write_text(json.dumps({"collectives": "none" if llm.groups is None else dist.get_backend(),
                                          "greedy": [list(o.token_ids) for o in greedy],
                                          "sampled": [list(o.token_ids) for o in sampled]}))
     leave(llm.groups)
