@@ -31,8 +31,7 @@ def test_names_follow_the_official_layout(model):
     for name in ("embed.weight", "head.weight", "norm.weight", "layers.0.hc_attn_fn", "layers.0.attn.attn_sink",
                  "layers.1.attn.compressor.wgate.weight", "layers.2.attn.indexer.weights_proj.weight",
                  "layers.3.ffn.experts.7.w2.weight", "layers.3.ffn.gate.bias", "layers.0.ffn.shared_experts.w1.weight",
-                 "mtp.0.markov_head.embed.weight", "mtp.0.confidence_head.proj.weight", "mtp.0.main_proj.weight",
-                 "mtp.0.hc_head_fn"):
+                 "mtp.0.markov_head.embed.weight", "mtp.0.confidence_head.proj.weight", "mtp.0.main_proj.weight"):
         assert name in names, name
     assert "layers.2.attn.compressor.wgate.weight" not in names, "C1 layers have no gate"
     assert not any(n.startswith("layers.0.attn.indexer") for n in names), "SWA-only layers have no indexer"
@@ -88,4 +87,53 @@ def test_non_shifted_hyper_connections_use_the_hc_head():
 def test_draft_blocks_are_part_of_the_checkpoint(model):
     names = official_state_dict(model)
     assert len(model.mtp) == model.cfg.num_nextn_predict_layers
-    assert all(f"mtp.{i}.main_proj.weight" in names for i in range(len(model.mtp)))
+    assert all(f"mtp.{i}.attn.wkv.weight" in names for i in range(len(model.mtp)))
+
+
+@pytest.mark.parametrize("draft_hc_shifted", [None, False])
+def test_draft_layers_follow_the_official_layout(draft_hc_shifted, tmp_path):
+    """Three draft layers as DeepInfer's checkpoint holds them: the one target-feature projection in
+    the first block, the heads in the last; shifted draft blocks (the default with shifted HC)
+    hold no HC head. The layout survives the write -> load -> identical draft logits round trip."""
+    model = tiny_model(seed=7, num_nextn_predict_layers=3, dspark_hc_shifted=draft_hc_shifted)
+    names = set(official_state_dict(model))
+    per_block = [{n.split(".", 2)[2] for n in names if n.startswith(f"mtp.{i}.")} for i in range(3)]
+    first_only = {"main_proj.weight", "main_norm.weight"}
+    last_only = {"norm.weight", "markov_head.embed.weight", "markov_head.head.weight", "confidence_head.proj.weight"}
+    heads = {"hc_head_fn", "hc_head_base", "hc_head_scale"}
+    last_only |= heads if draft_hc_shifted is False else set()
+    assert per_block[0] - per_block[1] == first_only
+    assert per_block[2] - per_block[1] == last_only
+    assert per_block[1] == per_block[0] - first_only == per_block[2] - last_only
+    assert not any(n.endswith(tuple(heads)) for n in names) or draft_hc_shifted is False
+
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path, OpTable("reference"), max_model_len=model.max_model_len)
+    assert torch.equal(_draft_logits(model), _draft_logits(loaded))
+
+
+def _draft_logits(model, prompt=tuple(range(3, 30)), block=5):
+    from deepinfer.models.forward_context import ForwardContext
+
+    runner = SequenceRunner(model, 1, 64)
+    ctx = ForwardContext.for_sequences([list(prompt)], [0], [1], [runner.blocks(0)])
+    ctx.write_draft_cache = True
+    with torch.no_grad():
+        model(ctx, runner.caches)
+        ctx = ForwardContext.for_sequences([[prompt[-1]] + [model.draft_noise_token] * (block - 1)], [len(prompt)],
+                                           [1], [runner.blocks(0)], decode=True)
+        ctx.draft_block = block
+        return model.draft_forward(ctx, runner.caches)[0]
+
+
+def test_shifted_draft_blocks_read_the_embedding_itself():
+    """Under shifted HC the first draft sublayer reads stream 0 (the embedding itself) by a one-hot
+    mix; non-shifted draft blocks read with their own pre mix, a sigmoid-weighted sum of the four
+    equal streams, which scales the embedding."""
+    for shifted in (None, False):
+        model, seen = tiny_model(seed=3, dspark_hc_shifted=shifted), []
+        handle = model.mtp[0].attn_norm.register_forward_pre_hook(lambda _, args: seen.append(args[0]) and None)
+        _draft_logits(model)
+        handle.remove()
+        embedded = model.embed.weight[[29] + [model.draft_noise_token] * 4]
+        assert torch.equal(seen[0], embedded) == (shifted is None), shifted

@@ -39,8 +39,13 @@ def test_training_logits_match_a_full_prefill(model, ids):
         assert (exact[b] - reference).abs().mean() > 1e-2
 
 
-def test_draft_pass_matches_inference_draft_forward(model, ids):
-    """Draft rows of anchor n equal ``draft_forward`` after a prefill of the first n tokens."""
+@pytest.mark.parametrize("drafts", [(1, None), (3, None), (3, False)], ids=["one", "three_shifted", "three_hc_head"])
+def test_draft_pass_matches_inference_draft_forward(model, ids, drafts):
+    """Draft rows of anchor n equal ``draft_forward`` after a prefill of the first n tokens, with
+    one or three draft layers, shifted or with an HC head."""
+    layers, shifted = drafts
+    if layers > 1:
+        model = tiny_model(index_topk=LENGTH, num_nextn_predict_layers=layers, dspark_hc_shifted=shifted)
     block, anchor = 5, 20
     runner = SequenceRunner(model, 1, 2 * LENGTH)
     ctx = ForwardContext.for_sequences([ids[0, :anchor].tolist()], [0], [1], [runner.blocks(0)])

@@ -123,6 +123,7 @@ class DeepseekV41Config:
     dspark_noise_token_id: int | None = None
     dspark_n_routed_experts: int | None = None
     dspark_num_experts_per_tok: int | None = None
+    dspark_hc_shifted: bool | None = None  # None: as hc_shifted; models/tiny/config.json: false
     use_fp4_sparse_kv: bool = True
     kv_source_layer_ids: list[int] | None = None
     index_source_layer_ids: list[int] | None = None
@@ -161,6 +162,13 @@ class DeepseekV41Config:
     @property
     def shared_width(self) -> int:
         return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def draft_hc_shifted(self) -> bool:
+        """Whether the draft blocks run shifted HC (DeepInfer: whenever the backbone does): the first
+        block reads stream 0, the last hands on its pre-layer mix and no ``hc_head`` exists. Non-shifted
+        draft blocks read with their own pre mixes and the last one holds ``hc_head_{fn,base,scale}``."""
+        return self.hc_shifted if self.dspark_hc_shifted is None else self.dspark_hc_shifted
 
     @property
     def compressed_cache_format(self) -> str:

@@ -50,33 +50,41 @@ class ConfidenceHead(nn.Module):
 
 
 class DraftBlock(Block):
-    """One DSpark draft layer: an SWA-only HC + MoE block (its own, possibly smaller MoE), the
-    projection of the target layers' features into its main keys (``main_proj``, ``main_norm``),
-    and the heads the last draft layer applies: Markov, confidence, final norm and HC head."""
+    """One DSpark draft layer: an SWA-only HC + MoE block (its own, possibly smaller MoE).
 
-    def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype):
+    As the official checkpoint lays them out, the first block (``first``) also holds the one
+    projection of the target layers' features that every draft layer's main keys start from
+    (``main_proj``, ``main_norm``), and the last block (``last``) the heads: Markov, confidence,
+    the final norm and, for non-shifted draft blocks, the HC head."""
+
+    def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype, first: bool = True,
+                 last: bool = True):
         experts, top_k = cfg.draft_experts
         super().__init__(cfg, 0, ops, dtype, experts=experts, top_k=top_k)
-        targets = max(1, len(cfg.dspark_target_layer_ids))
-        self.main_proj = Linear(targets * cfg.hidden_size, cfg.hidden_size, ops, dtype)
-        self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
-        self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.dspark_markov_rank, ops, dtype)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.hc_head = HyperHead(cfg, ops)
         self.ops = ops
+        if first:
+            targets = max(1, len(cfg.dspark_target_layer_ids))
+            self.main_proj = Linear(targets * cfg.hidden_size, cfg.hidden_size, ops, dtype)
+            self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        if last:
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
+            self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.dspark_markov_rank, ops, dtype)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+            self.hc_head = None if cfg.draft_hc_shifted else HyperHead(cfg, ops)
 
-    def main_keys(self, features: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """This layer's main-cache keys from the target features at ``positions`` (not stored)."""
-        return self.ops.apply_rope(self.attn.kv_norm(self._main_latent(features)), positions, cos_sin)
+    def main_hidden(self, features: torch.Tensor) -> torch.Tensor:
+        """The first block's projection of the concatenated target features ``[T, n_targets*H]``:
+        the hidden every draft layer's main keys are computed from."""
+        return self.main_norm(self.main_proj(features))
 
-    def store_main_keys(self, features: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    def main_keys(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """This layer's main-cache keys from :meth:`main_hidden` at ``positions`` (not stored)."""
+        return self.ops.apply_rope(self.attn.kv_norm(self.attn.wkv(hidden)), positions, cos_sin)
+
+    def store_main_keys(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                         cache: LayerCache, slots: torch.Tensor) -> None:
         """:meth:`main_keys`, fused with their store in this layer's SWA ring at flat ``slots``."""
-        self.attn.swa_keys(self._main_latent(features), positions, cos_sin, cache, slots)
-
-    def _main_latent(self, features: torch.Tensor) -> torch.Tensor:
-        return self.attn.wkv(self.main_norm(self.main_proj(features)))
+        self.attn.swa_keys(self.attn.wkv(hidden), positions, cos_sin, cache, slots)
 
     def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W1[previous], logit correction W2 @ W1[previous])`` of the bigram head."""

@@ -58,7 +58,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, ops, dtype)
         self.hc_head = None if cfg.hc_shifted else HyperHead(cfg, ops)
-        self.mtp = nn.ModuleList(DraftBlock(cfg, ops, dtype) for _ in range(cfg.num_nextn_predict_layers))
+        drafts = cfg.num_nextn_predict_layers
+        self.mtp = nn.ModuleList(DraftBlock(cfg, ops, dtype, first=i == 0, last=i == drafts - 1)
+                                 for i in range(drafts))
         self.register_buffer("rope_swa", self._rope_table(compressed=False), persistent=False)
         self.register_buffer("rope_compressed", self._rope_table(compressed=True), persistent=False)
         self.register_buffer("first_pre", first_stream_mix(1, cfg.hc_mult, torch.device("cpu")), persistent=False)
@@ -134,8 +136,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             (features,), ctx = ctx.shard.gather(features), ctx.shard.full
         recent = ctx.positions >= ctx.context_lens[ctx.seq_of_token] - ring
         slots = self.ops.swa_ring_slots(ctx.slot_of_token, ctx.positions, ring).masked_fill(~recent, -1)
+        hidden = self.mtp[0].main_hidden(features)
         for block, cache in zip(self.mtp, caches.draft_layers):
-            block.store_main_keys(features, ctx.positions, self.rope_swa, cache, slots)
+            block.store_main_keys(hidden, ctx.positions, self.rope_swa, cache, slots)
 
     def draft_forward(self, ctx: ForwardContext, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
         """One parallel DSpark pass over each sequence's block ``[golden, noise, ...]``.
@@ -145,12 +148,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         the confidence head reads."""
         if not ctx.draft_block or not ctx.decode:
             raise ValueError("draft_forward needs a decode ForwardContext with draft_block set")
-        residual = self.embed(ctx.input_ids, self.cfg.hc_mult)
+        streams, last = self.cfg.hc_mult, self.mtp[-1]
+        residual = self.embed(ctx.input_ids, streams)
+        shifted = self.cfg.draft_hc_shifted
+        pre = self.first_pre.expand(ctx.num_tokens, streams) if shifted else None
+        x = self.mtp[0].attn_norm(residual[:, 0]) if shifted else None
         yoco = YocoState()
-        for block, cache in zip(self.mtp, caches.draft_layers):
-            residual, _, _ = block(residual, None, ctx, cache, self.rope_swa, yoco)
-        last = self.mtp[-1]
-        hidden = self.ops.mhc_pre(residual, last.hc_head.weights(residual))
+        for i, (block, cache) in enumerate(zip(self.mtp, caches.draft_layers)):
+            next_norm = self.mtp[i + 1].attn_norm if i + 1 < len(self.mtp) else None
+            residual, pre, x = block(residual, pre, ctx, cache, self.rope_swa, yoco, x, next_norm=next_norm)
+        hidden = x if shifted else self.ops.mhc_pre(residual, last.hc_head.weights(residual))
         return self.logits(hidden, last.norm), hidden
 
     def logits(self, hidden: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:

@@ -214,17 +214,21 @@ class TrainingForward(nn.Module):
         gather = (main_positions.clamp(min=0) + length * torch.arange(batch, device=ids.device)[:, None, None])
         block_visible = main_visible.new_ones(batch * count, 1, block)
         visible = torch.cat((main_visible, block_visible), dim=-1)
+        main_hidden = model.mtp[0].main_hidden(features.reshape(batch * length, -1))
+        shifted = cfg.draft_hc_shifted
+        pre = first_stream_mix(x.shape[0], cfg.hc_mult, x.device) if shifted else None
+        x = x if shifted else None  # the first shifted mix reads stream 0: the embedding itself
         for layer in model.mtp:
-            main = self._round(layer.main_keys(features.reshape(batch * length, -1), flat_positions, model.rope_swa),
-                               cfg.swa_cache_format)
+            main = self._round(layer.main_keys(main_hidden, flat_positions, model.rope_swa), cfg.swa_cache_format)
             main = main[gather.reshape(-1)].view(batch * count, window, ATTENTION_DIM)
 
             def attention(h, layer=layer, main=main):
                 return self._draft_attention(layer.attn, layer.attn_norm(h), main, visible, positions, block)
 
-            residual, _, _ = layer.run(residual, None, attention, lambda h, layer=layer: layer.ffn(layer.ffn_norm(h)))
+            residual, pre, x = layer.run(residual, pre, attention, lambda h, layer=layer: layer.ffn(layer.ffn_norm(h)),
+                                         x)
         last = model.mtp[-1]
-        hidden = model.ops.mhc_pre(residual, last.hc_head.weights(residual))
+        hidden = x if shifted else model.ops.mhc_pre(residual, last.hc_head.weights(residual))
         logits = model.head(last.norm(hidden)).float()
         return logits.view(batch, count, block, -1), hidden.view(batch, count, block, -1)
 
