@@ -139,10 +139,9 @@ def quantization_rows(up, gen) -> list[dict]:
     rows = [row("FP4 KV cache bytes (288 B/token)", "hal.formats.encode_tokens(fmt='fp4')",
                 "cache_common.ref_cast_from_bf16(V41_FP4_FORMAT)", ours, their_bytes, None,
                 max_abs=decoded.abs().max().item(),
-                note=f"share of bytes; {_fp4_breakdown(ours, their_bytes, 256, 16)}. Scales: ours 1.0 when "
-                     f"max/6 rounds to 0 in e4m3 (a block with max < 6*2^-10 is stored as zeros), theirs clamp "
-                     f"max to 6*2^-9 (scale >= 2^-9); values: theirs multiply by 1/scale, so a value exactly half "
-                     f"way between two e2m1 steps can round away from the even step")]
+                note=f"share of bytes; {_fp4_breakdown(ours, their_bytes, 256, 16)}. Both clamp a block's max "
+                     f"to 6*2^-9 (scale e4m3(max*(1/6)) >= 2^-9), multiply values by 1/scale (a value exactly half "
+                     f"way between two e2m1 steps can round away from the even step) and keep -0 (0x8)")]
     data, scales = tk.cast(x, "e4m3", (1, 32), round_sf=True, use_packed_ue8m0=True)
     ours = formats.encode_tokens(x, "fp8")
     decoded = formats.decode_tokens(ours, "fp8") - tk.cast_back((data, scales), "fp32", (1, 32))
@@ -150,8 +149,8 @@ def quantization_rows(up, gen) -> list[dict]:
                     "tile_kernels.torch.cast(e4m3, 1x32, round_sf, packed UE8M0)", ours, _cache_bytes(data, scales),
                     None, max_abs=decoded.abs().max().item(),
                     note="share of bytes; their ref_cast_from_bf16 runs the CUDA per_token_cast for this format, "
-                         "so its torch reference is called; only the zero row's and the tiny row's bytes differ "
-                         "(block max clamped to 1e-4, as in the activation rows)"))
+                         "so its torch reference is called; both clamp a block's max to 1e-4 (zero block: scale "
+                         "byte 105), as in the activation rows"))
     index = _kv_latents(gen, 1024, 128)
     data, scales = tk.cast(index, "e2m1", (1, 32), round_sf=True, use_packed_ue8m0=True)
     ours, their_bytes = formats.encode_tokens(index, "index_fp4"), _cache_bytes(data, scales)
@@ -159,8 +158,8 @@ def quantization_rows(up, gen) -> list[dict]:
     rows.append(row("MXFP4 index K / index Q bytes (68 B/token)", "hal.formats.encode_tokens(fmt='index_fp4')",
                     "tile_kernels.torch.cast(e2m1, 1x32, round_sf, packed UE8M0)", ours, their_bytes, None,
                     max_abs=decoded.abs().max().item(),
-                    note=f"share of bytes; {_fp4_breakdown(ours, their_bytes, 64, 32)}; theirs clamp a block's "
-                         f"max to 6*2^-126 (zero block: scale byte 1, ours 127)"))
+                    note=f"share of bytes; {_fp4_breakdown(ours, their_bytes, 64, 32)}; both clamp a block's "
+                         f"max to 6*2^-126 (zero block: scale byte 1)"))
     return rows + activation_rows(up, gen)
 
 
@@ -179,8 +178,8 @@ def activation_rows(up, gen) -> list[dict]:
                         "tile_kernels.torch.cast(e4m3, 1x32, round_sf, packed UE8M0)",
                         _cache_bytes(q.data, q.scale), _cache_bytes(data, scales), None,
                         max_abs=decoded.abs().max().item(),
-                        note="share of bytes; theirs clamp a block's max to 1e-4 (zero block: scale 2^-22, "
-                             "byte 105; ours byte 127), which also moves the tiny blocks' scales"))
+                        note="share of bytes; both clamp a block's max to 1e-4 (zero block: scale 2^-22, "
+                             "byte 105), which also sets the tiny blocks' scales"))
     return rows
 
 

@@ -4,6 +4,9 @@ FP8 is e4m3 (max 448), FP4 is e2m1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their 
 per byte with the even index in the low nibble). Scales are UE8M0 (a power of two stored as the
 biased exponent byte, value ``2 ** (byte - 127)``) or, for the FP4 KV format, e4m3 bytes.
 Every function works on any device and leading batch shape; the last dim is the quantized one.
+Encoders write DeepInfer 0.1.0's bytes (its ``tile_kernels`` casts and KV-cache reference): a
+block's max is floored before its scale is taken, values are multiplied by the float32 reciprocal
+of the scale, and an e2m1 code keeps the sign bit of a value that rounds to zero.
 
 Cache token layouts (one row of bytes per token, data then scales):
 
@@ -24,6 +27,13 @@ import torch
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+FP8_AMAX_FLOOR = 1e-4
+"""Least block max an ``fp8`` (e4m3, UE8M0) scale is taken from: a zero block gets byte 105 (2^-22)."""
+MXFP4_AMAX_FLOOR = E2M1_MAX * 2.0 ** -126
+"""Least block max an ``mxfp4`` (e2m1, UE8M0) scale is taken from: a zero block gets byte 1 (2^-126)."""
+NVFP4_AMAX_FLOOR = E2M1_MAX * 2.0 ** -9
+"""Least block max an ``nvfp4`` (e2m1, e4m3 scale) scale is taken from: the scale is at least 2^-9,
+e4m3's smallest positive value."""
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -32,14 +42,16 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def ue8m0_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
-    """Smallest power of two ``s`` with ``amax / s <= fmt_max``, as a UE8M0 byte (uint8).
+def ue8m0_scale(amax: torch.Tensor, fmt_max: float, amax_floor: float) -> torch.Tensor:
+    """UE8M0 byte (uint8) of the least power of two at or above ``max(amax, amax_floor) / fmt_max``.
 
-    A zero block gets scale 1 (byte 127)."""
-    amax = amax.float()
-    ratio = torch.where(amax > 0, amax / fmt_max, torch.ones_like(amax))
-    exponent = torch.ceil(torch.log2(ratio)).clamp(-127, 127)
-    return (exponent + 127).to(torch.uint8)
+    The quotient is a float32 division; its power of two is read from its bits (exact, no
+    ``log2``), so a quotient one ulp above ``2^k`` gets ``2^(k+1)``. With a positive
+    ``amax_floor`` a zero block gets the floor's scale, never a special value."""
+    clamped = amax.float().clamp_min(amax_floor)
+    ratio = clamped / torch.full_like(clamped, fmt_max)  # a true division (CUDA turns `/ scalar` into `* 1/scalar`)
+    bits = ratio.view(torch.int32)
+    return (((bits - 1) >> 23) + 1).to(torch.uint8)
 
 
 def ue8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
@@ -53,14 +65,15 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """4-bit e2m1 codes (uint8, sign in bit 3) of ``x``, round to nearest, ties to even code."""
-    a = x.float().abs()
+    """4-bit e2m1 codes (uint8) of ``x``: magnitude rounded to nearest, ties to the even code,
+    saturating at 6 (NaN too); bit 3 is ``x``'s sign bit, so ``-0.0`` and negatives that round to
+    zero give ``0x8``."""
+    a = torch.nan_to_num(x.float().abs(), nan=E2M1_MAX)
     magnitude = (
         (a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
         + (a > 2.5) + (a >= 3.5) + (a > 5.0)
     ).to(torch.uint8)
-    sign = ((x < 0) & (magnitude > 0)).to(torch.uint8) << 3
-    return magnitude | sign
+    return magnitude | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -101,25 +114,37 @@ class Quantized:
 
 
 def quantize(x: torch.Tensor, fmt: str, block: int = 32) -> Quantized:
-    """Quantize the last dim of ``x`` in blocks of ``block`` values."""
+    """Quantize the last dim of ``x`` in blocks of ``block`` values, as DeepInfer 0.1.0 casts.
+
+    A block's max is raised to the format's floor (:data:`FP8_AMAX_FLOOR`,
+    :data:`MXFP4_AMAX_FLOOR`, :data:`NVFP4_AMAX_FLOOR`) before its scale is taken: ``fp8`` and
+    ``mxfp4`` take :func:`ue8m0_scale`, ``nvfp4`` :func:`nvfp4_scale`. Values are multiplied by
+    the float32 reciprocal of the scale (exact for a power of two, rounded for an e4m3 scale), then
+    rounded to e4m3 (saturating) or e2m1 (:func:`e2m1_codes`)."""
     blocks = _blocks(x.float(), block)
     amax = blocks.abs().amax(dim=-1)
     if fmt == "fp8":
-        scale = ue8m0_scale(amax, E4M3_MAX)
-        data = to_e4m3(blocks / ue8m0_to_float(scale).unsqueeze(-1)).reshape(x.shape)
-        return Quantized(data, scale, fmt, block)
-    if fmt == "mxfp4":
-        scale = ue8m0_scale(amax, E2M1_MAX)
+        scale = ue8m0_scale(amax, E4M3_MAX, FP8_AMAX_FLOOR)
+        scale_value = ue8m0_to_float(scale)
+    elif fmt == "mxfp4":
+        scale = ue8m0_scale(amax, E2M1_MAX, MXFP4_AMAX_FLOOR)
         scale_value = ue8m0_to_float(scale)
     elif fmt == "nvfp4":
-        scale_e4m3 = to_e4m3(amax / E2M1_MAX)
-        scale_value = scale_e4m3.float()
-        scale_value = torch.where(scale_value > 0, scale_value, torch.ones_like(scale_value))
-        scale = to_e4m3(scale_value).view(torch.uint8)
+        scale_e4m3 = nvfp4_scale(amax)
+        scale, scale_value = scale_e4m3.view(torch.uint8), scale_e4m3.float()
     else:
         raise ValueError(f"unknown quantized format {fmt!r}; use 'fp8', 'mxfp4' or 'nvfp4'")
-    codes = e2m1_codes(blocks / scale_value.unsqueeze(-1)).reshape(x.shape)
-    return Quantized(pack_nibbles(codes), scale, fmt, block)
+    scaled = blocks * (1.0 / scale_value).unsqueeze(-1)
+    if fmt == "fp8":
+        return Quantized(to_e4m3(scaled).reshape(x.shape), scale, fmt, block)
+    return Quantized(pack_nibbles(e2m1_codes(scaled).reshape(x.shape)), scale, fmt, block)
+
+
+def nvfp4_scale(amax: torch.Tensor) -> torch.Tensor:
+    """e4m3 scale (``float8_e4m3fn``) of blocks with max ``amax``: ``max(amax, 6 * 2^-9)`` times
+    ``1 / 6`` (a float32 product, ``1 / 6`` rounded to float32), rounded to the nearest even e4m3
+    (saturating at 448)."""
+    return to_e4m3(amax.float().clamp_min(NVFP4_AMAX_FLOOR) * (1.0 / E2M1_MAX))
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
@@ -141,13 +166,15 @@ def cast_back(x: torch.Tensor, fmt: str, block: int = 32) -> torch.Tensor:
 
 
 def quantize_weight_fp8(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint FP8 weight: e4m3 ``[N, K]`` and one UE8M0 byte per ``block x block`` tile."""
+    """Checkpoint FP8 weight: e4m3 ``[N, K]`` and one UE8M0 byte per ``block x block`` tile, each
+    tile scaled as :func:`quantize` scales an ``fp8`` block (max floored at
+    :data:`FP8_AMAX_FLOOR`, values times the exact reciprocal of the power of two)."""
     n, k = weight.shape
     pad_n, pad_k = -n % block, -k % block
     padded = torch.nn.functional.pad(weight.float(), (0, pad_k, 0, pad_n))
     tiles = padded.reshape((n + pad_n) // block, block, (k + pad_k) // block, block)
-    scale = ue8m0_scale(tiles.abs().amax(dim=(1, 3)), E4M3_MAX)
-    scaled = tiles / ue8m0_to_float(scale)[:, None, :, None]
+    scale = ue8m0_scale(tiles.abs().amax(dim=(1, 3)), E4M3_MAX, FP8_AMAX_FLOOR)
+    scaled = tiles * (1.0 / ue8m0_to_float(scale))[:, None, :, None]
     data = to_e4m3(scaled.reshape(n + pad_n, k + pad_k)[:n, :k])
     return data, scale
 

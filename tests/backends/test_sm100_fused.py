@@ -91,6 +91,7 @@ grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.5, 3.0, 3.5, 
 q[0, 0] = grid.repeat(8) * 4.0  # the rounding thresholds and ties, exactly, in blocks scaled by powers of two
 q[0, 1] = 0.0  # zero blocks
 q[1, 2, :32] = 6.0 * 2.0 ** -126  # a block whose scale is the smallest normal one
+q[1, 2, 32:64] = 1.75 * 2.0 ** -126  # under the floor: scale 2^-126 all the same, 1.75 a tie to code 4
 q = q.to(torch.bfloat16)
 out = torch.full((tokens, heads_pad, dim), 7.0, dtype=torch.bfloat16)
 mxfp4_cast_kernel[(-(-tokens * heads // BLOCK_ROWS),)](q, out, tokens * heads, heads, heads_pad, dim, DIM=dim,

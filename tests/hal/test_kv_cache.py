@@ -1,7 +1,12 @@
 """kv_store / kv_load against an independent float64 codec written from the format definitions.
 
 The codec below builds value tables from the bit layouts (e4m3, e2m1, bf16) and encodes by
-nearest-table-entry search (ties to the even code), not by the arithmetic in formats.py."""
+nearest-table-entry search (ties to the even code), not by the arithmetic in formats.py. Scales
+follow DeepInfer's rules: block maxima floored (fp8 1e-4, index_fp4 6 * 2^-126, fp4 6 * 2^-9),
+UE8M0 the least power of two at or above the float32 quotient, the fp4 e4m3 scale from
+``max * float32(1/6)`` and values multiplied by its float32 reciprocal. Each float32 step is the
+exact float64 result rounded once to float32 (exact products; for quotients float64 leaves room
+enough that rounding twice equals rounding once)."""
 import pytest
 import torch
 
@@ -45,16 +50,27 @@ def nearest_code(magnitude, table):
 
 
 def encode_e4m3(v):
-    return nearest_code(v.abs(), E4M3[:127]) | ((v < 0).long() << 7)
+    return nearest_code(v.abs(), E4M3[:127]) | (torch.signbit(v).long() << 7)
 
 
 def encode_e2m1(v):
-    code = nearest_code(v.abs(), E2M1[:8])
-    return code | (((v < 0) & (code > 0)).long() << 3)
+    """Nearest e2m1 code, its sign bit ``v``'s (a negative value rounding to zero keeps it)."""
+    return nearest_code(v.abs(), E2M1[:8]) | (torch.signbit(v).long() << 3)
 
 
-def pow2_exponent(amax, fmt_max):
-    return torch.where(amax > 0, torch.ceil(torch.log2(amax / fmt_max)), torch.zeros_like(amax))
+def f32(v):
+    """``v`` rounded once to float32, back in float64."""
+    return v.float().double()
+
+
+FP8_FLOOR, INDEX_FP4_FLOOR, FP4_FLOOR = f32(torch.tensor(1e-4, dtype=F64)), 6.0 * 2.0 ** -126, 6.0 * 2.0 ** -9
+
+
+def ue8m0_exponent(amax, fmt_max, floor):
+    """Least ``e`` with ``2^e >= float32(max(amax, floor) / fmt_max)``, from the quotient's binary
+    mantissa (exactly 1/2 for a power of two)."""
+    mantissa, exponent = torch.frexp(f32(amax.clamp(min=floor) / fmt_max))
+    return torch.where(mantissa == 0.5, exponent - 1, exponent).to(F64)
 
 
 def pack(codes):
@@ -74,17 +90,17 @@ def encode_rows(x, fmt):
         return torch.stack((half & 0xFF, (half >> 8) & 0xFF), dim=-1).reshape(n, -1).to(torch.uint8)
     if fmt == "fp8":
         blocks = x.reshape(n, -1, 32)
-        exponent = pow2_exponent(blocks.abs().amax(-1), 448.0)
+        exponent = ue8m0_exponent(blocks.abs().amax(-1), 448.0, FP8_FLOOR)
         data = encode_e4m3(blocks / torch.exp2(exponent).unsqueeze(-1)).reshape(n, -1)
         scale = exponent.long() + 127
     elif fmt == "fp4":
         blocks = x.reshape(n, -1, 16)
-        scale = encode_e4m3(blocks.abs().amax(-1) / 6.0)
-        scale = torch.where(E4M3[scale] > 0, scale, torch.full_like(scale, 0x38))
-        data = pack(encode_e2m1(blocks / E4M3[scale].unsqueeze(-1)).reshape(n, -1))
+        scale = encode_e4m3(f32(blocks.abs().amax(-1).clamp(min=FP4_FLOOR) * f32(torch.tensor(1 / 6, dtype=F64))))
+        reciprocal = f32(1.0 / E4M3[scale])
+        data = pack(encode_e2m1(f32(blocks * reciprocal.unsqueeze(-1))).reshape(n, -1))
     else:
         blocks = x.reshape(n, -1, 32)
-        exponent = pow2_exponent(blocks.abs().amax(-1), 6.0)
+        exponent = ue8m0_exponent(blocks.abs().amax(-1), 6.0, INDEX_FP4_FLOOR)
         data = pack(encode_e2m1(blocks / torch.exp2(exponent).unsqueeze(-1)).reshape(n, -1))
         scale = exponent.long() + 127
     return torch.cat((data, scale), dim=-1).to(torch.uint8)
@@ -194,7 +210,7 @@ def test_hand_worked_fp8_token():
     assert row[:32].tolist() == [0x78] * 32
     assert row[32:36].tolist() == [0x7E, 0xF6, 0x3C, 0x00]  # 448, -224, 1.5, 0
     assert row[64].item() == 0x7D
-    assert row[512:].tolist() == [119, 128, 115] + [127] * 13
+    assert row[512:].tolist() == [119, 128, 115] + [105] * 13  # zero blocks: max floored to 1e-4, scale 2^-22
     assert (row[36:64] == 0).all() and (row[65:512] == 0).all()
     loaded = kv_load(row[None], torch.tensor([0]), "fp8")[0]
     assert loaded[32:36].tolist() == [896.0, -448.0, 3.0, 0.0] and loaded[64].item() == 416 / 4096
@@ -206,21 +222,21 @@ def test_hand_worked_fp4_tokens():
     x[0, 16:18] = torch.tensor([12.0, 1.0])              # amax 12: scale 2.0 = 0x40; codes 6, 0.5
     row = kv_store(torch.zeros(1, 288, dtype=torch.uint8), torch.tensor([0]), x, "fp4")[0]
     assert row[:3].tolist() == [0x97, 0x02, 0x05] and row[8].item() == 0x17
-    assert row[256:].tolist() == [0x38, 0x40] + [0x38] * 30
+    assert row[256:].tolist() == [0x38, 0x40] + [0x01] * 30  # zero blocks: max floored to 6 * 2^-9, scale 2^-9
     x = torch.zeros(1, 128)
     x[0, :5] = torch.tensor([6.0, -0.5, 1.0, 0.0, 3.0])  # amax 6: UE8M0 scale 1 (byte 127)
     x[0, 32:34] = torch.tensor([12.0, 1.0])              # amax 12: scale 2 (byte 128)
     row = kv_store(torch.zeros(1, 68, dtype=torch.uint8), torch.tensor([0]), x, "index_fp4")[0]
     assert row[:3].tolist() == [0x97, 0x02, 0x05] and row[16].item() == 0x17
-    assert row[64:].tolist() == [127, 128, 127, 127]
+    assert row[64:].tolist() == [127, 128, 1, 1]  # zero blocks: max floored to 6 * 2^-126, scale 2^-126
 
 
 def test_hand_worked_ties_round_to_even():
     ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -6.0])
     x = torch.zeros(1, 512)
-    x[0, :10] = ties                                 # FP4 scale 1.0; codes 7 0 2 2 4 4 6 6, -0.25 -> +0
+    x[0, :10] = ties                                 # FP4 scale 1.0; codes 7 0 2 2 4 4 6 6, -0.25 -> -0 (0x8)
     row = kv_store(torch.zeros(1, 288, dtype=torch.uint8), torch.tensor([0]), x, "fp4")[0]
-    assert row[:5].tolist() == [0x07, 0x22, 0x44, 0x66, 0xF0]
+    assert row[:5].tolist() == [0x07, 0x22, 0x44, 0x66, 0xF8]
     x[0, :4] = torch.tensor([448.0, 1.0625, 1.1875, -1.0625])  # FP8 scale 1: ties between e4m3 steps
     row = kv_store(torch.zeros(1, 528, dtype=torch.uint8), torch.tensor([0]), x, "fp8")[0]
     assert row[:4].tolist() == [0x7E, 0x38, 0x3A, 0xB8] and row[512].item() == 127

@@ -1,25 +1,28 @@
 """Rows cast through MXFP4 and back in one Triton kernel: per 32 values a UE8M0 scale (the
-least power of two bringing the block's largest magnitude within e2m1's 6), each value rounded
-to e2m1 (to nearest, ties to the even code) and scaled back, stored as bf16 (exact). Exponents
-come from the float's bits and every scaling is a product by a power of two, so the values are
-the reference's (:func:`deepinfer.hal.formats.cast_back`) bit for bit, except in blocks whose
-largest magnitude is below ``6 * 2**-126``, whose subnormal values may be flushed to zero."""
+least power of two at or above ``max / 6``, ``max`` the block's largest magnitude floored at
+``6 * 2**-126``), each value rounded to e2m1 (to nearest, ties to the even code, its sign bit
+kept so a negative value rounding to zero gives ``-0``) and scaled back, stored as bf16 (exact).
+Exponents come from the float's bits and every scaling is a product by a power of two, so the
+values are the reference's (:func:`deepinfer.hal.formats.cast_back`) bit for bit, except where
+a decoded value is below ``2**-126`` (a code of 0.5 under the smallest scale), which may be
+flushed to zero."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from deepinfer.hal.formats import MXFP4_AMAX_FLOOR
+
 BLOCK_ROWS = 4
+AMAX_FLOOR = tl.constexpr(MXFP4_AMAX_FLOOR)
+"""The least block max a scale is taken from."""
 
 
 @triton.jit
 def _ceil_log2(ratio):
-    """``ceil(log2(ratio))`` of positive float32 ``ratio``, exact, at least -127."""
+    """``ceil(log2(ratio))`` of positive normal float32 ``ratio``, exact, from its bits."""
     bits = ratio.to(tl.int32, bitcast=True)
-    field = (bits >> 23) & 255
-    mantissa = bits & 0x7FFFFF
-    normal = field - 127 + (mantissa != 0).to(tl.int32)
-    return tl.where(field == 0, tl.where(mantissa > 0x400000, -126, -127), normal)
+    return ((bits - 1) >> 23) + 1 - 127
 
 
 @triton.jit
@@ -43,13 +46,13 @@ def e2m1_value(code):
 @triton.jit
 def cast_blocks(blocks):
     """float32 ``blocks [..., 32]`` cast through MXFP4 and back (one scale per block), float32."""
-    amax = tl.max(tl.abs(blocks), axis=len(blocks.shape) - 1)
-    ratio = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 1.0)
-    exponent = tl.minimum(tl.maximum(_ceil_log2(ratio), -127), 127)
-    a = tl.abs(blocks * tl.expand_dims(power_of_two(-exponent), -1))
+    amax = tl.maximum(tl.max(tl.abs(blocks), axis=len(blocks.shape) - 1), AMAX_FLOOR)
+    exponent = _ceil_log2(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+    scaled = blocks * tl.expand_dims(power_of_two(-exponent), -1)
+    a = tl.abs(scaled)
     code = ((a > 0.25).to(tl.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
             + (a > 5.0))
-    sign = ((blocks < 0) & (code > 0)).to(tl.int32) << 3
+    sign = (scaled.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 3
     return e2m1_value(code | sign) * tl.expand_dims(power_of_two(exponent), -1)
 
 

@@ -12,14 +12,15 @@ move by one ulp of ``x``'s dtype, and rarely a quantized code with it):
 * RoPE on the trailing ``rope_dim`` dims, interleaved pairs ``(2i, 2i + 1)`` turned by
   ``cos_sin[position, i]`` and ``cos_sin[position, rope_dim / 2 + i]``, each product and sum
   rounded on its own (no FMA contraction, as torch), rounded to ``x``'s dtype;
-* UE8M0 scales (``fp8`` per 32 over e4m3's 448, ``index_fp4`` per 32 over e2m1's 6): the
-  reference's ``2 ** ceil(log2(amax / max))``, with ``log2`` near a power of two rounded as
-  float32 ``k + log2(1 + f)`` rounds (so a ratio a few ulps above ``2^k`` keeps ``2^k``; zero
-  block: 1), clamped to ``2^+-127``; values are multiplied by the exact ``1 / s``;
-* ``fp4`` e4m3 scales per 16: ``e4m3(amax / 6)`` (IEEE division, round to nearest even; zero:
-  1), values divided by it (IEEE);
+* UE8M0 scales (``fp8`` per 32 over e4m3's 448, ``index_fp4`` per 32 over e2m1's 6): the block
+  max floored (``fp8`` at 1e-4, ``index_fp4`` at ``6 * 2^-126``), divided by the element max
+  (IEEE), rounded up to a power of two from the quotient's bits; values are multiplied by the
+  exact ``1 / s``;
+* ``fp4`` e4m3 scales per 16: ``e4m3(max(amax, 6 * 2^-9) * (1 / 6))`` (float32 product, round to
+  nearest even), values multiplied by its IEEE reciprocal;
 * e4m3 codes: clamp to +-448, round to nearest even; e2m1 codes: round to nearest, ties to the
-  even code (the thresholds of ``formats.e2m1_codes``), two per byte, even index low;
+  even code (the thresholds of ``formats.e2m1_codes``), the value's sign bit kept (``-0`` is
+  ``0x8``), two per byte, even index low;
 * the row (data, then scale bytes) goes to cache row ``slots[token]`` (``-1``, or a row past the
   cache: not stored) and ``y`` gets the decoded values ``code * s`` (exact in bf16); ``bf16``
   rows hold the keys rounded to bf16 (the cache viewed as ``bf16 [rows, dim]``).
@@ -27,6 +28,8 @@ move by one ulp of ``x``'s dtype, and rarely a quantized code with it):
 import tilelang
 import tilelang.language as T
 import torch
+
+from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
 
 FORMATS = {  # name: (dim, values per scale, scale kind, element kind)
     "fp8": (512, 32, "ue8m0", "e4m3"),
@@ -36,6 +39,8 @@ FORMATS = {  # name: (dim, values per scale, scale kind, element kind)
 }
 X_DTYPES = ("bfloat16", "float32")
 ELEMENT_MAX = {"e4m3": 448.0, "e2m1": 6.0}
+AMAX_FLOOR = {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR, "fp4": NVFP4_AMAX_FLOOR}
+"""The least block max a scale is taken from, per format."""
 VEC = 4
 """Values per thread."""
 
@@ -68,8 +73,8 @@ def kv_norm_rope_store(dim: int = 512, rope_dim: int = 64, eps: float = 1e-6, fm
 
     @T.macro
     def pow2(exponent):
-        """``2 ** exponent`` for an int32 exponent in [-127, 127] (2^-127 is subnormal)."""
-        return T.reinterpret(T.if_then_else(exponent > -127, T.shift_left(exponent + 127, 23), 0x400000), "float")
+        """``2 ** exponent`` for an int32 exponent in [-126, 127]."""
+        return T.reinterpret(T.shift_left(exponent + 127, 23), "float")
 
     @T.macro
     def e2m1_code(value):
@@ -78,7 +83,7 @@ def kv_norm_rope_store(dim: int = 512, rope_dim: int = 64, eps: float = 1e-6, fm
         magnitude = (T.if_then_else(a > 0.25, 1, 0) + T.if_then_else(a >= 0.75, 1, 0)
                      + T.if_then_else(a > 1.25, 1, 0) + T.if_then_else(a >= 1.75, 1, 0)
                      + T.if_then_else(a > 2.5, 1, 0) + T.if_then_else(a >= 3.5, 1, 0) + T.if_then_else(a > 5.0, 1, 0))
-        return magnitude | T.if_then_else((value < 0) & (magnitude > 0), 8, 0)
+        return magnitude | T.if_then_else(T.reinterpret(value, "int32") < 0, 8, 0)
 
     @T.macro
     def e2m1_value(code):
@@ -148,18 +153,11 @@ def kv_norm_rope_store(dim: int = 512, rope_dim: int = 64, eps: float = 1e-6, fm
                 for offset in shuffle_offsets:
                     amax = T.max(amax, T.shfl_xor(amax, offset))
                 if scale_kind == "ue8m0":
-                    # the reference's clamp(ceil(log2(amax / max)), -127, 127) (0 for a zero block)
-                    ratio = T.alloc_var("float")
+                    # the least power of two at or above the floored quotient, from its bits
                     bits = T.alloc_var("int32")
                     exponent = T.alloc_var("int32")
-                    ratio = T.if_then_else(amax > 0, T.ieee_fdiv(amax, ELEMENT_MAX[element]), 1.0)
-                    bits = T.reinterpret(T.if_then_else(ratio < 2.0 ** -126, ratio * 2.0 ** 32, ratio), "int32")
-                    exponent = T.shift_right(bits, 23) - T.if_then_else(ratio < 2.0 ** -126, 159, 127)
-                    # float32 log2(ratio) is exponent + log2(1 + f) rounded, log2(1 + f) ~ f / ln 2 near 0
-                    if (bits & 0x7FFFFF) > 0 and T.ieee_add(T.cast(exponent, "float"), T.cast(
-                            bits & 0x7FFFFF, "float") * (2.0 ** -23 / 0.6931471805599453)) > T.cast(exponent, "float"):
-                        exponent = exponent + 1
-                    exponent = T.max(T.min(exponent, 127), -127)
+                    bits = T.reinterpret(T.ieee_fdiv(T.max(amax, AMAX_FLOOR[fmt]), ELEMENT_MAX[element]), "int32")
+                    exponent = T.shift_right(bits - 1, 23) + 1 - 127
                     scale = pow2(exponent)
                     scale_byte = T.cast(exponent + 127, "uint8")
                     for k in T.serial(VEC):
@@ -170,11 +168,13 @@ def kv_norm_rope_store(dim: int = 512, rope_dim: int = 64, eps: float = 1e-6, fm
                         else:
                             codes[k] = T.cast(e2m1_code(scaled), "uint8")
                 else:
-                    scale = T.cast(T.cast(T.min(T.ieee_fdiv(amax, 6.0), 448.0), "float8_e4m3fn"), "float")
-                    scale = T.if_then_else(scale > 0, scale, 1.0)
+                    inverse = T.alloc_var("float")
+                    scale = T.cast(T.cast(T.min(T.ieee_mul(T.max(amax, AMAX_FLOOR[fmt]), 1.0 / 6.0), 448.0),
+                                          "float8_e4m3fn"), "float")
                     scale_byte = T.reinterpret(T.cast(scale, "float8_e4m3fn"), "uint8")
+                    inverse = T.ieee_fdiv(1.0, scale)
                     for k in T.serial(VEC):
-                        codes[k] = T.cast(e2m1_code(T.ieee_fdiv(values[k], scale)), "uint8")
+                        codes[k] = T.cast(e2m1_code(T.ieee_mul(values[k], inverse)), "uint8")
                 for k in T.vectorized(VEC):
                     if element == "e4m3":
                         y[token, first + k] = T.cast(T.cast(T.reinterpret(codes[k], "float8_e4m3fn"), "float")
