@@ -10,7 +10,7 @@ from deepinfer_backends.sm100.launch import on_device, require
 
 
 def compress_tokens(latent, score, positions, state_slots, chunk_start, state, ratio):
-    """HAL ``compress_tokens`` for CUDA tensors: ``(out float32 [T, D], emit bool [T])``, the
+    """HAL ``compress_tokens`` for CUDA tensors: ``(out bf16 [T, D], emit bool [T])``, the
     ``(score, latent)`` pairs written to ``state`` in place (a contiguous ``state`` is required).
     Tokens whose state slot lies outside ``state`` (padding rows, when value checks are off)
     neither read nor write the ring."""
@@ -30,7 +30,7 @@ def compress_tokens(latent, score, positions, state_slots, chunk_start, state, r
     from deepinfer_backends.sm100.fused.compress import BLOCK_CHANNELS, compress_pool_kernel, compress_store_kernel
 
     tokens, dim = latent.shape
-    out = torch.empty(tokens, dim, dtype=torch.float32, device=latent.device)
+    out = torch.empty(tokens, dim, dtype=torch.bfloat16, device=latent.device)
     emit = torch.empty(tokens, dtype=torch.bool, device=latent.device)
     if not tokens:
         return out, emit

@@ -231,7 +231,8 @@ def _check_compress_padding_and_value_checks(device: torch.device) -> None:
     got_args = {k: v.clone().to(device) if isinstance(v, torch.Tensor) else v for k, v in call.items()}
     with skip_value_checks():
         got_out, got_emit = compress_tokens(**got_args)
-    assert torch.equal(got_emit[:8].cpu(), want_emit) and torch.allclose(got_out[:8].cpu(), want_out, atol=1e-5)
+    assert torch.equal(got_emit[:8].cpu(), want_emit)
+    assert torch.allclose(got_out[:8].cpu().float(), want_out.float(), atol=1e-5, rtol=2**-7)  # bf16 rows
     assert torch.equal(got_args["state"].cpu(), want_state), "padding rows wrote the state"
     print("compress_tokens padding_rows_value_checks_off ok")
     broken = _compress_call([(0, 0, 4)], 8, 2, torch.randn(1, 3, 2, 8, generator=gen), gen)

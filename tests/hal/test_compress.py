@@ -57,7 +57,8 @@ def test_c2_by_hand():
     out, emit = compress_tokens(latent, score, torch.tensor([0, 1, 2]), torch.zeros(3, dtype=torch.int64),
                                 torch.zeros(3, dtype=torch.int64), torch.zeros(1, 2, 2, 2), ratio=2)
     assert emit.tolist() == [False, True, False]
-    assert torch.allclose(out, torch.tensor([[0.0, 0.0], [7.0, 0.0], [0.0, 0.0]]), rtol=0, atol=1e-6)
+    assert out.dtype == torch.bfloat16  # 7 and 0 are bf16 values: the rounding keeps them exactly
+    assert torch.equal(out.float(), torch.tensor([[0.0, 0.0], [7.0, 0.0], [0.0, 0.0]]))
 
 
 def run_in_chunks(latent, score, chunk, ratio, ring_length=7):
@@ -100,7 +101,7 @@ def test_rollback_recomputes_group_from_ring_and_new_token(gen):
     assert torch.equal(out[0], replayed[5])
     weights = torch.softmax(torch.stack((score[4], new_score[0])).double(), dim=0)
     want = weights[0] * latent[4].double() + weights[1] * new_latent[0].double()
-    assert torch.allclose(out[0].double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(out[0].double(), want, rtol=2**-8, atol=1e-6)  # one bf16 rounding of the output
     assert torch.equal(state[0, 5, 1], new_latent[0]) and torch.equal(state[0, 4, 1], latent[4])
 
 
@@ -108,7 +109,7 @@ def test_c1_returns_latent_without_state(gen):
     latent = torch.randn(3, 8, generator=gen)
     positions = torch.tensor([4, 5, 6])
     out, emit = compress_tokens(latent, None, positions, torch.zeros(3, dtype=torch.int64), positions, None, 1)
-    assert torch.equal(out, latent) and out.data_ptr() != latent.data_ptr() and emit.all()
+    assert torch.equal(out, latent.to(torch.bfloat16)) and emit.all()
 
 
 def test_bad_inputs_are_rejected():

@@ -31,7 +31,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         raise UnsupportedInput(f"ascend950 rms_norm moves rows in 32-byte blocks: a row of {dim} x "
                                f"{x.element_size()} B is not a multiple of 32 B")
     flat = x.reshape(-1, dim)
-    summed = flat.float() + residual.reshape(-1, dim).float() if residual is not None else flat.float()
+    summed = flat.float()
+    if residual is not None:  # the new residual stream, rounded; the norm reads the rounded sum
+        summed = (summed + residual.reshape(-1, dim).float()).to(residual.dtype).float()
     out = torch.empty_like(flat)
     w = weight.float()
 

@@ -35,15 +35,16 @@ def _member(values, ring, positions, state_slots, chunk_start, t, channels, insi
 @triton.jit
 def compress_pool_kernel(latent, score, state, positions, state_slots, chunk_start, out, emit, dim, num_slots,
                          ring_length, RATIO: tl.constexpr, BLOCK: tl.constexpr):
-    """Channels ``[BLOCK * pid1, ...)`` of ``out [T, dim]`` for token ``t = pid0``: when its
+    """Channels ``[BLOCK * pid1, ...)`` of ``out bf16 [T, dim]`` for token ``t = pid0``: when its
     position ``p`` closes a group (``(p + 1) % RATIO == 0``), ``sum_i softmax_i(score_i) *
-    latent_i`` over the members at ``p - RATIO + 1 .. p`` in order, else zeros; ``emit[t]`` (int8)
+    latent_i`` over the members at ``p - RATIO + 1 .. p`` in order (float32, rounded once to bf16),
+    else zeros; ``emit[t]`` (int8)
     says which. ``RATIO == 1`` copies ``latent`` and emits every token."""
     t = tl.program_id(0).to(tl.int64)
     channels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = channels < dim
     if RATIO == 1:
-        tl.store(out + t * dim + channels, tl.load(latent + t * dim + channels, mask=inside).to(tl.float32),
+        tl.store(out + t * dim + channels, tl.load(latent + t * dim + channels, mask=inside).to(tl.bfloat16),
                  mask=inside)
         if tl.program_id(1) == 0:
             tl.store(emit + t, 1)
@@ -64,7 +65,7 @@ def compress_pool_kernel(latent, score, state, positions, state_slots, chunk_sta
                                         num_slots, ring_length, back) - peak) / total
                 pooled += weight * _member(latent, state + dim, positions, state_slots, chunk_start, t, channels,
                                            inside, dim, num_slots, ring_length, back)
-        tl.store(out + t * dim + channels, pooled, mask=inside)
+        tl.store(out + t * dim + channels, pooled.to(tl.bfloat16), mask=inside)
         if tl.program_id(1) == 0:
             tl.store(emit + t, closes.to(tl.int8))
 

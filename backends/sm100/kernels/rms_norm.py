@@ -1,8 +1,8 @@
 """RMSNorm over the last dim, optionally fused with the residual add, computed in float32.
 
 Each CTA normalises ``block_rows`` rows held in registers: with a residual it writes
-``s = x + residual`` (the new residual stream, in the residual's dtype) and
-``rms_norm(s) * weight`` (in ``x``'s dtype) in one pass over memory."""
+``s = x + residual`` (the new residual stream, rounded to the residual's dtype) and
+``rms_norm(s) * weight`` of that rounded sum (in ``x``'s dtype) in one pass over memory."""
 import tilelang
 import tilelang.language as T
 import torch
@@ -50,8 +50,9 @@ def rms_norm(dim: int, eps: float, dtype: str = "bfloat16", residual_dtype: str 
                 for i, j in T.Parallel(block_rows, dim):
                     summed[i, j] = T.if_then_else(
                         block * block_rows + i < rows,
-                        T.cast(x[block * block_rows + i, j], "float")
-                        + T.cast(residual[block * block_rows + i, j], "float"), 0.0)
+                        T.cast(T.cast(T.cast(x[block * block_rows + i, j], "float")
+                                      + T.cast(residual[block * block_rows + i, j], "float"), residual_dtype),
+                               "float"), 0.0)
                 for i, j in T.Parallel(block_rows, dim):
                     if block * block_rows + i < rows:
                         residual_out[block * block_rows + i, j] = T.cast(summed[i, j], residual_dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.hal.spec import OpCase, OpSpec, register
+from deepinfer.hal.spec import DEFAULT_TOLERANCES, OpCase, OpSpec, register
 from deepinfer.hal.value_checks import value_checks
 
 
@@ -18,7 +18,7 @@ LATENT_DTYPES = (torch.float32, torch.bfloat16)
 def compress_tokens(latent: torch.Tensor, score: torch.Tensor | None, positions: torch.Tensor,
                     state_slots: torch.Tensor, chunk_start: torch.Tensor, state: torch.Tensor | None,
                     ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress tokens ``ratio`` to one; returns ``(out float32 [T, D], emit bool [T])``.
+    """Compress tokens ``ratio`` to one; returns ``(out bf16 [T, D], emit bool [T])``.
 
     ``latent``, ``score``: float32 or bf16 ``[T, D]`` (read as float32; the projections'
     output, cast by no launch of its own); ``positions``, ``state_slots``, ``chunk_start``:
@@ -31,10 +31,11 @@ def compress_tokens(latent: torch.Tensor, score: torch.Tensor | None, positions:
     ``t - (p - q)``), earlier ones are read from ``state[slot, q % L]`` (``[..., 0, :]`` score,
     ``[..., 1, :]`` latent), ``state`` being float32 ``[num_slots, L >= ratio, 2, D]``. Then every
     token's pair is written, in place, to ``state[slot, p % L]`` (the latest position wins).
-    Rows that do not emit are zero."""
+    Rows that do not emit are zero. The pooling is float32 and ``out`` is its rounding to bf16
+    whatever the input dtype, as DeepInfer's compressor writes it."""
     check_compress_tokens(latent, positions, state_slots, chunk_start, ratio)
     if ratio == 1:
-        return latent.float().clone(), torch.ones_like(positions, dtype=torch.bool)
+        return latent.to(torch.bfloat16, copy=True), torch.ones_like(positions, dtype=torch.bool)
     check_compress_state(latent, score, state_slots, state, ratio)
     latent, score = latent.float(), score.float()
     emit = (positions + 1) % ratio == 0
@@ -43,7 +44,7 @@ def compress_tokens(latent: torch.Tensor, score: torch.Tensor | None, positions:
     pooled = (torch.softmax(member_scores, dim=1) * member_latents).sum(dim=1)
     out = torch.where(emit[:, None], pooled, torch.zeros((), device=latent.device))
     _store(state, score, latent, positions, state_slots)
-    return out, emit
+    return out.to(torch.bfloat16), emit
 
 
 def _group_members(emit, latent, score, positions, state_slots, chunk_start, state, ratio):
@@ -137,6 +138,7 @@ register(OpSpec(
     activations=False,
     summary="C1/C2 KV compression: softmax-gated pooling of ratio tokens, per-sequence state ring",
     reference=compress_tokens,
+    tolerances={dtype: DEFAULT_TOLERANCES[torch.bfloat16] for dtype in LATENT_DTYPES},  # a bf16 output
     cases=(
         OpCase("c1_tiny", _case([(0, 3, 5)], 64, ratio=1)),
         OpCase("c2_prefill_straddle", _case([(2, 3, 6), (0, 0, 5)], 64, 2, num_slots=3, ring_length=7)),

@@ -9,11 +9,12 @@ from deepinfer.hal.spec import OpCase, OpSpec, register
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim, computed in float32, returned in ``x.dtype``.
 
-    With ``residual``: ``s = x + residual`` first; returns ``(rms_norm(s) * weight, s)`` where
-    ``s`` has ``residual.dtype`` (the new residual stream)."""
+    With ``residual``: ``s = x + residual`` first, rounded to ``residual.dtype`` (the new
+    residual stream); returns ``(rms_norm(s) * weight, s)``, the norm taken of the rounded ``s``
+    as DeepInfer takes it."""
     if residual is not None:
-        summed = x.float() + residual.float()
-        return _normalize(summed, weight, eps).to(x.dtype), summed.to(residual.dtype)
+        summed = (x.float() + residual.float()).to(residual.dtype)
+        return _normalize(summed.float(), weight, eps).to(x.dtype), summed
     return _normalize(x.float(), weight, eps).to(x.dtype)
 
 

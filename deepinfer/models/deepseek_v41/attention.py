@@ -166,6 +166,7 @@ class Attention(nn.Module):
         ops, comp = self.ops, self.compressor
         keys, _ = ops.compress_tokens(latent, score, ctx.positions, ctx.slot_of_token,
                                       ctx.chunk_start_of_token, cache.compress_state, self.ratio)
+        keys = keys.to(latent.dtype)  # bf16 values; a float32 model carries them in float32
         key_pos, slots = ctx.derived(("compressed_store", self.ratio), lambda: self._store_rows(ctx, cache))
         ops.kv_norm_rope_store(keys, comp.norm.weight, comp.norm.eps, key_pos, cos_sin, cache.compressed, slots,
                                self.cfg.compressed_cache_format)
