@@ -25,6 +25,10 @@ _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the re
 UNSUPPORTED = {
     "candidate_blocks": "candidate-block top-k runs only for configs with candidate_source_layer_id (not V4.1-Flash's "
                         "or model=small's), and has " + _NOT_YET,
+    "engram_gate": "Engram runs only for configs with engram_layer_ids (not model=small's), and its gate has "
+                   + _NOT_YET,
+    "engram_hash": "Engram runs only for configs with engram_layer_ids (not model=small's), and its n-gram hash has "
+                   + _NOT_YET,
     "kv_cast": "training rounds keys through a cache format with kv_cast; inference stores them with "
                "kv_norm_rope_store, so kv_cast has " + _NOT_YET,
     "kv_store": "the model stores its SWA, compressed and indexer keys through kv_norm_rope_store (fused kernel "

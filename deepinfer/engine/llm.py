@@ -67,6 +67,10 @@ class LLM:
         self.runtime = make_runtime(torch.device(app.backend.device))
         before = self.runtime.allocated()
         self.model, self.random_weights = build_model(app.model, self.ops, self.runtime.device, engine.seed)
+        if self.groups is not None and getattr(self.model.cfg, "engram_layer_ids", None):
+            raise ConfigError(f"parallel={app.parallel.name} with Engram layers {self.model.cfg.engram_layer_ids} is "
+                              f"not supported yet: the Engram tables' distributed storage belongs to the parallelism "
+                              f"work; run Engram models on one process (parallel=single)")
         maps = []
         if self.groups is not None and self.groups.expert is not None:
             maps = shard_experts(self.model, self.groups.expert, app.parallel.num_extra_experts,

@@ -44,10 +44,12 @@ def build_model(model_cfg, ops, device: str = "cpu", seed: int = 0):
     """Instantiate the model a ``model`` config section describes, on ``device``.
 
     With ``checkpoint`` set, the checkpoint's config.json and weights are used; otherwise the
-    preset's architecture gets seeded random weights. ``weight_format`` keeps the quantized
+    preset's architecture gets seeded random weights (and, with Engram layers, the identity
+    compressed vocabulary: such a model has no tokenizer file). ``weight_format`` keeps the quantized
     weights quantized (``weights.hold_quantized``). Returns ``(model, has_random_weights)``."""
     import torch
 
+    from deepinfer.models.deepseek_v41.engram_vocab import CompressedVocab
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from deepinfer.models.deepseek_v41.weights import hold_quantized, init_random_weights, load_pretrained
 
@@ -59,5 +61,7 @@ def build_model(model_cfg, ops, device: str = "cpu", seed: int = 0):
                                 max_model_len=model_cfg.max_model_len, weight_format=model_cfg.weight_format)
         return model.to(device), False
     config = build_config({"arch": model_cfg.arch, "config": dict(model_cfg.config)})
-    model = DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=model_cfg.max_model_len)
+    vocab = CompressedVocab.identity(config.vocab_size) if config.engram_layer_ids else None
+    model = DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=model_cfg.max_model_len,
+                                   engram_vocab=vocab)
     return hold_quantized(init_random_weights(model, seed), model_cfg.weight_format).to(device), True

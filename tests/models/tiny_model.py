@@ -7,6 +7,7 @@ import torch
 
 from deepinfer.hal import OpTable
 from deepinfer.models.deepseek_v41.config import PAGE_TOKENS, DeepseekV41Config
+from deepinfer.models.deepseek_v41.engram_vocab import CompressedVocab
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41.weights import init_random_weights
 from deepinfer.models.forward_context import ForwardContext
@@ -19,8 +20,25 @@ def tiny_config(**overrides) -> DeepseekV41Config:
     return build_config(preset)
 
 
+ENGRAM = dict(engram_layer_ids=[0, 3], engram_max_ngram_size=3, engram_vocab_size=37, engram_n_heads=2,
+              engram_head_dim=32, engram_compressed_vocab_size=512)
+"""Engram on the tiny_random layout: the first layer and a YOCO consumer, orders 2 and 3, two heads."""
+
+
 def tiny_model(seed: int = 0, backend: str = "reference", **overrides) -> DeepseekV41ForCausalLM:
     model = DeepseekV41ForCausalLM(tiny_config(**overrides), OpTable(backend), max_model_len=1024)
+    return init_random_weights(model, seed)
+
+
+def tiny_engram_model(seed: int = 3, vocab: CompressedVocab | None = None, batch_invariant: bool = True,
+                      **overrides) -> DeepseekV41ForCausalLM:
+    """A random tiny model with :data:`ENGRAM` (and ``overrides``) on the reference backend; by
+    default with batch-invariant ops, so that other step shapes give bitwise equal logits, and the
+    identity compressed vocabulary."""
+    cfg = tiny_config(**{**ENGRAM, **overrides})
+    vocab = vocab or CompressedVocab.identity(cfg.vocab_size)
+    model = DeepseekV41ForCausalLM(cfg, OpTable("reference", batch_invariant=batch_invariant), max_model_len=256,
+                                   engram_vocab=vocab)
     return init_random_weights(model, seed)
 
 

@@ -5,6 +5,8 @@ from deepinfer.hal.ops import (  # noqa: F401
     candidate_blocks,
     compress,
     compressed_layout,
+    engram_gate,
+    engram_hash,
     grouped_gemm,
     grouped_linear,
     grouped_swiglu,

@@ -45,12 +45,15 @@ class LayerCache:
 
 @dataclass
 class ModelCaches:
-    """All layers' caches; allocate with :meth:`allocate`."""
+    """All layers' caches; allocate with :meth:`allocate`. ``engram_history`` (models with Engram
+    layers): int64 ``[num_state_slots, cfg.engram_history_tokens + 1]``, each slot's recent token ids
+    (:func:`~deepinfer.models.deepseek_v41.engram.ngram_token_ids`)."""
 
     layers: list[LayerCache]
     draft_layers: list[LayerCache]
     num_blocks: int
     num_state_slots: int
+    engram_history: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, config: DeepseekV41Config, num_blocks: int, num_state_slots: int,
@@ -90,6 +93,8 @@ class ModelCaches:
             draft_layers=[layer(0) for _ in range(config.num_nextn_predict_layers)],
             num_blocks=num_blocks,
             num_state_slots=num_state_slots,
+            engram_history=torch.zeros(num_state_slots, config.engram_history_tokens + 1, dtype=torch.int64,
+                                       device=device) if config.engram_layer_ids else None,
         )
 
     @staticmethod
@@ -103,10 +108,11 @@ class ModelCaches:
 
     @staticmethod
     def bytes_per_state_slot(config: DeepseekV41Config) -> int:
-        """Bytes of one sequence's SWA rings and compress state over all layers."""
+        """Bytes of one sequence's SWA rings, compress state and Engram history over all layers."""
         ring = config.swa_ring_size * token_format(config.swa_cache_format).bytes_per_token
         layers = config.num_hidden_layers + config.num_nextn_predict_layers
         sources = config.layer_sources
         state = sum(config.compress_state_ring(r) * 2 * config.head_dim * 4
                     for i, r in enumerate(config.layer_ratios) if r > 1 and sources[i].kv == i)
-        return layers * ring + state
+        engram = (config.engram_history_tokens + 1) * 8 if config.engram_layer_ids else 0
+        return layers * ring + state + engram

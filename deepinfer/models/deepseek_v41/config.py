@@ -18,9 +18,8 @@ PAGE_TOKENS = 128
 ROPE_SCALING_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "type", "rope_type"}
 REQUIRED_VALUES = {"attention_bias": False, "attention_dropout": 0.0, "dspark_target_attn_input": True}
 """Keys of DeepInfer's schema that this build reads only to check: the one value it implements."""
-ENGRAM_DETAILS = ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
-                  "engram_pad_token_id", "engram_compressed_vocab_size")
-"""Engram's table and head sizes: inert while ``engram_layer_ids`` is empty (Engram itself is refused)."""
+ENGRAM_SCALE_BLOCK = 32
+"""Values per UE8M0 scale in a row of an Engram table (the official FP8 table format)."""
 HF_BOOKKEEPING = {"architectures", "model_type", "transformers_version", "torch_dtype", "use_cache",
                   "initializer_range", "auto_map", "_name_or_path"}
 """HF bookkeeping keys that say nothing about the computation."""
@@ -40,7 +39,7 @@ def check_config_keys(values: dict[str, Any]) -> None:
     value other than the one implemented."""
     fields = {f.name for f in dataclasses.fields(DeepseekV41Config)}
     text, problems = values.get("text_config", values), []
-    unknown = sorted(set(text) - fields - set(REQUIRED_VALUES) - set(ENGRAM_DETAILS) - HF_BOOKKEEPING)
+    unknown = sorted(set(text) - fields - set(REQUIRED_VALUES) - HF_BOOKKEEPING)
     if unknown:
         problems.append(f"unknown keys {unknown} (not in DeepSeek-V4.1's config schema as this build reads it)")
     for key, value in REQUIRED_VALUES.items():
@@ -132,6 +131,12 @@ class DeepseekV41Config:
     candidate_topk_blocks: int | None = None
     candidate_block_size: int | None = None
     engram_layer_ids: list[int] = field(default_factory=list)
+    engram_max_ngram_size: int = 3
+    engram_vocab_size: int | None = None
+    engram_n_heads: int | None = None
+    engram_head_dim: int | None = None
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int | None = None
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
@@ -215,9 +220,49 @@ class DeepseekV41Config:
             need(not extra and kind == "yarn",
                  f"rope_scaling is YaRN with keys {sorted(ROPE_SCALING_KEYS)}; got type {kind!r} and unknown keys "
                  f"{extra}")
-        need(not self.engram_layer_ids, "Engram memory is not supported yet; use a config with engram_layer_ids = []")
+        self._check_engram(need)
         self._check_sources(need)
         self._check_candidates(need)
+
+    def _check_engram(self, need) -> None:
+        """Engram as DeepInfer builds it: distinct backbone layers, n-gram orders 2..N, tables of
+        at least ``engram_vocab_size`` rows per head whose rows are FP8 with a scale per 32
+        values, a pad token of the vocabulary, and the compressed tokenizer on."""
+        layers = self.engram_layer_ids
+        if not layers:
+            return
+        need(len(set(layers)) == len(layers) and all(isinstance(i, int) and 0 <= i < self.num_hidden_layers
+                                                     for i in layers),
+             f"engram_layer_ids={layers} must name distinct backbone layers 0..{self.num_hidden_layers - 1}")
+        need(self.hc_mult > 1, f"Engram gates each of hc_mult > 1 streams, got hc_mult={self.hc_mult}")
+        sizes = {"engram_max_ngram_size": (self.engram_max_ngram_size, 2),
+                 "engram_vocab_size": (self.engram_vocab_size, 2), "engram_n_heads": (self.engram_n_heads, 1),
+                 "engram_head_dim": (self.engram_head_dim, ENGRAM_SCALE_BLOCK)}
+        for key, (value, least) in sizes.items():
+            need(isinstance(value, int) and value >= least,
+                 f"{key}={value!r}: Engram layers {layers} need it as an int >= {least}")
+        need(self.engram_head_dim % ENGRAM_SCALE_BLOCK == 0,
+             f"engram_head_dim={self.engram_head_dim} must be a multiple of {ENGRAM_SCALE_BLOCK} (the tables' FP8 "
+             f"rows carry one UE8M0 scale per {ENGRAM_SCALE_BLOCK} values)")
+        need(isinstance(self.engram_pad_token_id, int) and 0 <= self.engram_pad_token_id < self.vocab_size,
+             f"engram_pad_token_id={self.engram_pad_token_id!r} must be a token id of the vocabulary "
+             f"0..{self.vocab_size - 1}")
+        need(isinstance(self.engram_compressed_vocab_size, int) and self.engram_compressed_vocab_size > 0,
+             f"engram_compressed_vocab_size={self.engram_compressed_vocab_size!r}: Engram hashes token ids of the "
+             f"compressed tokenizer (DeepInfer runs it only with tokenizer compression on); set it to the size of "
+             f"the compressed vocabulary")
+
+    @property
+    def engram_tables(self) -> int:
+        """Tables per Engram layer: one per n-gram order 2..N and head."""
+        return (self.engram_max_ngram_size - 1) * (self.engram_n_heads or 0)
+
+    @property
+    def engram_history_tokens(self) -> int:
+        """Token ids kept per sequence slot for Engram's n-grams: the N - 1 before a step's first
+        row, plus the rows of a verify step (at most ``max_backtracking``) whose drafts may be
+        rejected."""
+        return self.max_backtracking + self.engram_max_ngram_size - 1
 
     def _check_candidates(self, need) -> None:
         """Candidate-block top-k: the source layer selects its own keys; the later layers that

@@ -3,14 +3,15 @@
 The model exchanges plain dicts, official name -> float tensor. On disk each tensor is stored as
 :func:`~deepinfer.models.deepseek_v41.names.storage_format` says:
 
-=========  ================================================  ===================================
-format     ``X.weight``                                      ``X.scale`` (UE8M0, ``F8_E8M0``)
-=========  ================================================  ===================================
-``fp8``    ``F8_E4M3 [N, K]``                                ``[ceil(N/32), ceil(K/32)]``
-``mxfp4``  ``U8 [N, K/2]``, e2m1, even index in low nibble   ``[N, K/32]``
-``bf16``   ``BF16``                                          none
-``fp32``   ``F32``                                           none
-=========  ================================================  ===================================
+============  ================================================  ===================================
+format        ``X.weight``                                      ``X.scale`` (UE8M0, ``F8_E8M0``)
+============  ================================================  ===================================
+``fp8``       ``F8_E4M3 [N, K]``                                ``[ceil(N/32), ceil(K/32)]``
+``fp8_rows``  ``F8_E4M3 [N, K]``, K a multiple of 32            ``[N, K/32]`` (Engram tables)
+``mxfp4``     ``U8 [N, K/2]``, e2m1, even index in low nibble   ``[N, K/32]``
+``bf16``      ``BF16``                                          none
+``fp32``      ``F32``                                           none
+============  ================================================  ===================================
 
 The reader also accepts ``I8`` packed FP4 and ``U8`` scale bytes, and an optional ``model.``
 prefix on every name. Shards are listed in ``model.safetensors.index.json``; a checkpoint
@@ -35,9 +36,12 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 BLOCK = 32
-QUANTIZED_FORMATS = ("fp8", "mxfp4")
+QUANTIZED_FORMATS = ("fp8", "fp8_rows", "mxfp4")
+PER_ROW_FORMATS = {"fp8_rows": "fp8", "mxfp4": "mxfp4"}
+"""Formats with a scale per 32 values of each row, and the quantized format of their values."""
 STORED_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
-READABLE_DTYPES = {"fp8": ("F8_E4M3",), "mxfp4": ("U8", "I8"), "bf16": ("BF16",), "fp32": ("F32",)}
+READABLE_DTYPES = {"fp8": ("F8_E4M3",), "fp8_rows": ("F8_E4M3",), "mxfp4": ("U8", "I8"), "bf16": ("BF16",),
+                   "fp32": ("F32",)}
 READABLE_SCALE_DTYPES = ("F8_E8M0", "U8")
 DECODED_QUANTIZATION = {"weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"}
 
@@ -56,9 +60,9 @@ def stored_shapes(fmt: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tu
     if fmt == "fp8":
         n, k = shape
         return (n, k), (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
-    if fmt == "mxfp4":
+    if fmt in PER_ROW_FORMATS:
         n, k = shape
-        return (n, k // 2), (n, k // BLOCK)
+        return (n, k // 2 if fmt == "mxfp4" else k), (n, k // BLOCK)
     return tuple(shape), None
 
 
@@ -99,8 +103,8 @@ def _stored_nbytes(name: str, tensor: torch.Tensor) -> int:
     fmt = storage_format(name)
     if fmt not in QUANTIZED_FORMATS:
         return tensor.numel() * STORED_DTYPES[fmt].itemsize
-    if tensor.dim() != 2 or (fmt == "mxfp4" and tensor.shape[1] % BLOCK):
-        need = f"[N, K] with K a multiple of {BLOCK}" if fmt == "mxfp4" else "[N, K]"
+    if tensor.dim() != 2 or (fmt in PER_ROW_FORMATS and tensor.shape[1] % BLOCK):
+        need = f"[N, K] with K a multiple of {BLOCK}" if fmt in PER_ROW_FORMATS else "[N, K]"
         raise ValueError(f"state_dict[{name!r}] is stored as {fmt} and must be {need}, got {tuple(tensor.shape)}")
     data_shape, scale_shape = stored_shapes(fmt, tuple(tensor.shape))
     return math.prod(data_shape) + math.prod(scale_shape)
@@ -126,7 +130,7 @@ def _encode(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     if fmt == "fp8":
         data, scale = quantize_weight_fp8(weight, BLOCK)
     else:
-        packed = quantize(weight, "mxfp4", BLOCK)
+        packed = quantize(weight, PER_ROW_FORMATS[fmt], BLOCK)
         data, scale = packed.data, packed.scale
     return {name: data.contiguous(), scale_name(name): scale.contiguous().view(torch.float8_e8m0fnu)}
 
@@ -277,8 +281,8 @@ def _entry(fmt: str, data: StoredTensor, scale: StoredTensor | None) -> Checkpoi
         raise LoaderError(f"{data.file}: {fmt} weight {data.key!r} has shape {data.shape}; expected 2 dims")
     rows, columns = data.shape
     shape = (rows, 2 * columns) if fmt == "mxfp4" else (rows, columns)
-    if fmt == "mxfp4" and shape[1] % BLOCK:
-        raise LoaderError(f"{data.file}: mxfp4 weight {data.key!r} has K = {shape[1]}, not a multiple of {BLOCK}")
+    if fmt in PER_ROW_FORMATS and shape[1] % BLOCK:
+        raise LoaderError(f"{data.file}: {fmt} weight {data.key!r} has K = {shape[1]}, not a multiple of {BLOCK}")
     scale_shape = stored_shapes(fmt, shape)[1]
     if scale.shape != scale_shape:
         raise LoaderError(f"{scale.file}: scale {scale.key!r} has shape {scale.shape}; expected {scale_shape} "
@@ -334,8 +338,9 @@ def _decode(entry: CheckpointEntry, reader: _ShardReader, device, quantized: boo
     if entry.scale is None:
         return data
     scale = reader.read(entry.scale).to(device).view(torch.uint8)
-    if entry.fmt == "mxfp4":
-        packed = Quantized(data.view(torch.uint8), scale, "mxfp4", BLOCK)
+    if entry.fmt in PER_ROW_FORMATS:
+        values = data.view(torch.uint8) if entry.fmt == "mxfp4" else data
+        packed = Quantized(values, scale, PER_ROW_FORMATS[entry.fmt], BLOCK)
         return packed if quantized else dequantize(packed)
     if quantized and entry.shape[1] % BLOCK == 0:
         return Quantized(data, scale.repeat_interleave(BLOCK, dim=0)[:entry.shape[0]].contiguous(), "fp8", BLOCK)

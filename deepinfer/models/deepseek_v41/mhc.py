@@ -28,8 +28,8 @@ class HyperConnection(nn.Module):
                                   self.sinkhorn_iters, sinkhorn_order=self.sinkhorn_order)
 
     def run(self, residual: torch.Tensor, input_pre: torch.Tensor | None, sublayer,
-            x: torch.Tensor | None = None, norm=None,
-            next_norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            x: torch.Tensor | None = None, norm=None, next_norm=None,
+            post_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Apply ``sublayer`` on the trunk; returns ``(new trunk, this sublayer's pre mix, next
         sublayer's input)``.
 
@@ -42,7 +42,9 @@ class HyperConnection(nn.Module):
         ``norm`` (an :class:`~deepinfer.models.layers.RMSNorm`): the sublayer is fed its input
         normalised by it (normalised here when read here; a given ``x`` comes normalised by it).
         ``next_norm``: the norm of the next sublayer's input, which the shifted step returns
-        normalised (``mhc_post_pre`` normalises it in the same pass)."""
+        normalised (``mhc_post_pre`` normalises it in the same pass). ``post_only``: the shifted
+        step stops after the post mix and returns no next input, for a trunk that changes before
+        the next sublayer reads it (Engram's injection)."""
         pre, post, comb = self.mixes(residual)
         if input_pre is None:
             x = self.ops.mhc_pre(residual, pre)
@@ -50,6 +52,8 @@ class HyperConnection(nn.Module):
         if x is None:
             x = self.ops.mhc_pre(residual, input_pre)
             x = x if norm is None else norm(x)
+        if post_only:
+            return self.ops.mhc_post(sublayer(x), residual, post, comb), pre, None
         normed = {} if next_norm is None else {"norm_weight": next_norm.weight, "norm_eps": next_norm.eps}
         residual, next_x = self.ops.mhc_post_pre(sublayer(x), residual, post, comb, pre, **normed)
         return residual, pre, next_x

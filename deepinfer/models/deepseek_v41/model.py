@@ -1,6 +1,8 @@
 """DeepSeek-V4.1 causal LM, written only against the HAL op table."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -14,10 +16,14 @@ from deepinfer.models.deepseek_v41.bounded_replay import check_keep_tokens, ente
 from deepinfer.models.deepseek_v41.cache import ModelCaches
 from deepinfer.models.deepseek_v41.config import PAGE_TOKENS, ROPE_DIM, DeepseekV41Config
 from deepinfer.models.deepseek_v41.draft import DraftBlock, HyperHead
+from deepinfer.models.deepseek_v41.engram import Engram, EngramIndex, require_engram_ops, table_sizes
+from deepinfer.models.deepseek_v41.engram_vocab import CompressedVocab
 from deepinfer.models.deepseek_v41.mhc import first_stream_mix
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.interface import DraftProposal, DraftSampling
 from deepinfer.models.layers import Linear, RMSNorm, stacked
+
+log = logging.getLogger(__name__)
 
 
 class Embedding(nn.Module):
@@ -40,12 +46,13 @@ class DeepseekV41ForCausalLM(nn.Module):
     """The backbone plus DSpark draft blocks; ``forward`` returns float32 logits of the rows in
     ``ctx.logits_indices``. It implements :class:`~deepinfer.models.interface.GenerativeModel`:
     ``max_model_len`` plus ``position_margin`` (room for speculative rows past the end) bounds
-    the precomputed RoPE tables."""
+    the precomputed RoPE tables. A config with Engram layers needs ``engram_vocab``, the
+    compressed vocabulary of the model's tokenizer (:mod:`~deepinfer.models.deepseek_v41.engram`)."""
 
     page_tokens = PAGE_TOKENS
 
     def __init__(self, cfg: DeepseekV41Config, ops: OpTable, dtype: torch.dtype = torch.float32,
-                 max_model_len: int = 4096):
+                 max_model_len: int = 4096, engram_vocab: CompressedVocab | None = None):
         super().__init__()
         self.cfg, self.ops, self.max_model_len = cfg, ops, max_model_len
         self.vocab_size = cfg.vocab_size
@@ -64,6 +71,25 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.register_buffer("rope_swa", self._rope_table(compressed=False), persistent=False)
         self.register_buffer("rope_compressed", self._rope_table(compressed=True), persistent=False)
         self.register_buffer("first_pre", first_stream_mix(1, cfg.hc_mult, torch.device("cpu")), persistent=False)
+        self.engram_vocab, self.engram_index = engram_vocab, None
+        if cfg.engram_layer_ids:
+            self._add_engram(engram_vocab, dtype)
+
+    def _add_engram(self, vocab: CompressedVocab | None, dtype: torch.dtype) -> None:
+        layers = self.cfg.engram_layer_ids
+        if vocab is None:
+            raise ValueError(f"Engram layers {layers} need the compressed vocabulary of the model's tokenizer: pass "
+                             f"engram_vocab=CompressedVocab.from_tokenizer_file(<tokenizer.json>), or "
+                             f"CompressedVocab.identity(vocab_size) for a model without a tokenizer")
+        require_engram_ops(self.ops, layers)
+        if vocab.size != self.cfg.engram_compressed_vocab_size:
+            log.warning("the tokenizer's compressed vocabulary has %d ids, config.json says "
+                        "engram_compressed_vocab_size=%d; hashing with %d, as DeepInfer does",
+                        vocab.size, self.cfg.engram_compressed_vocab_size, vocab.size)
+        self.engram_index = EngramIndex(self.cfg, vocab, self.ops)
+        for index, (layer, sizes) in enumerate(zip(layers, table_sizes(self.cfg))):
+            rows = sum(sum(heads) for heads in sizes)
+            self.layers[layer].engram = Engram(self.cfg, index, rows, self.ops, dtype)
 
     def _rope_table(self, compressed: bool) -> torch.Tensor:
         cfg = self.cfg
@@ -101,18 +127,24 @@ class DeepseekV41ForCausalLM(nn.Module):
         residual = self.embed(ctx.input_ids, streams)
         pre = self.first_pre.expand(ctx.num_tokens, streams) if self.cfg.hc_shifted else None
         # the first mix reads stream 0, the embedding itself; each layer takes its input normalised by its attn_norm
-        x = self.layers[0].attn_norm(residual[:, 0]) if self.cfg.hc_shifted else None
+        x = self.layers[0].attn_norm(residual[:, 0]) if self.cfg.hc_shifted and self.layers[0].engram is None else None
+        engram_rows = self._engram_rows(ctx, caches)
         yoco, features = YocoState(), []
         for i, (layer, cache) in enumerate(zip(self.layers, caches.layers)):
+            if layer.engram is not None:  # between the previous layer's post mix (post_only) and this pre mix
+                residual = layer.engram(residual, engram_rows)
             yoco.starts_here = i == self.cfg.n_prefill_layers
             if yoco.starts_here and (ctx.replay_start is not None or ctx.replay_compact):
                 ctx, keep = enter_consumer_half(layer, residual, pre, ctx, yoco, x)
                 residual, pre, x, features = keep(residual), keep(pre), keep(x), [keep(f) for f in features]
+                engram_rows = keep(engram_rows)
             if ctx.write_draft_cache and i in self.cfg.dspark_target_layer_ids:
                 features.append(residual.mean(dim=1))
             cos_sin = self.rope_compressed if layer.ratio else self.rope_swa
             next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-            residual, pre, x = layer(residual, pre, ctx, cache, cos_sin, yoco, x, next_norm=next_norm)
+            post_only = i + 1 < len(self.layers) and self.layers[i + 1].engram is not None
+            residual, pre, x = layer(residual, pre, ctx, cache, cos_sin, yoco, x, next_norm=next_norm,
+                                     post_only=post_only)
         if ctx.write_draft_cache:
             self._write_draft_main_keys(torch.cat(features, dim=-1), ctx, caches)
         if ctx.shard is not None:  # one context-parallel rank's rows: the head reads every rank's
@@ -125,6 +157,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         elif not ctx.every_row_logits:
             x = x[ctx.logits_indices]
         return self.logits(x)
+
+    def _engram_rows(self, ctx: ForwardContext, caches: ModelCaches) -> torch.Tensor | None:
+        """Each row's Engram table rows (:class:`~deepinfer.models.deepseek_v41.engram.EngramIndex`), or None."""
+        if self.engram_index is None:
+            return None
+        if ctx.shard is not None:
+            raise ValueError("Engram under context parallelism is not supported yet: its n-gram history needs every "
+                             "row of the step (the distributed Engram belongs to the parallelism work)")
+        return self.engram_index(ctx, caches.engram_history)
 
     def _write_draft_main_keys(self, features: torch.Tensor, ctx: ForwardContext, caches: ModelCaches) -> None:
         """Store every draft layer's main keys (from the mean-over-streams target features) in its

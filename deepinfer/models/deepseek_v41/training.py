@@ -40,6 +40,9 @@ def check_training_length(cfg: DeepseekV41Config, seq_len: int) -> None:
     if sharing:
         raise ValueError(f"training a model whose layers share compressed caches ({sharing}) is not supported yet; "
                          f"train with every compressed layer its own source")
+    if cfg.engram_layer_ids:
+        raise ValueError(f"training a model with Engram layers ({cfg.engram_layer_ids}) is not supported yet; train "
+                         f"with engram_layer_ids = []")
     ratios = [r for r in cfg.layer_ratios if r]
     most = max((seq_len // r for r in ratios), default=0)
     if cfg.index_topk < most:

@@ -11,6 +11,8 @@ from deepinfer.hal import formats
 from deepinfer.hal.formats import Quantized
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.deepseek_v41.engram import EngramTable
+from deepinfer.models.deepseek_v41.engram_vocab import CompressedVocab
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41.moe import Experts
 from deepinfer.models.deepseek_v41.names import storage_format
@@ -54,8 +56,9 @@ def hold_quantized(model: DeepseekV41ForCausalLM, weight_format: str | None) -> 
     """Keep the weights the official checkpoint quantizes quantized in memory, encoded from their
     current values (exact for values the checkpoint formats hold, as :func:`init_random_weights`
     and the loader give them): with ``"mxfp4"`` the FP8 projections as FP8 (e4m3, UE8M0 per 32
-    along K) and the routed experts as MXFP4, the checkpoint's own formats; with ``"fp8"`` the
-    experts as FP8 too. None leaves every weight plain."""
+    along K), the Engram tables as FP8 (UE8M0 per 32 values of a row) and the routed experts as
+    MXFP4, the checkpoint's own formats; with ``"fp8"`` the experts as FP8 too. None leaves every
+    weight plain."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"model.weight_format must be one of {list(WEIGHT_FORMATS)}, got {weight_format!r}")
     if weight_format is None:
@@ -63,6 +66,8 @@ def hold_quantized(model: DeepseekV41ForCausalLM, weight_format: str | None) -> 
     for name, module in model.named_modules():
         if isinstance(module, Experts):
             module.hold_quantized(weight_format)
+        elif isinstance(module, EngramTable):
+            module.hold_quantized("fp8")
         elif isinstance(module, Linear) and storage_format(f"{name}.weight") == "fp8":
             module.hold_quantized("fp8")
     return model
@@ -106,6 +111,8 @@ def _random_like(name: str, shape: tuple[int, ...], gen: torch.Generator) -> tor
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
         return 1.0 + 0.05 * noise
+    if name.endswith(("engram.q_weight", "engram.k_weight")):
+        return 1.0 + 0.1 * noise
     if name.endswith("attn_sink"):
         return 0.5 * noise
     if name.endswith("gate.bias"):
@@ -124,8 +131,8 @@ def representable(name: str, value: torch.Tensor) -> torch.Tensor:
     fmt = storage_format(name)
     if fmt == "fp8":
         return formats.dequantize_weight_fp8(*formats.quantize_weight_fp8(value))
-    if fmt == "mxfp4":
-        return formats.cast_back(value, "mxfp4", 32)
+    if fmt in ("mxfp4", "fp8_rows"):
+        return formats.cast_back(value, "mxfp4" if fmt == "mxfp4" else "fp8", 32)
     if fmt == "bf16":
         return value.to(torch.bfloat16).float()
     return value.float()
@@ -141,12 +148,22 @@ def init_random_weights(model: DeepseekV41ForCausalLM, seed: int = 0) -> Deepsee
 
 
 def save_pretrained(model: DeepseekV41ForCausalLM, directory: str | Path, max_shard_bytes: int = 2**30) -> None:
-    """Write ``model`` as an official-layout checkpoint (config.json, shards, index)."""
+    """Write ``model`` as an official-layout checkpoint (config.json, shards, index), with the
+    ``tokenizer.json`` its Engram compressed vocabulary was built from when it has Engram layers."""
     from deepinfer.models.deepseek_v41.loader import save_checkpoint
+    from deepinfer.tokenizer import TOKENIZER_FILE
 
+    tokenizer = model.engram_vocab.tokenizer_json if model.engram_vocab is not None else None
+    if model.cfg.engram_layer_ids and tokenizer is None:
+        raise ValueError(f"this model's Engram layers {model.cfg.engram_layer_ids} hash through the identity "
+                         f"vocabulary of a model without a tokenizer, and a checkpoint reads its compressed "
+                         f"vocabulary from {TOKENIZER_FILE}: build the model with "
+                         f"engram_vocab=CompressedVocab.from_tokenizer_file(...) to write it")
     tensors = {name: (t.dequantize() if isinstance(t, Quantized) else t).detach().float().cpu()
                for name, t in official_state_dict(model).items()}
     save_checkpoint(directory, model.cfg.to_hf_dict(), tensors, max_shard_bytes=max_shard_bytes)
+    if tokenizer is not None:
+        (Path(directory) / TOKENIZER_FILE).write_text(tokenizer, encoding="utf-8")
 
 
 def load_pretrained(directory: str | Path, ops: OpTable, dtype: torch.dtype = torch.float32,
@@ -154,14 +171,24 @@ def load_pretrained(directory: str | Path, ops: OpTable, dtype: torch.dtype = to
                     weight_format: str | None = None) -> DeepseekV41ForCausalLM:
     """Build the model a checkpoint directory describes and load its weights; with a
     ``weight_format`` (:func:`hold_quantized`) the quantized weights go from disk to memory without
-    being dequantized."""
-    from deepinfer.models.deepseek_v41.loader import load_checkpoint
+    being dequantized. A model with Engram layers reads its compressed vocabulary from the
+    directory's ``tokenizer.json``."""
+    from deepinfer.models.deepseek_v41.loader import LoaderError, load_checkpoint
+    from deepinfer.tokenizer import TOKENIZER_FILE
 
     config = DeepseekV41Config.from_json(Path(directory) / "config.json")
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    model = hold_quantized(DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=max_model_len),
-                           weight_format)
+    vocab = None
+    if config.engram_layer_ids:
+        tokenizer = Path(directory) / TOKENIZER_FILE
+        if not tokenizer.is_file():
+            raise LoaderError(f"{directory} has no {TOKENIZER_FILE}, and its Engram layers {config.engram_layer_ids} "
+                              f"hash token ids through the tokenizer's compressed vocabulary; put the model's "
+                              f"{TOKENIZER_FILE} beside config.json")
+        vocab = CompressedVocab.from_tokenizer_file(tokenizer)
+    model = hold_quantized(DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=max_model_len,
+                                                  engram_vocab=vocab), weight_format)
     _, tensors = load_checkpoint(directory, expected_shapes(model), dtype=dtype, quantized=weight_format is not None)
     load_official_state_dict(model, tensors)
     return model
