@@ -83,21 +83,25 @@ def greedy_rows(up, gen, seeds, positions, vocab) -> list[dict]:
 
 
 def stream_rows(up, gen) -> list[dict]:
-    """The same (seed, position, case) through both draws over a uniform distribution of 4096
-    tokens: both pick floor(u * 4096), so equal tokens mean an equal uniform u."""
+    """The same (seed, position, case) through both draws over a distribution of 4096 tokens
+    (softmax of 2 * randn, a tenth of the tokens at probability 0, from a generator of its own,
+    so the shared generator's stream past this group does not depend on it): equal tokens need an
+    equal uniform and the same inversion of the CDF."""
     count, vocab, rows = 4096, 4096, []
     seeds = torch.randint(0, 1 << 62, (count,), generator=gen)
     positions = torch.randint(0, 1 << 20, (count,), generator=gen)
-    probs = torch.full((count, vocab), 1.0 / vocab)
+    own = torch.Generator().manual_seed(vocab)
+    logits = 2 * torch.randn(count, vocab, generator=own)
+    probs = torch.softmax(logits.masked_fill(torch.rand(count, vocab, generator=own) < 0.1, float("-inf")), dim=-1)
     for case, name in ((sampling.CASE_SAMPLE, "sample"), (sampling.CASE_RESAMPLE, "resample")):
-        ours = sampling.fixed_point_draw(probs, seeds, positions, case)
+        ours = sampling.cdf_draw(probs, seeds, positions, case)
         theirs = up.draw.random_sampling_ref(probs, seeds.to(torch.uint64), positions.int(),
                                              is_nextn_predict=case == sampling.CASE_RESAMPLE)
-        rows.append(row(f"seeded draw stream, case {case} ({name})", "hal.ops.sampling.fixed_point_draw",
+        rows.append(row(f"seeded draw stream, case {case} ({name})", "hal.ops.sampling.cdf_draw",
                         "random_sampling.random_sampling_ref", ours, theirs.long(), None,
-                        note="share of draws that differ (independent streams: 1 - 1/4096); ours "
-                             "seed ^ (3p+case)*golden into SplitMix64, theirs seed + (m ^ m<<13) with "
-                             "m = (3p+case)*golden; theirs inverts a float64 CDF, ours an integer one"))
+                        note="share of draws that differ; both seed + (m ^ m<<13) with m = (3p+case)*golden "
+                             "into SplitMix64, a 53-bit uniform, and the first token whose float64 prefix sum "
+                             "exceeds u * total"))
     return rows
 
 
@@ -113,12 +117,13 @@ def verify_counter_row(up, gen) -> dict:
     params = up.engine.SamplingKernelInputs(up.engine.LogitsTransformInputs(ones, ones, -ones.int()),
                                             torch.zeros(requests, dtype=torch.uint64), base.int())
     theirs = up.verify.expand_sampling_params_ref(params, to_request, local_step).sample_positions
-    ours = torch.repeat_interleave(base, rows_per_request) + torch.arange(total) - torch.repeat_interleave(
-        first, rows_per_request)
-    return row("seeded draws' counters on verify rows", "decoding/sampler.py emit(): base + j (the emitted "
-               "token's position)", "sampler.prepare_verification_metadata_ref + expand_sampling_params_ref: "
-               "base + j * 10000019", ours, theirs.long(), None,
-               note="share of rows whose sample position differs: every row after a request's first")
+    step = torch.arange(total) - torch.repeat_interleave(first, rows_per_request)
+    ours = sampling.verify_row_positions(torch.repeat_interleave(base, rows_per_request), step)
+    return row("seeded draws' counters on verify rows",
+               "decoding/sampler.py emit(): hal.ops.sampling.verify_row_positions, base + j * 10000019",
+               "sampler.prepare_verification_metadata_ref + expand_sampling_params_ref: base + j * 10000019",
+               ours, theirs.long(), None,
+               note="share of rows whose sample position differs")
 
 
 def speculative_rows(up, gen) -> list[dict]:
@@ -140,7 +145,8 @@ def speculative_rows(up, gen) -> list[dict]:
     both_rejected = ~our_accepted & ~accepted
     ours, theirs = "hal.ops.speculative.speculative_accept", "fused_sample.fused_sample_ref (reject sampling)"
     return [row("speculative accept decisions", ours, theirs, our_accepted, accepted, None,
-                note="same acceptance uniform: seed ^ (3p+2)*golden in both"),
+                note="same acceptance uniform (seed ^ (3p+2)*golden) and float32 test exp(min(log q - log p, 0)) > u"),
             row("speculative residual resample", ours, theirs, resampled[both_rejected],
                 tokens.long()[both_rejected], None,
-                note="share of rows rejected by both whose resampled token differs: the case-1 streams differ")]
+                note="share of rows rejected by both whose resampled token differs: both draw case 1 from the "
+                     "float32 residual max(q - exp(log p - 5e-5), 0)")]

@@ -68,7 +68,7 @@ INVARIANT = {
     "swa_decode_indices": "integer index arithmetic per element",
     "swa_prefill_indices": "integer index arithmetic per element",
     "swa_history_slots": "integer index arithmetic per element",
-    "sample": "one program per row: its own logits, filters and counter-based draw (integer CDF)",
+    "sample": "one program per row: its own logits, filters and counter-based draw (float64 CDF of its own row)",
     "speculative_accept": "one program per row: its own distributions and counter-based draws",
     "apply_token_bitmask": "per element: the row's mask bit",
 }

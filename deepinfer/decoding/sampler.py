@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine.device import Runtime
-from deepinfer.hal.ops.sampling import as_int64
+from deepinfer.hal.ops.sampling import as_int64, verify_row_positions
 from deepinfer.hal.ops.speculative import acceptance_probability
 from deepinfer.hal.registry import OpTable
 from deepinfer.hal.value_checks import skip_value_checks
@@ -69,8 +69,12 @@ def emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor,
          masks: tuple[torch.Tensor, torch.Tensor] | None = None, slots: SlotTokens | None = None,
          filter_order: str = "deepinfer") -> PendingEmissions:
     """Launch the sampling of a step. ``logits`` holds, for each sampling chunk in order, one
-    row per verified draft plus the final row. Draws are keyed by (seed, position of the emitted
-    token), so they do not depend on the rest of the batch. ``filter_order``
+    row per verified draft plus the final row. Draws are keyed by (seed, draw position), so they
+    do not depend on the rest of the batch: with ``base`` the position of the token a chunk's
+    first row emits (a prefill chunk's length after it, DeepInfer's ``seqlen_k``; a decode
+    chunk's start + 1, its ``seqlen_k - seqlen_q + 1``), row ``j`` draws at
+    ``base + j * VERIFY_ROW_STRIDE`` (:func:`~deepinfer.hal.ops.sampling.verify_row_positions`),
+    as DeepInfer 0.1.0 keys its verification rows. ``filter_order``
     (``decoding.filter_order``) orders top-p and top-k in the target distribution that tokens are
     drawn from and drafts are verified against. ``masks`` (grammar bitmasks and
     their rows) are applied first, so sampling, verification and logprobs all see the
@@ -100,11 +104,12 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
         first[c] = first[c - 1] + len(chunks[c - 1].drafts) + 1 if c else 0
         verify_rows[c, :len(chunk.drafts)] = first[c] + np.arange(len(chunk.drafts))
     starts = np.asarray([chunk.start for chunk, _ in rows], dtype=np.int64)
-    offsets = np.asarray([len(chunk.token_ids) - len(chunk.drafts) + j for chunk, j in rows], dtype=np.int64)
+    offsets = np.asarray([len(chunk.token_ids) - len(chunk.drafts) for chunk, _ in rows], dtype=np.int64)
     chained = np.asarray([chunk.chained for chunk, _ in rows], dtype=np.int64)
     known = slots is None or not chained.any()  # every position known here: sent as the starts, offsets 0
     host = np.concatenate([
         starts + offsets if known else starts, np.zeros_like(offsets) if known else offsets, chained,
+        np.asarray([j for _, j in rows], dtype=np.int64),
         np.asarray([chunk.slot for chunk, _ in rows], dtype=np.int64),
         np.asarray([min(j, len(chunk.drafts) - 1) if chunk.drafts else 0 for chunk, j in rows], dtype=np.int64),
         np.asarray([as_int64(chunk.request.seed) for chunk, _ in rows], dtype=np.int64),
@@ -114,20 +119,21 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
         first, np.asarray([chunk.slot for chunk in chunks], dtype=np.int64), verify_rows.reshape(-1),
         np.asarray(verify, dtype=np.int64)])
     moved = runtime.upload(host)
-    start, offset, chained, slot, column, seeds, top_k, drafts = moved[:8 * count].view(8, count)
-    temperature, top_p = moved[8 * count:9 * count].view(torch.float32).view(2, count)  # float32 pairs in int64s
-    chunk_first, chunk_slot = moved[9 * count:9 * count + 2 * n].view(2, n)
-    chunk_verify = moved[9 * count + 2 * n:9 * count + 2 * n + verify_rows.size].view(verify_rows.shape)
-    index = moved[9 * count + 2 * n + verify_rows.size:]
+    start, offset, chained, row, slot, column, seeds, top_k, drafts = moved[:9 * count].view(9, count)
+    temperature, top_p = moved[9 * count:10 * count].view(torch.float32).view(2, count)  # float32 pairs in int64s
+    chunk_first, chunk_slot = moved[10 * count:10 * count + 2 * n].view(2, n)
+    chunk_verify = moved[10 * count + 2 * n:10 * count + 2 * n + verify_rows.size].view(verify_rows.shape)
+    index = moved[10 * count + 2 * n + verify_rows.size:]
     if not known:
         start = torch.where(chained > 0, slots.length[slot], start)
     if slots is not None and verify:
         drafts = torch.where(drafts >= 0, drafts, slots.drafts[slot, column])
-    positions = start if known else start + offset
+    base = start if known else start + offset
+    positions, draws = base + row, verify_row_positions(base, row)  # the emitted token's position; the draw's
     vocab = logits.shape[-1]
     filters = any(chunk.request.params.temperature > 0 and (0 < chunk.request.top_k < vocab
                                                              or chunk.request.params.top_p < 1) for chunk, _ in rows)
-    fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, positions, filters=filters,
+    fresh, target = ops.sample(logits, temperature, top_p, top_k, seeds, draws, filters=filters,
                                filter_order=filter_order)
     tokens = fresh
     if not verify:  # one row per chunk, its final one
@@ -140,7 +146,7 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
     exact = torch.zeros(count, dtype=torch.float64, device=device)
     if verify:
         draft_logprobs = torch.stack([rows[i][0].request.draft_logprobs[rows[i][1]] for i in verify]).to(device)
-        ok, again = ops.speculative_accept(target[index], draft_logprobs, drafts[index], seeds[index], positions[index])
+        ok, again = ops.speculative_accept(target[index], draft_logprobs, drafts[index], seeds[index], draws[index])
         tokens = tokens.index_put((index,), torch.where(ok, drafts[index], again))
         accepted = accepted.index_put((index,), ok)
         exact = exact.index_put((index,), acceptance_probability(target[index], draft_logprobs))

@@ -38,7 +38,14 @@ class SamplingParams:
     ``golden_token_ids`` (teacher forcing, DeepInfer's): the outputs are these tokens (up to
     ``max_tokens``), and a DSpark draft is accepted exactly when it is the golden token at its
     position, as if the target put all its mass there: the acceptance of a drafter on a given text.
-    ``seed`` makes sampling reproducible: each draw is a pure function of (seed, position).
+    ``seed`` makes sampling reproducible: each draw is a pure function of (seed, draw position,
+    the row's processed distribution), never of the batch. The stream is DeepInfer 0.1.0's
+    PyTorch reference, bit for bit for the same distribution: the counter mix and SplitMix64 of
+    ``random_sampling_ref``, its 53-bit uniform and float64 CDF inversion, its residual resample
+    and acceptance test, the draw position of the token sampled (verification row ``j`` at
+    ``base + j * 10000019``) and the draft namespace ``seed + 1000000007``
+    (:mod:`deepinfer.hal.ops.sampling` has the rules). DeepInfer's CUDA kernel seeds TileLang's
+    RNG with ``(seed, seq)`` instead, so its GPU draws are not reproduced.
     ``logprobs`` = N returns, per output token, the log-probabilities (of the processed
     distribution) of the sampled token and the N most likely ones.
     ``structured`` constrains the output to a grammar: ``{"type": "json", "schema": dict | str}``

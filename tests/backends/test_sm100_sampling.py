@@ -3,8 +3,8 @@ interpreter on the CPU (a subprocess: the interpreter is chosen when triton is i
 OpSpec case, edge cases (ties at the k-th value, within a block and across blocks, top-p landing
 exactly on a token's preceding mass, grammar-masked rows, greedy rows beside sampled ones, seeds
 >= 2**63, the draft namespace, odd vocabulary sizes; the filter cases in both filter orders), and
-``counter_uniform`` bit for bit; then each kernel compiled for sm_90 (Hopper) to a cubin, in both
-filter orders, no GPU needed."""
+``draw_uniform`` bit for bit (every case, both namespaces); then each kernel compiled for sm_90
+(Hopper) to a cubin, in both filter orders, no GPU needed."""
 import importlib.util
 import os
 import subprocess
@@ -23,32 +23,34 @@ import torch
 import triton
 import triton.language as tl
 import deepinfer.hal.ops  # noqa: F401
-from deepinfer.hal.ops.sampling import SEED_NAMESPACE_DRAFT, as_int64, counter_uniform
+from deepinfer.hal.ops.sampling import SEED_NAMESPACE_DRAFT, as_int64, draw_uniform
 from deepinfer.hal.spec import SPECS, compare
 from deepinfer_backends.sm100 import sampling
-from deepinfer_backends.sm100.fused.sampling import counter_uniform as device_uniform
+from deepinfer_backends.sm100.fused.sampling import draw_uniform as device_uniform
 
 device = torch.device(sys.argv[1])
 gen = torch.Generator().manual_seed(0)
 
 
 @triton.jit
-def uniform_kernel(seeds, counters, out, n, NAMESPACE: tl.constexpr, BLOCK: tl.constexpr):
+def uniform_kernel(seeds, positions, out, n, CASE: tl.constexpr, NAMESPACE: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     inside = i < n
-    tl.store(out + i, device_uniform(tl.load(seeds + i, mask=inside), tl.load(counters + i, mask=inside), NAMESPACE),
-             mask=inside)
+    tl.store(out + i, device_uniform(tl.load(seeds + i, mask=inside), tl.load(positions + i, mask=inside), CASE,
+                                     NAMESPACE), mask=inside)
 
 
 seeds = torch.cat([torch.randint(-(1 << 63), (1 << 63) - 1, (500,), generator=gen),
                    torch.tensor([0, -1, -(1 << 63), (1 << 63) - 1, as_int64(2**64 - 1_000_000_007)])])
-counters = torch.cat([torch.randint(0, 1 << 40, (500,), generator=gen), torch.tensor([0, 1, 2, 3 << 40, -1])])
+positions = torch.cat([torch.randint(0, 1 << 40, (500,), generator=gen), torch.tensor([0, 1, 10000019, 3 << 40, -1])])
 for namespace in (0, SEED_NAMESPACE_DRAFT, 2**64 - 1):
-    out = torch.empty(len(seeds), dtype=torch.float64, device=device)
-    uniform_kernel[(1,)](seeds.to(device), counters.to(device), out, len(seeds), NAMESPACE=namespace, BLOCK=1024)
-    want = counter_uniform(seeds + as_int64(namespace), counters)
-    assert torch.equal(out.cpu(), want), (namespace, (out.cpu() != want).sum())
-print("counter_uniform ok")
+    for case in (0, 1, 2):
+        out = torch.empty(len(seeds), dtype=torch.float64, device=device)
+        uniform_kernel[(1,)](seeds.to(device), positions.to(device), out, len(seeds), CASE=case, NAMESPACE=namespace,
+                             BLOCK=1024)
+        want = draw_uniform(seeds + as_int64(namespace), positions, case)
+        assert torch.equal(out.cpu(), want), (namespace, case, (out.cpu() != want).sum())
+print("draw_uniform ok")
 
 
 def sample_case(rows, vocab, temperature, top_p, top_k, logits=None, **options):
@@ -117,10 +119,13 @@ target = torch.log_softmax(2 * torch.randn(5, 3001, generator=gen), dim=-1)
 draft = torch.log_softmax(2 * torch.randn(5, 3001, generator=gen), dim=-1)
 draft_masked = draft.clone()
 draft_masked[:, :1500] = float("-inf")
+target_masked = target.clone()
+target_masked[:, :1500] = float("-inf")
 SPECULATIVE_EDGES = {
     "odd_vocab_no_draft": speculative_case(5, 3001, target, draft, [-1, 0, 3000, 17, -1]),
     "draft_token_impossible": speculative_case(5, 3001, target, draft_masked, [3, 1499, 2000, 0, 10]),
     "empty_residual": speculative_case(5, 3001, draft - 1.0, draft, [3, 4, 5, -1, 7]),
+    "draft_token_impossible_under_both": speculative_case(5, 3001, target_masked, draft_masked, [3, 1499, 2000, 0, 10]),
     "no_rows": speculative_case(0, 3001, target[:0], draft[:0], []),
 }
 
@@ -145,9 +150,9 @@ def test_sampling_kernels_match_the_reference_in_the_interpreter(tmp_path):
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[0] == "counter_uniform ok"
+    assert lines[0] == "draw_uniform ok"
     spec_cases = [f"{op} {case.name} ok" for op in ("speculative_accept", "sample") for case in SPECS[op].cases]
-    assert set(spec_cases) <= set(lines) and len(lines) == 1 + len(spec_cases) + 4 + 23, lines
+    assert set(spec_cases) <= set(lines) and len(lines) == 1 + len(spec_cases) + 5 + 23, lines
     assert all(line.endswith(" ok") for line in lines), lines
 
 

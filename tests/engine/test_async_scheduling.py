@@ -102,7 +102,8 @@ def test_varlen_dspark_and_grammar_steps_are_collected_before_the_next(monkeypat
 
     curve = StepTimeCurve([1, 64], [0.010, 0.013])  # a fixed curve: lengths do not follow this machine's timing
     monkeypatch.setattr(DSpark, "measure_step_time", lambda self, rows: curve)
-    overrides = ["decoding=dspark", "decoding.varlen=true", "engine.cuda_graphs=true"]
+    overrides = ["decoding=dspark", "decoding.varlen=true", "engine.cuda_graphs=true",
+                 "decoding.verify_cost=measured"]  # the curve as it is, with no slope learnt from live steps
     _, want, _ = _generate(["engine.async_scheduling=false"] + overrides)
     _, got, overlapped = _generate(["engine.async_scheduling=true"] + overrides, monkeypatch)
     _same(got, want)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepinfer.hal.ops.sampling import (
-    CASE_ACCEPT, CASE_RESAMPLE, CASE_SAMPLE, SEED_NAMESPACE_DRAFT, SEED_NAMESPACE_TARGET, counter_uniform, sample,
+    CASE_ACCEPT, CASE_RESAMPLE, CASE_SAMPLE, SEED_NAMESPACE_DRAFT, SEED_NAMESPACE_TARGET, draw_uniform, sample,
 )
 from deepinfer.hal.spec import SPECS
 from tests.hal.oracle import check_against_oracle
@@ -13,11 +13,13 @@ from tests.hal.oracle import check_against_oracle
 MASK64 = (1 << 64) - 1
 
 
-def counter_uniform_python(seed: int, counter: int) -> float:
-    """The counter RNG in Python integers, reduced mod 2**64 after every step."""
+def draw_uniform_python(seed: int, position: int, case: int) -> float:
+    """The counter RNG in Python integers, reduced mod 2**64 after every step: the state is
+    ``seed ^ m`` (acceptance, case 2) or ``seed + (m ^ (m << 13))`` with ``m = (3p + case) * golden``."""
     golden = 0x9E3779B97F4A7C15
-    z = (seed & MASK64) ^ ((counter * golden) & MASK64)
-    z = (z + golden) & MASK64
+    m = ((3 * position + case) * golden) & MASK64
+    state = (seed ^ m) if case == CASE_ACCEPT else (seed + (m ^ ((m << 13) & MASK64))) & MASK64
+    z = (state + golden) & MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
     z ^= z >> 31
@@ -64,11 +66,14 @@ def _processed_logprobs(logits, temperature, top_p, top_k, filter_order):
     return np.where(keep, z - log_total, -np.inf)
 
 
-def _draw(logprobs, uniform):
-    weights = [math.floor(math.exp(lp) * 2 ** 31) if lp > -math.inf else 0 for lp in logprobs]
-    total = sum(weights)
-    target = math.floor(uniform * total)
-    return int(np.argmax(np.cumsum(weights) > target))
+def cdf_draw_python(probs, uniform) -> int:
+    """The first token whose float64 prefix sum (left to right) exceeds ``uniform * total``."""
+    cumulative, running = [], 0.0
+    for p in probs:
+        running += float(p)
+        cumulative.append(running)
+    target = uniform * running
+    return next((i for i, c in enumerate(cumulative) if c > target), 0)
 
 
 def sample_float64(logits, temperature, top_p, top_k, seeds, positions, case=0, filter_order="deepinfer"):
@@ -76,8 +81,8 @@ def sample_float64(logits, temperature, top_p, top_k, seeds, positions, case=0, 
     for i in range(logits.shape[0]):
         logprobs = _processed_logprobs(logits[i].numpy(), temperature[i].item(), top_p[i].item(), top_k[i].item(),
                                        filter_order)
-        uniform = counter_uniform_python(seeds[i].item(), 3 * positions[i].item() + case)
-        tokens.append(_draw(logprobs, uniform))
+        uniform = draw_uniform_python(seeds[i].item() % (1 << 64), positions[i].item(), case)
+        tokens.append(cdf_draw_python(np.exp(logprobs), uniform))
         rows.append(logprobs)
     return torch.tensor(tokens), torch.from_numpy(np.stack(rows))
 
@@ -95,15 +100,16 @@ def test_sample_matches_float64(case):
     check_against_oracle("sample", case, sample_float64)
 
 
-def test_counter_uniform_matches_python_integers():
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("case", [CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT])
+def test_draw_uniform_matches_python_integers(case):
+    rng = np.random.default_rng(case)
     odd_seeds = rng.integers(0, 1 << 63, 200, dtype=np.uint64) * 2 + 1
     seeds = [0, 1, (1 << 63) - 1, 1 << 63, MASK64] + [int(s) for s in odd_seeds]
-    counters = [0, 1, 3 * 10000019 + 2, (1 << 62) + 5, 12345] + [int(c) for c in rng.integers(0, 1 << 62, 200)]
+    positions = [0, 1, 10000019, (1 << 60) + 5, 12345] + [int(c) for c in rng.integers(0, 1 << 60, 200)]
     as_int64 = [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]
-    got = counter_uniform(torch.tensor(as_int64), torch.tensor(counters))
+    got = draw_uniform(torch.tensor(as_int64), torch.tensor(positions), case)
     assert got.dtype == torch.float64
-    assert got.tolist() == [counter_uniform_python(s, c) for s, c in zip(seeds, counters)]
+    assert got.tolist() == [draw_uniform_python(s, p, case) for s, p in zip(seeds, positions)]
     assert bool(((got >= 0) & (got < 1)).all())
 
 
@@ -143,12 +149,12 @@ def test_token_does_not_depend_on_the_rest_of_the_batch():
 def test_two_equal_tokens_split_at_one_half_of_the_uniform(case):
     positions = torch.arange(200) * 977
     tokens, _ = sample(**_args(torch.zeros(200, 2), seed=-3, positions=positions), case=case)
-    uniforms = [counter_uniform_python(-3, 3 * p + case) for p in positions.tolist()]
+    uniforms = [draw_uniform_python(MASK64 - 2, p, case) for p in positions.tolist()]
     assert tokens.tolist() == [int(u >= 0.5) for u in uniforms]
 
 
-def _seed_for_output(z: int, counter: int) -> int:
-    """The seed whose SplitMix64 output at ``counter`` is ``z``, by inverting each step."""
+def _seed_for_output(z: int, position: int) -> int:
+    """The seed whose case-0 SplitMix64 output at ``position`` is ``z``, by inverting each step."""
     def unshift(y, bits):
         x = y
         for _ in range(64 // bits):
@@ -159,15 +165,16 @@ def _seed_for_output(z: int, counter: int) -> int:
     z = unshift(z * pow(0x94D049BB133111EB, -1, 1 << 64) & MASK64, 27)
     z = unshift(z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64) & MASK64, 30)
     state = (z - 0x9E3779B97F4A7C15) & MASK64
-    seed = state ^ ((counter * 0x9E3779B97F4A7C15) & MASK64)
+    m = (3 * position * 0x9E3779B97F4A7C15) & MASK64
+    seed = (state - (m ^ ((m << 13) & MASK64))) & MASK64
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 @pytest.mark.parametrize("output, token", [(0, 1), (MASK64, 2)])
-def test_extreme_uniforms_never_pick_zero_weight_tokens(output, token):
-    seed = _seed_for_output(output, counter=3 * 9 + CASE_SAMPLE)
-    assert counter_uniform_python(seed, 27) == (0.0 if output == 0 else 1 - 2.0 ** -53)
-    # top-k keeps tokens 1 and 2; tokens 0 and 3 have weight 0 and sit at both ends of the CDF
+def test_extreme_uniforms_never_pick_zero_probability_tokens(output, token):
+    seed = _seed_for_output(output, position=9)
+    assert draw_uniform_python(seed % (1 << 64), 9, CASE_SAMPLE) == (0.0 if output == 0 else 1 - 2.0 ** -53)
+    # top-k keeps tokens 1 and 2; tokens 0 and 3 have probability 0 and sit at both ends of the CDF
     args = _args(torch.tensor([[0.0, 5.0, 5.0, 0.0]]), top_k=2, seed=seed, positions=torch.tensor([9]))
     assert sample(**args)[0].tolist() == [token]
 
@@ -267,7 +274,7 @@ def test_draft_namespace_adds_its_offset_to_the_seed_mod_2_64(case):
     args = _args(torch.zeros(positions.numel(), 2), positions=positions)
     args["seeds"] = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in row_seeds])
     tokens, _ = sample(**args, case=case, namespace=SEED_NAMESPACE_DRAFT)
-    uniforms = [counter_uniform_python((s + 1_000_000_007) & MASK64, 3 * p + case)
+    uniforms = [draw_uniform_python((s + 1_000_000_007) & MASK64, p, case)
                 for s, p in zip(row_seeds, positions.tolist())]
     assert tokens.tolist() == [int(u >= 0.5) for u in uniforms]
     target, _ = sample(**args, case=case)

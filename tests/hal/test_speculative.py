@@ -4,25 +4,23 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.hal.ops.sampling import counter_uniform
-from deepinfer.hal.ops.speculative import DRAFT_PROB_PENALTY, acceptance_probability, speculative_accept
+from deepinfer.hal.ops.sampling import CASE_SAMPLE, draw_uniform
+from deepinfer.hal.ops.speculative import DRAFT_LOGPROB_PENALTY, acceptance_probability, speculative_accept
 from deepinfer.hal.spec import SPECS
 from tests.hal.oracle import check_against_oracle
-from tests.hal.test_sampling import counter_uniform_python
+from tests.hal.test_sampling import cdf_draw_python, draw_uniform_python
 
 
 def speculative_accept_float64(target_logprobs, draft_logprobs, draft_ids, seeds, positions):
     accepted, resampled = [], []
     for r in range(target_logprobs.shape[0]):
-        q, p = np.exp(target_logprobs[r].numpy()), np.exp(draft_logprobs[r].numpy())
-        d, seed, pos = int(draft_ids[r]), int(seeds[r]), int(positions[r])
-        u = counter_uniform_python(seed % (1 << 64), 3 * pos + 2)
-        accepted.append(d >= 0 and u < min(1.0, q[d] / p[d]))
-        residual = np.maximum(q - DRAFT_PROB_PENALTY * p, 0.0)
-        residual = residual / residual.sum() if residual.sum() > 0 else q
-        weights = [math.floor(x * 2 ** 31) for x in residual]
-        target = math.floor(counter_uniform_python(seed % (1 << 64), 3 * pos + 1) * sum(weights))
-        resampled.append(int(np.argmax(np.cumsum(weights) > target)))
+        log_q, log_p = target_logprobs[r].numpy(), draft_logprobs[r].numpy()
+        d, seed, pos = int(draft_ids[r]), int(seeds[r]) % (1 << 64), int(positions[r])
+        u = draw_uniform_python(seed, pos, 2)
+        accepted.append(d >= 0 and math.exp(min(log_q[d] - log_p[d], 0.0)) > u)
+        residual = np.maximum(np.exp(log_q) - np.exp(log_p - DRAFT_LOGPROB_PENALTY), 0.0)
+        residual = residual if residual.sum() > 0 else np.exp(log_q)
+        resampled.append(cdf_draw_python(residual, draw_uniform_python(seed, pos, 1)))
     return torch.tensor(accepted), torch.tensor(resampled)
 
 
@@ -38,7 +36,7 @@ def test_emitted_tokens_follow_the_target_even_with_wrong_drafts():
     n = 20000
     seeds = torch.arange(n, dtype=torch.int64) * 7919 + 11
     positions = torch.full((n,), 5, dtype=torch.int64)
-    draws = counter_uniform(seeds + 123456789, positions)
+    draws = draw_uniform(seeds + 123456789, positions, CASE_SAMPLE)
     drafts = torch.searchsorted(p.cumsum(0), draws[:, None])[:, 0].clamp(max=4)
     accepted, resampled = speculative_accept(q.log().float().expand(n, 5).contiguous(), p.log().float().expand(n, 5).contiguous(),
                                              drafts, seeds, positions)

@@ -16,8 +16,11 @@ of a block accumulates on its own; the lanes are combined once a pass ends):
 4. the vLLM order: ``e`` over the top-k-kept tokens, summed (and stored), then for top-p rows a
    bisection over the probability's bits for the largest ``v`` with ``sum(p >= v) >= top_p``
    (float64 sums), the bracket tightened to the row's keys each pass: at most 31 passes;
-5. ``logprobs`` written and the fixed-point weights summed (int64, exact in any order);
-6. sampled rows: the drawn token, a block-wise ``tl.cumsum`` that stops at the token's block.
+5. ``logprobs`` written and ``exp(logprobs)`` summed in float64, block after block;
+6. sampled rows: the drawn token, the first of positive probability whose float64 prefix sum
+   exceeds ``u * total``: a block-wise ``tl.cumsum`` that stops at the token's block. A
+   ``tl.cumsum`` sums in a tree, not left to right as the reference's ``cumsum``, so the two can
+   part only where ``u * total`` falls within float64 rounding of a token's boundary.
 
 So 3 passes for a row without filters (2 when greedy; the draw's pass stops early). With top-k
 alone, 8 in the vLLM order and 8 plus the tie cut's partial one in DeepInfer's; with top-p, 4 (vLLM)
@@ -37,15 +40,21 @@ GOLDEN_GAMMA: tl.constexpr = tl.constexpr(sampling.GOLDEN_GAMMA)
 SPLITMIX_MUL_1: tl.constexpr = tl.constexpr(sampling.SPLITMIX_MUL_1)
 SPLITMIX_MUL_2: tl.constexpr = tl.constexpr(sampling.SPLITMIX_MUL_2)
 MIN_TEMPERATURE: tl.constexpr = tl.constexpr(sampling.MIN_TEMPERATURE)
-FIXED_POINT_ONE: tl.constexpr = tl.constexpr(float(sampling.FIXED_POINT_ONE))
+COUNTER_SHIFT: tl.constexpr = tl.constexpr(sampling.COUNTER_SHIFT)
+CASE_ACCEPT: tl.constexpr = tl.constexpr(sampling.CASE_ACCEPT)
 UNIFORM_STEP: tl.constexpr = tl.constexpr(2.0 ** -53)
 
 
 @triton.jit
-def counter_uniform(seed, counter, NAMESPACE: tl.constexpr):
-    """:func:`deepinfer.hal.ops.sampling.counter_uniform` of ``(seed + NAMESPACE, counter)``, bit for
-    bit: SplitMix64 in wrapping uint64 arithmetic, a float64 in ``[0, 1)``."""
-    z = (seed.to(tl.uint64, bitcast=True) + NAMESPACE) ^ (counter.to(tl.uint64, bitcast=True) * GOLDEN_GAMMA)
+def draw_uniform(seed, position, CASE: tl.constexpr, NAMESPACE: tl.constexpr):
+    """:func:`deepinfer.hal.ops.sampling.draw_uniform` of ``(seed + NAMESPACE, position, CASE)``,
+    bit for bit: the counter mix and SplitMix64 in wrapping uint64 arithmetic, a float64 in ``[0, 1)``."""
+    seed = seed.to(tl.uint64, bitcast=True) + NAMESPACE
+    mixed = (3 * position + CASE).to(tl.uint64, bitcast=True) * GOLDEN_GAMMA
+    if CASE == CASE_ACCEPT:
+        z = seed ^ mixed
+    else:
+        z = seed + (mixed ^ (mixed << COUNTER_SHIFT))
     z = z + GOLDEN_GAMMA
     z = (z ^ (z >> 30)) * SPLITMIX_MUL_1
     z = (z ^ (z >> 27)) * SPLITMIX_MUL_2
@@ -54,13 +63,13 @@ def counter_uniform(seed, counter, NAMESPACE: tl.constexpr):
 
 
 @triton.jit
-def draw_block(weights, offs, inside, running, target, vocab):
-    """One block of the fixed-point draw: the first token of the block whose inclusive cumsum
-    (``running`` + this block's int64 ``weights``) exceeds ``target`` (``vocab`` if none), and
-    ``running`` past the block."""
-    cumulative = running + tl.cumsum(weights, 0)
-    token = tl.min(tl.where(inside & (cumulative > target), offs, vocab))
-    return token, running + tl.sum(weights)
+def draw_block(probs, offs, inside, running, target, vocab):
+    """One block of the CDF draw: the first token of the block of positive float64 ``probs``
+    whose prefix sum (``running`` + this block's ``tl.cumsum``) exceeds ``target`` (``vocab`` if
+    none), and ``running`` past the block."""
+    cumulative = running + tl.cumsum(probs, 0)
+    token = tl.min(tl.where(inside & (probs > 0) & (cumulative > target), offs, vocab))
+    return token, running + tl.sum(probs)
 
 
 @triton.jit
@@ -254,8 +263,10 @@ def _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass
                 FILTERS: tl.constexpr, BLOCK: tl.constexpr):
     """``logprobs = z - top - log_mass`` over the kept tokens (-inf elsewhere) into ``out``: those
     whose order key is above ``kth``, or equal to it at an index up to ``cut``, with probability
-    bits at least ``p_key``. Returns the sum of the int64 weights ``floor(exp(logprobs) * 2**31)``."""
-    total = tl.zeros([BLOCK], tl.int64)
+    bits at least ``p_key``. Returns the float64 sum of ``exp(logprobs)``, block after block as the
+    draw sums them, and the last token of positive probability."""
+    total = tl.zeros([], tl.float64)
+    last = tl.zeros([], tl.int32) - 1
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < vocab
@@ -268,8 +279,10 @@ def _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass
         keep = tl.where(greedy, offs == first, keep)
         logprobs = tl.where(keep, (z - top) - log_mass, float("-inf"))
         tl.store(out + offs, logprobs, mask=inside)
-        total += tl.where(inside, tl.floor(tl.exp(logprobs) * FIXED_POINT_ONE).to(tl.int64), 0)
-    return tl.sum(total)
+        probs = tl.exp(logprobs).to(tl.float64)
+        total += tl.sum(probs)
+        last = tl.maximum(last, tl.max(tl.where(probs > 0, offs, -1)))
+    return total, last
 
 
 @triton.jit
@@ -320,23 +333,22 @@ def sample_kernel(logits, temperature, top_p, top_k, seeds, positions, token_ids
                 p_key, mass = _top_p_key(out, vocab, inv_mass, p_limit.to(tl.float32), mass, largest, BLOCK)
             log_mass = tl.log(mass.to(tl.float32))
     tl.debug_barrier()
-    weight_sum = _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass, greedy, first, FILTERS,
-                             BLOCK)
+    total, last = _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass, greedy, first, FILTERS,
+                              BLOCK)
     token = first
     if temp != 0:
         tl.debug_barrier()
-        uniform = counter_uniform(tl.load(seeds + row), 3 * tl.load(positions + row) + CASE, NAMESPACE)
-        target = tl.floor(uniform * weight_sum.to(tl.float64)).to(tl.int64)
+        target = draw_uniform(tl.load(seeds + row), tl.load(positions + row), CASE, NAMESPACE) * total
         token = tl.zeros([], tl.int32) + vocab
-        running = tl.zeros([], tl.int64)
+        running = tl.zeros([], tl.float64)
         start = tl.zeros([], tl.int32)
         while (token == vocab) & (start < vocab):
             offs = start + tl.arange(0, BLOCK)
             inside = offs < vocab
-            lp = tl.load(out + offs, mask=inside, other=float("-inf"))
-            weights = tl.floor(tl.exp(lp) * FIXED_POINT_ONE).to(tl.int64)
-            token, running = draw_block(weights, offs, inside, running, target, vocab)
+            probs = tl.exp(tl.load(out + offs, mask=inside, other=float("-inf"))).to(tl.float64)
+            token, running = draw_block(probs, offs, inside, running, target, vocab)
             start += BLOCK
+        token = tl.where(token == vocab, last, token)  # the block tree sums left no token past the target
     tl.store(token_ids + row, token.to(tl.int64))
 
 

@@ -1,15 +1,29 @@
 """Counter-based, batch-invariant token sampling (greedy takes the same path).
 
-Every draw is a pure function of ``(seed, 3 * position + case)``, so a row's token does not
-depend on what else is in the batch. ``case`` names the draw's namespace:
+Every draw is a pure function of ``(seed, position, case)`` and the row's own probabilities, so
+a row's token does not depend on what else is in the batch. The stream is DeepInfer 0.1.0's
+PyTorch reference (``random_sampling_ref`` and the reject sampling of ``fused_sample_ref``):
 
-* ``CASE_SAMPLE = 0``: the normal draw of a token;
-* ``CASE_RESAMPLE = 1``: the residual resample after a speculative rejection;
-* ``CASE_ACCEPT = 2``: the acceptance uniform of speculative verification.
+* ``case`` names the draw: ``CASE_SAMPLE = 0`` the normal draw of a token, ``CASE_RESAMPLE = 1``
+  the residual resample after a speculative rejection, ``CASE_ACCEPT = 2`` the acceptance
+  uniform of speculative verification.
+* :func:`draw_uniform`: ``m = (3 * position + case) * GOLDEN_GAMMA`` and the SplitMix64 state
+  ``seed + (m ^ (m << 13))`` for token draws (cases 0 and 1), ``seed ^ m`` for the acceptance
+  uniform, all in wrapping uint64 arithmetic; the uniform is the top 53 bits of SplitMix64's
+  output over ``2**53``.
+* :func:`cdf_draw`: the token is the first whose float64 prefix sum of the row's probabilities
+  (summed left to right) exceeds ``u * total``, so a token of probability 0 is never drawn.
+* Draft sampling draws in its own seed namespace: ``sample(..., namespace=SEED_NAMESPACE_DRAFT)``
+  uses ``seed + 1_000_000_007`` (mod ``2**64``), so a draft draw never reuses a target draw.
+* The caller chooses ``position``: the position of the token drawn for a prefill or plain decode
+  row, ``base + j * VERIFY_ROW_STRIDE`` for row ``j`` of a request's verification rows
+  (:func:`verify_row_positions`), and the position the draft token would take for a draft step.
 
-Draft sampling draws in its own seed namespace: ``sample(..., namespace=SEED_NAMESPACE_DRAFT)``
-uses ``seed + 1_000_000_007`` (mod ``2**64``), so a draft draw never reuses a target draw.
 Seeds are uint64 values held in int64 tensors (values ``>= 2**63`` stored as ``value - 2**64``).
+DeepInfer's CUDA kernel draws differently (it seeds TileLang's RNG with ``(seed, seq)``), so its
+GPU draws are not reproduced; its PyTorch reference is, bit for bit, for the same probabilities
+and positions in int32 range (its positions are int32; torch's float64 ``cumsum`` sums left to
+right on the CPU).
 """
 from __future__ import annotations
 
@@ -22,14 +36,17 @@ CASE_SAMPLE, CASE_RESAMPLE, CASE_ACCEPT = 0, 1, 2
 SEED_NAMESPACE_TARGET = 0
 SEED_NAMESPACE_DRAFT = 1_000_000_007
 """Offsets added to a request's seed: target-model draws, and DSpark draft draws."""
+VERIFY_ROW_STRIDE = 10_000_019
+"""Row ``j`` of a request's verification rows draws at ``base + j * VERIFY_ROW_STRIDE``
+(DeepInfer's ``DRAFT_POS_HASH_MUL``), ``base`` being the position of the token its first row emits."""
 FILTER_ORDERS = ("deepinfer", "vllm")
 """Orders of the top-p and top-k filters (:func:`filter_mask`); ``deepinfer`` is the default."""
 MIN_TEMPERATURE = 1e-5
-FIXED_POINT_ONE = 1 << 31
 
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: counter mixing and SplitMix64 step
 SPLITMIX_MUL_1 = 0xBF58476D1CE4E5B9  # SplitMix64 finalizer (Stafford's Mix13, as in Steele et al. 2014)
 SPLITMIX_MUL_2 = 0x94D049BB133111EB
+COUNTER_SHIFT = 13  # token draws add m ^ (m << 13) to the seed
 
 
 def as_int64(value: int) -> int:
@@ -41,22 +58,37 @@ def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """Uniform float64 in ``[0, 1)``, a pure function of each ``(seed, counter)`` pair.
-
-    In uint64 arithmetic (wrapping; held in int64): ``state = seed ^ (counter * GOLDEN_GAMMA)``,
-    then SplitMix64 (``z = state + GOLDEN_GAMMA``; ``z = (z ^ z >> 30) * SPLITMIX_MUL_1``;
-    ``z = (z ^ z >> 27) * SPLITMIX_MUL_2``; ``z ^= z >> 31``); the result is ``(z >> 11) / 2**53``.
-    ``seeds`` and ``counters``: int64 tensors of one shape."""
-    if seeds.dtype != torch.int64 or counters.dtype != torch.int64 or seeds.shape != counters.shape:
-        raise ValueError(f"seeds and counters must be int64 tensors of one shape, got {seeds.dtype} "
-                         f"{tuple(seeds.shape)} and {counters.dtype} {tuple(counters.shape)}")
-    z = seeds ^ (counters * as_int64(GOLDEN_GAMMA))
-    z = z + as_int64(GOLDEN_GAMMA)
+def splitmix_uniform(states: torch.Tensor) -> torch.Tensor:
+    """Uniform float64 in ``[0, 1)`` of each uint64 SplitMix64 state (an int64 tensor): in
+    wrapping uint64 arithmetic ``z = state + GOLDEN_GAMMA``; ``z = (z ^ z >> 30) * SPLITMIX_MUL_1``;
+    ``z = (z ^ z >> 27) * SPLITMIX_MUL_2``; ``z ^= z >> 31``; the result is ``(z >> 11) / 2**53``."""
+    z = states + as_int64(GOLDEN_GAMMA)
     z = (z ^ _shift_right_logical(z, 30)) * as_int64(SPLITMIX_MUL_1)
     z = (z ^ _shift_right_logical(z, 27)) * as_int64(SPLITMIX_MUL_2)
     z = z ^ _shift_right_logical(z, 31)
     return _shift_right_logical(z, 11).double() / float(1 << 53)
+
+
+def draw_uniform(seeds: torch.Tensor, positions: torch.Tensor, case: int) -> torch.Tensor:
+    """The uniform float64 in ``[0, 1)`` of draw ``case`` at each ``(seed, position)`` (int64
+    tensors of one shape), in wrapping uint64 arithmetic: ``m = (3 * position + case) *
+    GOLDEN_GAMMA``; the state is ``seed ^ m`` for ``CASE_ACCEPT`` and ``seed + (m ^ (m << 13))``
+    for the token draws; then :func:`splitmix_uniform`."""
+    if seeds.dtype != torch.int64 or positions.dtype != torch.int64 or seeds.shape != positions.shape:
+        raise ValueError(f"seeds and positions must be int64 tensors of one shape, got {seeds.dtype} "
+                         f"{tuple(seeds.shape)} and {positions.dtype} {tuple(positions.shape)}")
+    mixed = (3 * positions + case) * as_int64(GOLDEN_GAMMA)
+    if case == CASE_ACCEPT:
+        return splitmix_uniform(seeds ^ mixed)
+    return splitmix_uniform(seeds + (mixed ^ (mixed << COUNTER_SHIFT)))
+
+
+def verify_row_positions(base: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Draw positions of verification rows: ``base + row * VERIFY_ROW_STRIDE`` (int64), ``row``
+    the row's index among its request's rows (draft ``j``'s row is ``j``, the final row the
+    number of drafts) and ``base`` the position of the token the request's first row emits.
+    Row 0 (and a request without drafts) draws at the emitted token's position."""
+    return base + row * VERIFY_ROW_STRIDE
 
 
 def namespaced_seeds(seeds: torch.Tensor, namespace: int) -> torch.Tensor:
@@ -77,10 +109,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     first maximal token, so greedy is exact and its distribution one-hot. Other rows keep the
     tokens :func:`filter_mask` chooses in ``filter_order`` (:data:`FILTER_ORDERS`).
     ``logprobs`` is ``log_softmax`` over the kept tokens, ``-inf`` elsewhere (the processed
-    distribution). Draw: ``w = floor(exp(logprobs) * 2**31)`` (int64),
-    ``r = floor(u * sum(w))`` with ``u = counter_uniform(seed, 3 * position + case)``; the token
-    is the first whose inclusive integer cumsum of ``w`` exceeds ``r``, so tokens of weight 0 are
-    never drawn. (``sum(w) > 2**30``, so ``u < 1`` keeps ``r < sum(w)`` after float64 rounding.)
+    distribution). The token is :func:`cdf_draw` of ``exp(logprobs)`` (float32) with the
+    uniform of ``(seed, position, case)`` (:func:`draw_uniform`), so tokens of probability 0 are
+    never drawn and a one-hot (greedy) row gives its token.
     ``namespace`` is added to every seed first (:func:`namespaced_seeds`). ``filters=False``
     is the caller's word that no sampled row (temperature > 0) has top-k or top-p on: the two
     filters, which sort every row, are then skipped (same result)."""
@@ -91,7 +122,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     first_max = torch.zeros_like(keep).scatter_(1, z.argmax(dim=-1, keepdim=True), True)
     keep = torch.where((temperature == 0)[:, None], first_max, keep)
     logprobs = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
-    return fixed_point_draw(logprobs.exp(), seeds, positions, case), logprobs
+    return cdf_draw(logprobs.exp(), seeds, positions, case), logprobs
 
 
 def filter_mask(z: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, filter_order: str) -> torch.Tensor:
@@ -117,16 +148,16 @@ def filter_mask(z: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, filte
     return keep & _top_p_mask(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
 
 
-def fixed_point_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, case: int) -> torch.Tensor:
-    """One token per row of ``probs [N, V]`` (rows sum to 1): weights ``floor(p * 2**31)`` as
-    int64, ``r = floor(u * sum(w))`` with
-    ``u = counter_uniform(seed, 3 * position + case)``, and the first token whose inclusive
-    integer cumsum exceeds ``r``. Integer sums make the choice independent of float order."""
-    weights = torch.floor(probs * FIXED_POINT_ONE).long()
-    cumulative = weights.cumsum(dim=-1)
-    uniform = counter_uniform(seeds, 3 * positions + case)
-    target = torch.floor(uniform * cumulative[:, -1].double()).long()
-    return torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+def cdf_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, case: int) -> torch.Tensor:
+    """One token per row of ``probs [N, V]`` (non-negative; rows need not sum to 1), int64: with
+    ``c`` the float64 prefix sums of the row (``probs`` cast to float64, summed left to right),
+    ``u = draw_uniform(seed, position, case)`` and ``target = u * c[-1]`` (float64), the first
+    token with ``c > target``. A token of probability 0 adds nothing to ``c``, so it is never
+    drawn; a row with no mass gives token 0."""
+    cumulative = probs.double().cumsum(dim=-1)
+    target = draw_uniform(seeds, positions, case) * cumulative[:, -1]
+    token = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+    return token.masked_fill(token == probs.shape[-1], 0)
 
 
 def _top_k_mask(z: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -220,7 +251,7 @@ def _in_both_orders(name: str, *args, size: str = "tiny", **options) -> tuple[Op
 register(OpSpec(
     name="sample",
     activations=False,
-    summary="temperature / top-k / top-p sampling with a counter-based RNG and integer CDF",
+    summary="temperature / top-k / top-p sampling with a counter-based RNG and float64 CDF inversion",
     reference=sample,
     cases=(
         *_in_both_orders("tiny_mixed", 11, [1.0, 0.7, 1.3, 0.5, 2.0, 1.0], [1.0, 0.9, 0.6, 1.0, 0.8, 0.3],

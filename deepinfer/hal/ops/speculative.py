@@ -1,18 +1,18 @@
 """Speculative verification: accept a draft token with probability ``min(1, q/p)``, else
-resample from the residual ``max(q - alpha * p, 0)`` (row by row, counter-based RNG)."""
+resample from the residual ``max(q - alpha * p, 0)`` (row by row, counter-based RNG), in
+DeepInfer 0.1.0's float32 arithmetic (the reject sampling of its ``fused_sample_ref``)."""
 from __future__ import annotations
-
-import math
 
 import torch
 
-from deepinfer.hal.ops.sampling import CASE_ACCEPT, CASE_RESAMPLE, counter_uniform, fixed_point_draw
+from deepinfer.hal.ops.sampling import CASE_ACCEPT, CASE_RESAMPLE, cdf_draw, draw_uniform
 from deepinfer.hal.spec import OpCase, OpSpec, register
 from deepinfer.hal.value_checks import value_checks
 
-DRAFT_PROB_PENALTY = math.exp(-5e-5)
-"""``alpha``: shrinks the draft distribution in the residual so it is never empty; the emitted
-distribution then stays within ``(1 +- eps) q`` for ``eps = 1 - alpha``."""
+DRAFT_LOGPROB_PENALTY = 5e-5
+"""Subtracted from the draft's log-probabilities in the residual, so ``alpha = exp(-5e-5)``: it
+keeps the residual from being empty, and the emitted distribution stays within ``(1 +- eps) q``
+for ``eps = 1 - alpha``."""
 
 
 def speculative_accept(target_logprobs: torch.Tensor, draft_logprobs: torch.Tensor, draft_ids: torch.Tensor,
@@ -21,24 +21,24 @@ def speculative_accept(target_logprobs: torch.Tensor, draft_logprobs: torch.Tens
 
     ``target_logprobs`` / ``draft_logprobs``: float ``[R, V]`` log-probabilities of the request's
     processed target distribution ``q`` and of the draft distribution ``p`` the token was drawn
-    from; ``draft_ids``: int64 ``[R]`` (-1: no draft, always rejected); ``seeds``, ``positions``:
-    int64 ``[R]`` (the position of the token the row emits). Row ``r`` accepts when
-    ``u < min(1, q(d) / p(d))`` with ``u = counter_uniform(seed, 3 * position + 2)``;
-    ``resampled`` is drawn (case 1) from ``max(q - alpha * p, 0)`` renormalised, or from ``q``
-    when that residual is empty. Prefix closure across a request's rows is the caller's job."""
+    from, cast to float32 (DeepInfer's dtype); ``draft_ids``: int64 ``[R]`` (-1: no draft, always
+    rejected); ``seeds``, ``positions``: int64 ``[R]`` (the row's draw position). Row ``r``
+    accepts draft ``d`` when ``exp(min(log q(d) - log p(d), 0)) > u``, ``u`` the case-2 uniform
+    (:func:`~deepinfer.hal.ops.sampling.draw_uniform`) rounded to float32; a draft of
+    probability 0 under ``q`` is rejected (its ratio is 0, or NaN when ``p(d)`` is 0 too).
+    ``resampled`` is :func:`~deepinfer.hal.ops.sampling.cdf_draw` (case 1) of the unnormalised
+    residual ``max(exp(log q) - exp(log p - 5e-5), 0)``, or of ``q`` for a row whose residual is
+    empty (never the case for two normalised distributions; DeepInfer's reference returns token
+    0 there). Prefix closure across a request's rows is the caller's job."""
     check_speculative_args(target_logprobs, draft_logprobs, draft_ids, seeds, positions)
-    q = target_logprobs.double().exp()
-    p = draft_logprobs.double().exp()
+    target, draft = target_logprobs.float(), draft_logprobs.float()
     index = draft_ids.clamp(min=0)[:, None]
-    q_draft, p_draft = q.gather(1, index)[:, 0], p.gather(1, index)[:, 0]
-    ratio = torch.where(p_draft > 0, q_draft / p_draft.clamp(min=torch.finfo(torch.float64).tiny),
-                        torch.where(q_draft > 0, math.inf, 0.0))
-    uniform = counter_uniform(seeds, 3 * positions + CASE_ACCEPT)
-    accepted = (draft_ids >= 0) & (uniform < ratio.clamp(max=1.0))
-    residual = (q - DRAFT_PROB_PENALTY * p).clamp(min=0)
-    mass = residual.sum(dim=-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(torch.float64).tiny), q)
-    return accepted, fixed_point_draw(residual, seeds, positions, CASE_RESAMPLE)
+    ratio = (target.gather(1, index) - draft.gather(1, index))[:, 0].clamp(max=0).exp()
+    accepted = (draft_ids >= 0) & (ratio > draw_uniform(seeds, positions, CASE_ACCEPT).float())
+    q = target.exp()
+    residual = (q - (draft - DRAFT_LOGPROB_PENALTY).exp()).clamp(min=0)
+    residual = torch.where((residual.sum(dim=-1) > 0)[:, None], residual, q)
+    return accepted, cdf_draw(residual, seeds, positions, CASE_RESAMPLE)
 
 
 def acceptance_probability(target_logprobs: torch.Tensor, draft_logprobs: torch.Tensor) -> torch.Tensor:

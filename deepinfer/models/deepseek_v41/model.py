@@ -211,7 +211,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         """DSpark drafts: one parallel :meth:`draft_forward`, then token by token the Markov
         (bigram) correction from the previous token, a draw in the draft seed namespace at the
         position the token would take, and the confidence head's estimate. Nothing is read on
-        the host."""
+        the host. A block starts at the token the step emitted (``ctx.chunk_start`` is its
+        position: DeepInfer's ``base + last_valid_offset``, ``base`` the step's sample position),
+        so step ``i`` draws at ``chunk_start + 1 + i``, DeepInfer's
+        ``base + last_valid_offset + i + 1``."""
         logits, hidden = self.draft_forward(ctx, caches)
         batch, k = ctx.num_seqs, ctx.draft_block
         logits, hidden = logits.view(batch, k, -1), hidden.view(batch, k, -1)
