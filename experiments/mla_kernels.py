@@ -96,7 +96,7 @@ def run_with(kernel: tuple, fn):
     from deepinfer_backends.sm100 import attention
 
     chosen = attention.mla_kernel
-    attention.mla_kernel = lambda op, arch=None, batch_invariant=False: kernel
+    attention.mla_kernel = lambda op, arch=None, batch_invariant=False, options=None: kernel
     try:
         return fn()
     finally:
