@@ -70,8 +70,8 @@ def mhc_rows(up, gen) -> list[dict]:
     logits = 2 * torch.randn(4096, hc, hc, generator=gen)
     rows = [row("mHC Sinkhorn, 20 iterations", "hal.ops.mhc.sinkhorn", "tile_kernels.torch.sinkhorn_normalize_ref",
                 mhc.sinkhorn(logits, eps, iters), tk.sinkhorn_normalize_ref(logits, iters, eps), tol("mhc_mixes"),
-                "ours: softmax+eps, then iters x (columns, rows); theirs: softmax+eps, columns, then (iters-1) x "
-                "(rows, columns): one pass fewer, ending on columns")]
+                "both (hc_sinkhorn_order=deepinfer, the default): softmax+eps, columns, then (iters-1) x (rows, "
+                "columns); column_row (the shipped tiny model's) runs iters x (columns, rows)")]
     residual = torch.randn(tokens, hc, hidden, generator=gen).bfloat16()
     fn = torch.randn(hc * (2 + hc), hc * hidden, generator=gen) / (hc * hidden) ** 0.5
     scale, base = torch.tensor([0.7, 0.9, 1.3]), 0.5 * torch.randn(hc * (2 + hc), generator=gen)
@@ -221,12 +221,12 @@ def norm_rows(up, gen) -> list[dict]:
     same_sum = (summed == their_summed).double().mean().item()
     return [row("RMSNorm + residual (bf16)", "hal.ops.norm.rms_norm", "tilelang_ops.norm.norm_ref", normed,
                 their_normed, tol("rms_norm", torch.bfloat16),
-                f"ours normalises the float32 sum and scales by the weight in float32 (one rounding); theirs "
-                f"normalises the bf16-rounded sum, rounds, then multiplies by the bf16 weight in bf16; new "
-                f"residual bitwise equal in {same_sum:.2%}"),
+                f"both normalise the bf16-rounded sum; ours scales by the weight in float32 (one rounding), "
+                f"theirs rounds, then multiplies by the bf16 weight in bf16; new residual bitwise equal in "
+                f"{same_sum:.2%}"),
             row("RMSNorm + residual (bf16)", "hal.ops.norm.rms_norm", "tile_kernels.torch.norm_forward_ref", normed,
                 tk_normed, tol("rms_norm", torch.bfloat16),
-                "theirs normalises the bf16-rounded sum, weight in float32, one rounding")]
+                "both normalise the bf16-rounded sum, weight in float32, one rounding")]
 
 
 def compress_rows(up, gen) -> list[dict]:
@@ -242,7 +242,7 @@ def compress_rows(up, gen) -> list[dict]:
                                                               (decode_positions + 1).int(), 1, 2)
     rows.append(row("compress_tokens C2 decode: output", "hal.ops.compress.compress_tokens",
                     "compress.compress_and_update_state_decode_ref", ours, theirs, tol("compress_tokens"),
-                    f"ours float32, theirs bf16 (the kernel's output dtype); state rings bitwise equal: "
+                    f"both bf16 (pooled in float32, one rounding); state rings bitwise equal: "
                     f"{torch.equal(our_state, their_state)}"))
     our_state, their_state = state.clone(), state.clone()
     positions = torch.cat((torch.arange(3, 9), torch.arange(0, 5)))
@@ -255,7 +255,7 @@ def compress_rows(up, gen) -> list[dict]:
         up.compress._get_cuseqlen(seqlen_q), up.compress._get_cuseqlen(seqlen_k), cu_compressed, 2)
     rows.append(row("compress_tokens C2 prefill (group split across calls): output", "hal.ops.compress.compress_tokens",
                     "compress.compress_and_update_state_prefill_ref", ours[emit], theirs, tol("compress_tokens"),
-                    f"ours float32, theirs bf16; state rings bitwise equal: {torch.equal(our_state, their_state)}"))
+                    f"both bf16; state rings bitwise equal: {torch.equal(our_state, their_state)}"))
     return rows
 
 
@@ -283,17 +283,17 @@ def swiglu_row(up, gen) -> dict:
 
 
 def logits_row(up, gen) -> dict:
-    """LM head of a bf16 model: our linear in bf16 then float32, theirs written to float32."""
+    """LM head of a bf16 model: both a bf16 GEMM written to float32."""
     hidden = torch.randn(64, 4096, generator=gen).bfloat16()
     weight = (torch.randn(129280, 4096, generator=gen) * 0.05).bfloat16()
-    ours = grouped_gemm.linear(hidden, weight).float()
+    ours = grouped_gemm.linear(hidden, weight, out_dtype=torch.float32)
     theirs = up.logits.get_logits(hidden, weight, 129280)
     flips = (ours.argmax(dim=1) != theirs.argmax(dim=1)).double().mean().item()
     ties = ((ours == ours.max(dim=1, keepdim=True).values).sum(dim=1) > 1).double().mean().item()
-    return row("LM head logits (bf16 model)", "models/deepseek_v41/model.py: head (hal linear, bf16) then .float()",
-               "sampler_utils.get_logits (float32 output)", ours, theirs, tol("linear", torch.bfloat16),
-               f"deep_gemm stubbed ({STUBS['deep_gemm']}); ours rounds logits to bf16: greedy token differs in "
-               f"{flips:.1%} of rows, {ties:.1%} of rows have a tied maximum")
+    return row("LM head logits (bf16 model)", "models/deepseek_v41/model.py: head (hal linear, out_dtype=float32)",
+               "sampler_utils.get_logits (float32 output)", ours, theirs, tol("linear"),
+               f"deep_gemm stubbed ({STUBS['deep_gemm']}); both write the float32 accumulator: greedy token differs "
+               f"in {flips:.1%} of rows, {ties:.1%} of rows have a tied maximum")
 
 
 NOT_COMPARED = (

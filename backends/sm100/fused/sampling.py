@@ -81,13 +81,13 @@ def _order_key(z):
 
 
 @triton.jit
-def _scaled(src, offs, inside, scale):
-    """``z = logits / scale`` in float32 with IEEE rounding, -inf past the row."""
-    return tl.math.div_rn(tl.load(src + offs, mask=inside, other=float("-inf")).to(tl.float32), scale)
+def _scaled(src, offs, inside, inv_temperature):
+    """``z = logits * inv_temperature`` in float32 (the reciprocal rounded once), -inf past the row."""
+    return tl.load(src + offs, mask=inside, other=float("-inf")).to(tl.float32) * inv_temperature
 
 
 @triton.jit
-def _max_pass(src, scratch, vocab, scale, keep_z, BLOCK: tl.constexpr):
+def _max_pass(src, scratch, vocab, inv_temperature, keep_z, BLOCK: tl.constexpr):
     """Max of ``z``, the online ``sum(exp(z - max))`` and the first argmax (each lane of the block
     on its own, combined at the end); ``z`` stored in ``scratch`` when ``keep_z``."""
     top = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -96,7 +96,7 @@ def _max_pass(src, scratch, vocab, scale, keep_z, BLOCK: tl.constexpr):
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < vocab
-        z = _scaled(src, offs, inside, scale)
+        z = _scaled(src, offs, inside, inv_temperature)
         tl.store(scratch + offs, z, mask=inside & keep_z)
         new_top = tl.maximum(top, z)
         rescale = tl.where(top == new_top, 1.0, tl.exp(top - new_top))
@@ -259,7 +259,7 @@ def _tie_cut(scratch, vocab, top, inv_mass, top_p, by_p, k, key, BLOCK: tl.const
 
 
 @triton.jit
-def _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass, greedy, first,
+def _write_pass(src, out, vocab, inv_temperature, top, log_mass, kth, cut, p_key, inv_mass, greedy, first,
                 FILTERS: tl.constexpr, BLOCK: tl.constexpr):
     """``logprobs = z - top - log_mass`` over the kept tokens (-inf elsewhere) into ``out``: those
     whose order key is above ``kth``, or equal to it at an index up to ``cut``, with probability
@@ -270,7 +270,7 @@ def _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < vocab
-        z = _scaled(src, offs, inside, scale)
+        z = _scaled(src, offs, inside, inv_temperature)
         keep = inside
         if FILTERS:
             probability_key = (tl.exp(z - top) * inv_mass).to(tl.int32, bitcast=True)
@@ -296,12 +296,12 @@ def sample_kernel(logits, temperature, top_p, top_k, seeds, positions, token_ids
     out = logprobs + row * vocab
     temp = tl.load(temperature + row)
     greedy = temp == 0
-    scale = tl.maximum(temp.to(tl.float32), MIN_TEMPERATURE)
+    inv_temperature = tl.math.div_rn(1.0, tl.maximum(temp.to(tl.float32), MIN_TEMPERATURE))
     k = tl.load(top_k + row)
     p_limit = tl.load(top_p + row)
     by_k = FILTERS & (temp != 0) & (k > 0) & (k < vocab)
     by_p = FILTERS & (temp != 0) & (p_limit < 1.0)
-    top, total, first = _max_pass(src, out, vocab, scale, by_k | by_p, BLOCK)
+    top, total, first = _max_pass(src, out, vocab, inv_temperature, by_k | by_p, BLOCK)
     log_mass = tl.where(greedy, 0.0, tl.log(total))
     kth = tl.zeros([], tl.int64)
     cut = tl.zeros([], tl.int32) + vocab
@@ -333,7 +333,7 @@ def sample_kernel(logits, temperature, top_p, top_k, seeds, positions, token_ids
                 p_key, mass = _top_p_key(out, vocab, inv_mass, p_limit.to(tl.float32), mass, largest, BLOCK)
             log_mass = tl.log(mass.to(tl.float32))
     tl.debug_barrier()
-    total, last = _write_pass(src, out, vocab, scale, top, log_mass, kth, cut, p_key, inv_mass, greedy, first, FILTERS,
+    total, last = _write_pass(src, out, vocab, inv_temperature, top, log_mass, kth, cut, p_key, inv_mass, greedy, first, FILTERS,
                               BLOCK)
     token = first
     if temp != 0:

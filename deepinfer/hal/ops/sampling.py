@@ -105,7 +105,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 
     ``logits``: float ``[N, V]``; per row ``temperature`` (>= 0), ``top_p`` in ``(0, 1]`` (1 is
     off), ``top_k`` (int64; ``<= 0`` or ``>= V`` is off), ``seeds`` and ``positions`` (int64).
-    ``z = logits / max(temperature, 1e-5)``; a row with temperature 0 (greedy) keeps only its
+    ``z = logits * (1 / max(temperature, 1e-5))`` (the float32 reciprocal, as DeepInfer scales);
+    a row with temperature 0 (greedy) keeps only its
     first maximal token, so greedy is exact and its distribution one-hot. Other rows keep the
     tokens :func:`filter_mask` chooses in ``filter_order`` (:data:`FILTER_ORDERS`).
     ``logprobs`` is ``log_softmax`` over the kept tokens, ``-inf`` elsewhere (the processed
@@ -117,7 +118,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     filters, which sort every row, are then skipped (same result)."""
     check_sample_args(logits, temperature, top_p, top_k, seeds, positions, case, filter_order)
     seeds = namespaced_seeds(seeds, namespace)
-    z = logits.float() / temperature.float().clamp_min(MIN_TEMPERATURE)[:, None]
+    z = logits.float() * (1.0 / temperature.float().clamp_min(MIN_TEMPERATURE))[:, None]
     keep = filter_mask(z, top_p, top_k, filter_order) if filters else torch.ones_like(z, dtype=torch.bool)
     first_max = torch.zeros_like(keep).scatter_(1, z.argmax(dim=-1, keepdim=True), True)
     keep = torch.where((temperature == 0)[:, None], first_max, keep)
