@@ -20,7 +20,8 @@ def test_each_unseeded_request_draws_its_own_seed_by_default():
 
 
 def test_requests_of_one_sampling_params_share_a_seed_under_deepinfers_scope():
-    llm = LLM("tiny_random", "reference", QUIET + ["engine.seed_scope=sampling_params"])
+    # batch-invariant ops: the one request alone must see the logits it saw among four
+    llm = LLM("tiny_random", "reference", QUIET + ["engine.seed_scope=sampling_params", "engine.batch_invariant=true"])
     shared = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     runs = _tokens(llm, [shared] * 4)
     assert len({tuple(r) for r in runs}) == 1, "one SamplingParams: one seed, identical samples"
