@@ -1,8 +1,11 @@
 """The ascend950 backend: Huawei Ascend 950 (A5) NPUs through tilelang-ascend kernels, and a CPU
 emulation of those kernels' plans (``backend.execution=emulate``).
 
-The native kernels are not written yet: ``execution=native`` reports why it cannot run (the
-native stack's status, :func:`~deepinfer_backends.ascend950.platform.native_status`) and says so.
+:mod:`~deepinfer_backends.ascend950.kernels` builds RMSNorm and the grouped GEMM in
+tilelang-ascend's language (checked by lowering, ``experiments/ascend_lower.py``); the wrappers
+that compile and launch them on an NPU are not written, so ``execution=native`` reports why it
+cannot run (the native stack's status,
+:func:`~deepinfer_backends.ascend950.platform.native_status`) and says so.
 The emulation serves :data:`EMULATED` ops; with ``backend.fallback=reference`` the rest of a
 model runs on the reference. Importing this module never imports ``torch_npu``."""
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Ascend950Backend(Backend):
         dtypes=frozenset({torch.bfloat16, torch.float32}),
         fp8=True,
         collectives=frozenset({"hccl"}),
-        notes=("npu: tilelang-ascend kernels, not written yet",
+        notes=("npu: rms_norm and grouped_gemm kernels in tilelang-ascend's language lower to pto/A5; "
+               "no wrapper compiles or launches them yet",
                "cpu: an emulation of the kernels' tile plans (backend.execution=emulate), not of the hardware",
                "no kernel has run on a 950 (HARDWARE_VALIDATED)"),
     )
@@ -69,7 +73,8 @@ class Ascend950Backend(Backend):
             if not available:
                 raise RuntimeError(f"ascend950 cannot run natively here: {reason}. Run its CPU emulation with "
                                    f"backend.execution=emulate, or another backend")
-            raise NotImplementedError("the ascend950 tilelang-ascend kernels are not implemented yet; "
+            raise NotImplementedError("launching the ascend950 tilelang-ascend kernels (deepinfer_backends.ascend950."
+                                      "kernels) on an NPU is not implemented yet; "
                                       "backend.execution=emulate runs their plans on the CPU")
         from deepinfer_backends.ascend950.emulate import apply_rope, grouped_gemm, kv_norm_rope_store, mla, rms_norm
 

@@ -30,11 +30,16 @@ class GemmTiles:
     stages: int = 4
 
     def buffers(self, out_bytes: int) -> tuple[Buffer, ...]:
+        """On-chip buffers in layout order: the operands' K steps in L1, one step of each in L0A
+        and L0B, the float32 accumulator in L0C; in a vector core's UB, its half of the
+        accumulator and of the output tile (the native kernel,
+        :mod:`~deepinfer_backends.ascend950.kernels.grouped_gemm`, places them at these offsets)."""
         m, n, k, e = self.base_m, self.base_n, self.base_k, self.element
         return (Buffer("a_l1", "L1", m * k * self.stages * e, copies=2),
                 Buffer("b_l1", "L1", n * k * self.stages * e, copies=2),
                 Buffer("a_l0", "L0A", m * k * e, copies=2), Buffer("b_l0", "L0B", n * k * e, copies=2),
-                Buffer("acc", "L0C", m * n * 4), Buffer("out_ub", "UB", m * n * out_bytes, copies=2))
+                Buffer("acc", "L0C", m * n * 4), Buffer("acc_ub", "UB", m // 2 * n * 4),
+                Buffer("out_ub", "UB", m // 2 * n * out_bytes, copies=2))
 
 
 TILES = {torch.bfloat16: GemmTiles(128, 256, 64, 2), torch.float32: GemmTiles(128, 128, 32, 4),

@@ -10,14 +10,25 @@ from deepinfer.hal.backend import UnsupportedInput
 from deepinfer_backends.ascend950.buffers import AI_CORES, KIB, Buffer, layout
 from deepinfer_backends.ascend950.emulate.plan import run_row_tiles
 
-def row_tile(dim: int, element: int, platform: str = "A5") -> int:
-    """Rows a vector core's UB tile holds: input, residual and output rows (double-buffered)
-    plus a float32 working row, in at most half the UB."""
-    per_row = dim * (3 * element * 2 + 4)
-    rows = max(1, (128 * KIB) // per_row)
-    layout((Buffer("rows_in", "UB", rows * dim * element, copies=2),
+def plan_buffers(rows: int, dim: int, element: int) -> tuple[Buffer, ...]:
+    """A vector core's UB buffers for tiles of ``rows`` rows, in layout order: input rows (the
+    output is rounded into the input's slot) and residual rows, both double-buffered, the float32
+    working and squares tiles, the float32 weight row, the per-row scale and the row reduction's
+    scratch (half a float32 tile). The native kernel,
+    :mod:`~deepinfer_backends.ascend950.kernels.rms_norm`, places its buffers at these offsets."""
+    return (Buffer("rows_in", "UB", rows * dim * element, copies=2),
             Buffer("residual", "UB", rows * dim * element, copies=2),
-            Buffer("rows_out", "UB", rows * dim * element, copies=2), Buffer("work", "UB", rows * dim * 4)), platform)
+            Buffer("work", "UB", rows * dim * 4), Buffer("squares", "UB", rows * dim * 4),
+            Buffer("weight", "UB", dim * 4), Buffer("scale", "UB", rows * 4),
+            Buffer("reduce_scratch", "UB", rows * dim * 2))
+
+
+def row_tile(dim: int, element: int, platform: str = "A5") -> int:
+    """Rows a vector core's UB tile holds: :func:`plan_buffers` in at most half the UB (one row
+    at least, as long as that fits the whole UB)."""
+    per_row = dim * (2 * element * 2 + 10) + 4
+    rows = max(1, (128 * KIB - dim * 4) // per_row)
+    layout(plan_buffers(rows, dim, element), platform)
     return rows
 
 

@@ -1,0 +1,7 @@
+"""ascend950 kernels in tilelang-ascend's own language (cube and vector scopes, explicit L1, UB
+and L0 buffers). Each module builds one kernel from plain integers (shapes and the tile sizes of
+the emulation's plan, :mod:`deepinfer_backends.ascend950.emulate`) and imports ``tilelang`` only
+inside its builder, so the modules import anywhere; the kernels compile with CANN and run only
+where ``torch_npu`` imports and an NPU is present. The modules import nothing from deepinfer, so
+:mod:`experiments.ascend_lower` can load them by path in an interpreter that has tilelang-ascend
+and nothing else."""

@@ -1,0 +1,168 @@
+"""Lower each ascend950 tilelang-ascend kernel to ``pto`` for ``A5`` and check it against the
+emulation's plan: the launch's block count (one block an AI core), the tile rounds each core
+runs, every planned on-chip buffer's byte offset and size (32-byte rounded) and tile shape, and,
+for the row kernels, how a tile's GM offset follows the core and round indices. Buffers the
+lowering folds into another's storage are listed as ``merged``. The lowering runs in
+``study.python`` (an interpreter with tilelang-ascend; on x86 an aarch64 CPython under
+qemu-user-static made by ``experiments/ascend_lower_setup.sh``); the fast mode only states the
+plan's expectations, starting no interpreter. Results: ``experiments/results/ascend_lower*.csv``."""
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ascend_lower_kernels as lowering  # noqa: E402
+from deepinfer.config.schema import ConfigError  # noqa: E402
+from deepinfer.results import write_results  # noqa: E402
+from deepinfer.study import StudySettings, compose_study, study_command  # noqa: E402
+
+ALIGN = 32
+
+
+@dataclass
+class Settings(StudySettings):
+    """Which interpreter lowers, and for which target and platform."""
+
+    FAST = ("study.lower=false",)
+
+    python: Optional[str] = None
+    """Command of an interpreter with tilelang-ascend; None: ``$ASCEND_ENV/python`` (the folder
+    ``experiments/ascend_lower_setup.sh`` fills)."""
+    lower: bool = True
+    """Lower the kernels (false: only the plan's expectations)."""
+    target: str = "pto"
+    platform: str = "A5"
+
+
+def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
+    """Each kernel's lowering job with what its plan expects: ``blocks``, ``rounds``, ``offsets``
+    and ``bytes`` of the planned buffers, ``shapes`` (rows, columns) of the lowered tiles by
+    lowered name, ``names`` (plan name to lowered name) and ``gm_strides`` (the GM offset's
+    coefficient of each loop index, for the row kernels)."""
+    import torch
+
+    from deepinfer_backends.ascend950.buffers import AI_CORES, layout
+    from deepinfer_backends.ascend950.emulate import grouped_gemm as gg
+    from deepinfer_backends.ascend950.emulate import rms_norm as rn
+
+    cores = AI_CORES[platform]
+    found = []
+    for dim in (1024, 7168):
+        rows = rn.row_tile(dim, 2, platform)
+        plan = rn.plan_buffers(rows, dim, 2)
+        vector_cores = 2 * cores
+        tiles = 2 * vector_cores
+        found.append(dict(
+            name=f"rms_norm_bf16_d{dim}", module="rms_norm", builder="rms_norm_kernel",
+            kwargs=dict(rows=tiles * rows, dim=dim, tile_rows=rows, vector_cores=vector_cores, eps=1e-6,
+                        offsets=layout(plan, platform)),
+            blocks=cores, rounds=-(-tiles // vector_cores), plan=plan,
+            names={"residual": "residual_ub", "weight": "weight_ub", "reduce_scratch": "tmp_ub"},
+            shapes={"rows_in": (2 * rows, dim), "residual_ub": (2 * rows, dim), "work": (rows, dim),
+                    "weight_ub": (1, dim)},
+            gm_strides={"step": vector_cores * rows * dim, "block": 2 * rows * dim, "sub": rows * dim}))
+    for key, dtype, out_bytes in ((torch.bfloat16, "bfloat16", 2), (torch.float32, "float32", 4)):
+        t = gg.TILES[key]
+        experts, segment_rows, n, k = 8, 2 * t.base_m, 4 * t.base_n, 4 * t.base_k * t.stages
+        tiles = experts * (segment_rows // t.base_m) * (n // t.base_n)
+        plan = t.buffers(out_bytes)
+        found.append(dict(
+            name=f"grouped_gemm_{dtype}", module="grouped_gemm", builder="grouped_gemm_kernel",
+            kwargs=dict(experts=experts, segment_rows=segment_rows, n=n, k=k, base_m=t.base_m, base_n=t.base_n,
+                        base_k=t.base_k, stages=t.stages, cores=cores, offsets=layout(plan, platform), dtype=dtype),
+            blocks=cores, rounds=-(-tiles // cores), plan=plan, names={},
+            shapes={"acc": (t.base_m, t.base_n), "a_l1": (2 * t.stages * t.base_m, t.base_k),
+                    "b_l1": (2 * t.stages * t.base_n, t.base_k), "a_l0": (2 * t.base_m, t.base_k),
+                    "b_l0": (2 * t.base_k, t.base_n), "acc_ub": (t.base_m // 2, t.base_n),
+                    "out_ub": (t.base_m, t.base_n)}, gm_strides={}))
+    for case in found:
+        case.update(target=target, platform=platform)
+    return found
+
+
+def gm_strides(source: str) -> dict[str, int]:
+    """Coefficients of ``step``, ``block`` and ``sub`` in the first GM load's offset."""
+    match = re.search(r"copy_gm_to_ub\w*<[^>]*>\(\w+ \+ \(([^,]*)\), pto::Shape", source)
+    if not match:
+        return {}
+    return {name: int(c) for name, c in re.findall(r"\((\w+) \* (\d+)\)", match.group(1))}
+
+
+def compare(case: dict, lowered: Optional[dict]) -> list[dict]:
+    """One row per check of ``case`` against its lowered ``source`` (or its ``error``); with
+    ``lowered`` None, the expectations alone (status ``not lowered``)."""
+    from deepinfer_backends.ascend950.buffers import layout
+
+    offsets = layout(case["plan"], case["platform"])
+    source = (lowered or {}).get("source", "")
+    tiles = lowering.buffers(source)
+    rows = []
+
+    def row(check, expected, got, status=None):
+        if lowered is None:
+            status = "not lowered"
+        elif "error" in lowered:
+            status, got = "lowering failed", lowered["error"][:300]
+        rows.append({"kernel": case["name"], "target": case["target"], "platform": case["platform"], "check": check,
+                     "plan": expected, "lowered": got,
+                     "status": status or ("agrees" if str(expected) == str(got) else "differs")})
+
+    row("launch blocks", case["blocks"], lowering.launch_blocks(source))
+    loop = re.search(r"for \(int32_t step = 0; step < (\d+);", source)
+    row("rounds per core", case["rounds"], int(loop.group(1)) if loop else (1 if source else None))
+    for buffer in case["plan"]:
+        name = case["names"].get(buffer.name, buffer.name)
+        size = -(-buffer.bytes * buffer.copies // ALIGN) * ALIGN
+        tile = tiles.get(name)
+        merged = "merged" if source and tile is None else None
+        row(f"{buffer.scope} {buffer.name} offset", offsets[buffer.name], tile and tile["offset"], merged)
+        row(f"{buffer.scope} {buffer.name} bytes", size, tile and -(-tile["bytes"] // ALIGN) * ALIGN, merged)
+    for name, shape in case["shapes"].items():
+        tile = tiles.get(name)
+        row(f"{name} tile shape", f"{shape[0]}x{shape[1]}", tile and f"{tile['rows']}x{tile['cols']}")
+    if case["gm_strides"]:
+        strides = gm_strides(source)
+        for index, stride in case["gm_strides"].items():
+            row(f"GM offset per {index}", stride, strides.get(index))
+    return rows
+
+
+def check(python: Optional[str], target: str = "pto", platform: str = "A5") -> tuple[list[dict], dict]:
+    """Lower every case with ``python`` (None: in this interpreter) and compare; the rows and the
+    timings."""
+    jobs = cases(target, platform)
+    start = time.time()
+    answer = lowering.lower(python, [{key: case[key] for key in ("name", "module", "builder", "kwargs", "target",
+                                                                   "platform")} for case in jobs])
+    timings = {"wall_seconds": round(time.time() - start, 1), "import_seconds": answer["import_seconds"],
+               **{case["name"]: answer[case["name"]]["seconds"] for case in jobs}}
+    return [r for case in jobs for r in compare(case, answer[case["name"]])], timings
+
+
+def main(argv=None) -> int:
+    _, settings = compose_study("ascend_lower", Settings, argv)
+    if settings.lower:
+        python = settings.python or (os.environ.get("ASCEND_ENV") and str(Path(os.environ["ASCEND_ENV"]) / "python"))
+        if not python:
+            raise ConfigError("study.python is unset and so is ASCEND_ENV: give the command of an interpreter with "
+                              "tilelang-ascend (study.python=...), or the folder experiments/ascend_lower_setup.sh "
+                              "filled (ASCEND_ENV=...), or run study.lower=false")
+        rows, timings = check(python, settings.target, settings.platform)
+        print("timings (s):", timings)
+    else:
+        rows = [r for case in cases(settings.target, settings.platform) for r in compare(case, None)]
+    for r in rows:
+        print(f"{r['kernel']:<24} {r['check']:<28} plan {str(r['plan']):>10}  lowered {str(r['lowered'])[:40]:>10}  "
+              f"{r['status']}")
+    path = write_results(settings.results_path("ascend_lower"), rows, study_command("ascend_lower", argv))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
