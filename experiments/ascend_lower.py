@@ -2,7 +2,8 @@
 emulation's plan: the launch's block count (one block an AI core), the tile rounds each core
 runs, every planned on-chip buffer's byte offset and size (32-byte rounded) and tile shape, and,
 for the row kernels, how a tile's GM offset follows the core and round indices. Buffers the
-lowering folds into another's storage are listed as ``merged``. The lowering runs in
+lowering folds into another's storage are listed as ``merged``; the reduction's scratch, which
+the lowering sizes itself, need only fit the plan's reservation. The lowering runs in
 ``study.python`` (an interpreter with tilelang-ascend; on x86 an aarch64 CPython under
 qemu-user-static made by ``experiments/ascend_lower_setup.sh``); the fast mode only states the
 plan's expectations, starting no interpreter. Results: ``experiments/results/ascend_lower*.csv``."""
@@ -22,6 +23,8 @@ from deepinfer.results import write_results  # noqa: E402
 from deepinfer.study import StudySettings, compose_study, study_command  # noqa: E402
 
 ALIGN = 32
+COMPILER_SCRATCH = ("reduce_scratch",)
+"""Planned buffers the lowering allocates itself (after the annotated ones): their size is its choice."""
 
 
 @dataclass
@@ -41,13 +44,14 @@ class Settings(StudySettings):
 
 def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
     """Each kernel's lowering job with what its plan expects: ``blocks``, ``rounds``, ``offsets``
-    and ``bytes`` of the planned buffers, ``shapes`` (rows, columns) of the lowered tiles by
-    lowered name, ``names`` (plan name to lowered name) and ``gm_strides`` (the GM offset's
+    and ``bytes`` of the planned buffers, ``aliases`` (a lowered buffer placed in a planned
+    one's storage), ``shapes`` (rows, columns) of the lowered tiles by lowered name, ``names`` (plan name to lowered name) and ``gm_strides`` (the GM offset's
     coefficient of each loop index, for the row kernels)."""
     import torch
 
     from deepinfer_backends.ascend950.buffers import AI_CORES, layout
     from deepinfer_backends.ascend950.emulate import grouped_gemm as gg
+    from deepinfer_backends.ascend950.emulate import mla
     from deepinfer_backends.ascend950.emulate import rms_norm as rn
 
     cores = AI_CORES[platform]
@@ -80,6 +84,19 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
                     "b_l1": (2 * t.stages * t.base_n, t.base_k), "a_l0": (2 * t.base_m, t.base_k),
                     "b_l0": (2 * t.base_k, t.base_n), "acc_ub": (t.base_m // 2, t.base_n),
                     "out_ub": (t.base_m, t.base_n)}, gm_strides={}))
+    tokens, heads, dim, topk = cores, 2 * mla.HEAD_GROUP, 512, 4 * mla.KEY_TILE
+    g, k, d = mla.HEAD_GROUP, mla.KEY_TILE, mla.D_SPLIT
+    plan = mla.buffers(dim, 2)
+    found.append(dict(
+        name="mla_sparse_decode_bf16", module="mla_sparse_decode", builder="mla_sparse_decode_kernel",
+        kwargs=dict(tokens=tokens, heads=heads, dim=dim, topk=topk, kv_rows=4096, head_group=g, key_tile=k,
+                    d_split=d, cores=cores, scale=dim ** -0.5, offsets=layout(plan, platform)),
+        blocks=cores, rounds=-(-tokens * heads // g // cores), plan=plan,
+        names={"sink": "sink_ub", "indices": "index_ub", "reduce_scratch": "tmp_ub"},
+        aliases={"p_l0": "q_l0", "v_l0": "k_l0"},
+        shapes={"q_l1": (g, dim), "k_l1": (2 * k, dim), "q_l0": (2 * g, d), "k_l0": (2 * d, k),
+                "p_l0": (g, k), "v_l0": (k, d), "scores": (2 * g, k), "pv": (g, d), "out_acc": (dim // d * g // 2, d), "probs": (g // 2, k)},
+        gm_strides={}))
     for case in found:
         case.update(target=target, platform=platform)
     return found
@@ -121,7 +138,15 @@ def compare(case: dict, lowered: Optional[dict]) -> list[dict]:
         tile = tiles.get(name)
         merged = "merged" if source and tile is None else None
         row(f"{buffer.scope} {buffer.name} offset", offsets[buffer.name], tile and tile["offset"], merged)
-        row(f"{buffer.scope} {buffer.name} bytes", size, tile and -(-tile["bytes"] // ALIGN) * ALIGN, merged)
+        got = tile and -(-tile["bytes"] // ALIGN) * ALIGN
+        if buffer.name in COMPILER_SCRATCH:  # the lowering sizes it; the plan reserves an upper bound
+            row(f"{buffer.scope} {buffer.name} bytes (at most)", size, got,
+                merged or ("agrees" if got is not None and got <= size else "differs"))
+        else:
+            row(f"{buffer.scope} {buffer.name} bytes", size, got, merged)
+    for name, planned in case.get("aliases", {}).items():
+        tile = tiles.get(name)
+        row(f"{name} offset (in {planned}'s slot)", offsets[planned], tile and tile["offset"])
     for name, shape in case["shapes"].items():
         tile = tiles.get(name)
         row(f"{name} tile shape", f"{shape[0]}x{shape[1]}", tile and f"{tile['rows']}x{tile['cols']}")

@@ -21,14 +21,26 @@ D_SPLIT = 128
 
 
 def buffers(dim: int, element: int) -> tuple[Buffer, ...]:
-    """One block's buffers: the group's queries and a double-buffered key tile in L1, the
-    operands' 128-deep slices in L0A/L0B, the scores in L0C, and in UB the float32 output
-    accumulator, the probabilities and the running max and sum."""
-    g, k = HEAD_GROUP, KEY_TILE
+    """One block's buffers in layout order. L1: the group's queries, a double-buffered key tile
+    and the tile's probabilities in the operand dtype. L0A/L0B: the 128-deep slices of queries
+    and keys for the scores (double-buffered; the probabilities and a 128-wide key slice for
+    their product reuse these slots, idle once the tile's scores are out). L0C: the scores (double-buffered) and a 128-wide slice of that product. UB,
+    per vector core (half the group's heads): the float32 output accumulator, the scores as
+    probabilities in float32 and in the operand dtype, a product slice, the running max, the
+    previous max, the running sum, the tile's sum, the sink logits, the tile's key indices, one
+    gathered key row, a rounded output slice and the row reduction's scratch. The native kernel,
+    :mod:`~deepinfer_backends.ascend950.kernels.mla_sparse_decode`, places its buffers here."""
+    g, k, d, half = HEAD_GROUP, KEY_TILE, D_SPLIT, HEAD_GROUP // 2
     return (Buffer("q_l1", "L1", g * dim * element), Buffer("k_l1", "L1", k * dim * element, copies=2),
-            Buffer("q_l0", "L0A", g * D_SPLIT * element, copies=2), Buffer("k_l0", "L0B", k * D_SPLIT * element, copies=2),
-            Buffer("scores", "L0C", g * k * 4, copies=2), Buffer("out_acc", "UB", g * dim * 4),
-            Buffer("probs", "UB", g * k * 4), Buffer("max_sum", "UB", 2 * g * 4))
+            Buffer("p_l1", "L1", g * k * element),
+            Buffer("q_l0", "L0A", g * d * element, copies=2), Buffer("k_l0", "L0B", k * d * element, copies=2),
+            Buffer("scores", "L0C", g * k * 4, copies=2), Buffer("pv", "L0C", g * d * 4),
+            Buffer("out_acc", "UB", half * dim * 4), Buffer("probs", "UB", half * k * 4),
+            Buffer("probs_low", "UB", half * k * element), Buffer("pv_ub", "UB", half * d * 4),
+            Buffer("row_max", "UB", half * 4), Buffer("prev_max", "UB", half * 4), Buffer("row_sum", "UB", half * 4),
+            Buffer("tile_sum", "UB", half * 4), Buffer("sink", "UB", half * 4), Buffer("indices", "UB", k * 4),
+            Buffer("key_row", "UB", dim * element), Buffer("out_low", "UB", half * d * element),
+            Buffer("reduce_scratch", "UB", half * k * 2))
 
 
 def mla_sparse_decode(q, cache, indices, sink, scale, cache_format="fp8", extra_cache=None, extra_indices=None,

@@ -1,0 +1,168 @@
+"""Sparse MLA decode on the ascend950 cube and vector cores, one block per query token and group
+of ``head_group`` heads, block ``b`` on AI core ``b % cores``. Each block walks its token's
+``topk`` key indices in tiles of ``key_tile``: the two vector cores gather half the tile's key
+rows each (by index, through UB) into the core's GM key slot and flag the cube; the cube stages
+the tile in L1 (double-buffered by tile parity), computes the scores in ``d_split``-deep steps
+into L0C and hands them over through GM; each vector core keeps the running max and sum of its
+half of the heads (online softmax), rescales its float32 output accumulator and returns the
+probabilities in the operand dtype; the cube multiplies them by the keys (the values) one
+``d_split``-wide slice at a time, its operands in the score operands' L0 slots, and hands each
+slice back to be added. At the end each vector
+core divides by the sum, scales by ``sigmoid(lse - sink)``, rounds once and stores its heads'
+rows and ``lse``. Keys are the cache rows already in the operand dtype; every index is valid.
+Buffers and their order: :func:`deepinfer_backends.ascend950.emulate.mla.buffers`."""
+# no `from __future__ import annotations`: TVMScript reads the parameter annotations as objects
+
+
+def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_rows: int, head_group: int,
+                             key_tile: int, d_split: int, cores: int, scale: float, offsets: dict,
+                             dtype: str = "bfloat16"):
+    """The tilelang-ascend ``prim_func`` of ``out, lse = attend(q [tokens, heads, dim], kv [kv_rows,
+    dim] at indices [tokens, topk], sink [heads])``; ``offsets``: each buffer's byte offset in
+    its scope by plan name."""
+    import tilelang.language as T
+
+    for name, size, tile in (("heads", heads, head_group), ("topk", topk, key_tile), ("dim", dim, d_split)):
+        if size % tile:
+            raise ValueError(f"mla_sparse_decode_kernel takes whole tiles: {name}={size} is not a multiple of {tile}")
+    groups = heads // head_group
+    blocks = tokens * groups
+    rounds = -(-blocks // cores)
+    tiles = topk // key_tile
+    steps = dim // d_split
+    half = head_group // 2
+    gathered = key_tile // 2
+    accum = "float32"
+
+    @T.prim_func
+    def mla_sparse_decode(q: T.Tensor((tokens, heads, dim), dtype), kv: T.Tensor((kv_rows, dim), dtype),
+                          indices: T.Tensor((tokens, topk), "int32"), sink: T.Tensor((heads,), accum),
+                          keys_ws: T.Tensor((cores, key_tile, dim), dtype),
+                          scores_ws: T.Tensor((cores, head_group, key_tile), accum),
+                          probs_ws: T.Tensor((cores, head_group, key_tile), dtype),
+                          pv_ws: T.Tensor((cores, head_group, dim), accum),
+                          out: T.Tensor((tokens, heads, dim), dtype), lse: T.Tensor((tokens, heads), accum)):
+        with T.Kernel(cores, is_npu=True) as (core, sub):
+            q_l1 = T.alloc_L1((head_group, dim), dtype)
+            k_l1 = T.alloc_L1((2, key_tile, dim), dtype)
+            p_l1 = T.alloc_L1((head_group, key_tile), dtype)
+            q_l0 = T.alloc_L0A((2, head_group, d_split), dtype)
+            p_l0 = T.alloc_L0A((head_group, key_tile), dtype)
+            k_l0 = T.alloc_L0B((2, d_split, key_tile), dtype)
+            v_l0 = T.alloc_L0B((key_tile, d_split), dtype)
+            scores = T.alloc_L0C((2, head_group, key_tile), accum)
+            pv = T.alloc_L0C((head_group, d_split), accum)
+            out_acc = T.alloc_ub((steps, half, d_split), accum)
+            probs = T.alloc_ub((half, key_tile), accum)
+            probs_low = T.alloc_ub((half, key_tile), dtype)
+            pv_ub = T.alloc_ub((half, d_split), accum)
+            row_max = T.alloc_ub((half,), accum)
+            prev_max = T.alloc_ub((half,), accum)
+            row_sum = T.alloc_ub((half,), accum)
+            tile_sum = T.alloc_ub((half,), accum)
+            sink_ub = T.alloc_ub((half,), accum)
+            index_ub = T.alloc_ub((key_tile,), "int32")
+            key_row = T.alloc_ub((1, dim), dtype)
+            out_low = T.alloc_ub((half, d_split), dtype)
+            T.annotate_address({q_l1: offsets["q_l1"], k_l1: offsets["k_l1"], p_l1: offsets["p_l1"],
+                                q_l0: offsets["q_l0"], p_l0: offsets["q_l0"], k_l0: offsets["k_l0"],
+                                v_l0: offsets["k_l0"], scores: offsets["scores"], pv: offsets["pv"],
+                                out_acc: offsets["out_acc"], probs: offsets["probs"], probs_low: offsets["probs_low"],
+                                pv_ub: offsets["pv_ub"], row_max: offsets["row_max"], prev_max: offsets["prev_max"],
+                                row_sum: offsets["row_sum"], tile_sum: offsets["tile_sum"], sink_ub: offsets["sink"],
+                                index_ub: offsets["indices"], key_row: offsets["key_row"],
+                                out_low: offsets["out_low"]})
+            with T.Scope("C"):
+                for step in T.serial(rounds):
+                    block = step * cores + core
+                    if block < blocks:
+                        token = block // groups
+                        h0 = block % groups * head_group
+                        T.copy(q[token, h0:h0 + head_group, :], q_l1)
+                        for t in T.serial(tiles):
+                            T.wait_cross_flag(0)
+                            T.copy(keys_ws[core, :, :], k_l1[t % 2, :, :])
+                            T.barrier_all()
+                            for d in T.serial(steps):
+                                T.copy(q_l1[:, d * d_split:(d + 1) * d_split], q_l0[d % 2, :, :])
+                                T.copy(k_l1[t % 2, :, d * d_split:(d + 1) * d_split], k_l0[d % 2, :, :],
+                                       transpose=True)
+                                T.barrier_all()
+                                T.mma(q_l0[d % 2, :, :], k_l0[d % 2, :, :], scores[t % 2, :, :], init=(d == 0))
+                                T.barrier_all()
+                            T.copy(scores[t % 2, :, :], scores_ws[core, :, :])
+                            T.set_cross_flag("FIX", 1)
+                            T.wait_cross_flag(2)
+                            T.copy(probs_ws[core, :, :], p_l1)
+                            T.barrier_all()
+                            T.copy(p_l1, p_l0)
+                            for d in T.serial(steps):
+                                T.copy(k_l1[t % 2, :, d * d_split:(d + 1) * d_split], v_l0)
+                                T.barrier_all()
+                                T.mma(p_l0, v_l0, pv, init=True)
+                                T.barrier_all()
+                                T.copy(pv, pv_ws[core, :, d * d_split:(d + 1) * d_split])
+                                T.barrier_all()
+                            T.set_cross_flag("FIX", 3)
+                            T.wait_cross_flag(4)
+            with T.Scope("V"):
+                for step in T.serial(rounds):
+                    block = step * cores + core
+                    if block < blocks:
+                        token = block // groups
+                        h0 = block % groups * head_group + sub * half
+                        T.tile.fill(out_acc, 0.0)
+                        T.tile.fill(row_sum, 0.0)
+                        T.tile.fill(row_max, -2.0 ** 30)
+                        T.copy(sink[h0:h0 + half], sink_ub)
+                        for t in T.serial(tiles):
+                            T.copy(indices[token, t * key_tile:(t + 1) * key_tile], index_ub)
+                            T.barrier_all()
+                            for j in T.serial(gathered):
+                                T.copy(kv[index_ub[sub * gathered + j], :], key_row)
+                                T.barrier_all()
+                                T.copy(key_row, keys_ws[core, sub * gathered + j, :])
+                                T.barrier_all()
+                            T.set_cross_flag("MTE3", 0)
+                            T.wait_cross_flag(1)
+                            T.copy(scores_ws[core, sub * half:(sub + 1) * half, :], probs)
+                            T.barrier_all()
+                            T.tile.mul(probs, probs, scale)
+                            T.copy(row_max, prev_max)
+                            T.reduce_max(probs, tile_sum, dim=-1)
+                            T.tile.max(row_max, row_max, tile_sum)
+                            T.tile.sub(prev_max, prev_max, row_max)
+                            T.tile.exp(prev_max, prev_max)
+                            for r in T.serial(half):
+                                T.tile.sub(probs[r, :], probs[r, :], row_max[r])
+                            T.tile.exp(probs, probs)
+                            T.reduce_sum(probs, tile_sum, dim=-1)
+                            T.tile.mul(row_sum, row_sum, prev_max)
+                            T.tile.add(row_sum, row_sum, tile_sum)
+                            for d in T.serial(steps):
+                                T.tile.row_expand_mul(out_acc[d, :, :], out_acc[d, :, :], prev_max)
+                            T.tile.cast(probs_low, probs, "CAST_RINT", half * key_tile)
+                            T.barrier_all()
+                            T.copy(probs_low, probs_ws[core, sub * half:(sub + 1) * half, :])
+                            T.set_cross_flag("MTE3", 2)
+                            T.wait_cross_flag(3)
+                            for d in T.serial(steps):
+                                T.copy(pv_ws[core, sub * half:(sub + 1) * half, d * d_split:(d + 1) * d_split], pv_ub)
+                                T.barrier_all()
+                                T.tile.add(out_acc[d, :, :], out_acc[d, :, :], pv_ub)
+                                T.barrier_all()
+                            T.set_cross_flag("V", 4)
+                        T.tile.ln(tile_sum, row_sum)
+                        T.tile.add(row_max, row_max, tile_sum)
+                        T.copy(row_max, lse[token, h0:h0 + half])
+                        T.tile.sub(prev_max, row_max, sink_ub)
+                        T.tile.sigmoid(prev_max, prev_max)
+                        T.tile.div(prev_max, prev_max, row_sum)
+                        for d in T.serial(steps):
+                            T.tile.row_expand_mul(out_acc[d, :, :], out_acc[d, :, :], prev_max)
+                            T.tile.cast(out_low, out_acc[d, :, :], "CAST_RINT", half * d_split)
+                            T.barrier_all()
+                            T.copy(out_low, out[token, h0:h0 + half, d * d_split:(d + 1) * d_split])
+                            T.barrier_all()
+
+    return mla_sparse_decode
