@@ -43,10 +43,11 @@ class Settings(StudySettings):
 
 
 def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
-    """Each kernel's lowering job with what its plan expects: ``blocks``, ``rounds``, ``offsets``
-    and ``bytes`` of the planned buffers, ``aliases`` (a lowered buffer placed in a planned
-    one's storage), ``shapes`` (rows, columns) of the lowered tiles by lowered name, ``names`` (plan name to lowered name) and ``gm_strides`` (the GM offset's
-    coefficient of each loop index, for the row kernels)."""
+    """Each kernel's lowering job with what its plan expects: ``blocks``, ``rounds``, the
+    planned buffers (``plan``), ``names`` (plan name to lowered name where they differ),
+    ``aliases`` (a lowered buffer placed in a planned one's storage), ``shapes`` (rows, columns)
+    of lowered tiles by lowered name and ``gm_strides`` (the GM offset's coefficient of each loop
+    index, for the row kernels)."""
     import torch
 
     from deepinfer_backends.ascend950.buffers import AI_CORES, layout

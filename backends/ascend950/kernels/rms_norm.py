@@ -2,7 +2,7 @@
 ``tile_rows`` rows, tile ``t`` run by vector core ``t % vector_cores`` (two vector cores an AI
 core, so block ``b``'s cores are ``2b`` and ``2b + 1``). A tile is copied into UB, widened to
 float32, summed with the residual tile (the sum rounded to the residual's dtype, stored back as
-the new residual), its squares reduced per row, scaled by ``rsqrt(mean + eps)`` and the weight,
+the new residual), its squares summed per row, scaled by ``rsqrt(sum / dim + eps)`` and the weight,
 rounded once into the input tile's slot, and copied out. Buffers, in the plan's order
 (:func:`deepinfer_backends.ascend950.emulate.rms_norm.plan_buffers`): ``rows_in`` and
 ``residual`` double-buffered by tile parity, the float32 ``work`` and ``squares`` tiles, the
