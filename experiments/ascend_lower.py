@@ -96,7 +96,8 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
         names={"sink": "sink_ub", "indices": "index_ub", "reduce_scratch": "tmp_ub"},
         aliases={"p_l0": "q_l0", "v_l0": "k_l0"},
         shapes={"q_l1": (g, dim), "k_l1": (2 * k, dim), "q_l0": (2 * g, d), "k_l0": (2 * d, k),
-                "p_l0": (g, k), "v_l0": (k, d), "scores": (2 * g, k), "pv": (g, d), "out_acc": (dim // d * g // 2, d), "probs": (g // 2, k)},
+                "p_l0": (g, k), "v_l0": (k, d), "scores": (2 * g, k), "pv": (g, d),
+                "out_acc": (dim // d * g // 2, d), "probs": (g // 2, k)},
         gm_strides={}))
     for case in found:
         case.update(target=target, platform=platform)

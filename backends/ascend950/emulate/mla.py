@@ -24,11 +24,12 @@ def buffers(dim: int, element: int) -> tuple[Buffer, ...]:
     """One block's buffers in layout order. L1: the group's queries, a double-buffered key tile
     and the tile's probabilities in the operand dtype. L0A/L0B: the 128-deep slices of queries
     and keys for the scores (double-buffered; the probabilities and a 128-wide key slice for
-    their product reuse these slots, idle once the tile's scores are out). L0C: the scores (double-buffered) and a 128-wide slice of that product. UB,
-    per vector core (half the group's heads): the float32 output accumulator, the scores as
-    probabilities in float32 and in the operand dtype, a product slice, the running max, the
-    previous max, the running sum, the tile's sum, the sink logits, the tile's key indices, one
-    gathered key row, a rounded output slice and the row reduction's scratch. The native kernel,
+    their product reuse these slots, idle once the tile's scores are out). L0C: the scores
+    (double-buffered) and a 128-wide slice of that product. UB, per vector core (half the
+    group's heads): the float32 output accumulator, the scores as probabilities in float32 and
+    in the operand dtype, a product slice, the running max, the previous max, the running sum,
+    the tile's sum, the sink logits, the tile's key indices, one gathered key row, a rounded
+    output slice and the row reduction's scratch. The native kernel,
     :mod:`~deepinfer_backends.ascend950.kernels.mla_sparse_decode`, places its buffers here."""
     g, k, d, half = HEAD_GROUP, KEY_TILE, D_SPLIT, HEAD_GROUP // 2
     return (Buffer("q_l1", "L1", g * dim * element), Buffer("k_l1", "L1", k * dim * element, copies=2),
