@@ -85,6 +85,19 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
                     "b_l1": (2 * t.stages * t.base_n, t.base_k), "a_l0": (2 * t.base_m, t.base_k),
                     "b_l0": (2 * t.base_k, t.base_n), "acc_ub": (t.base_m // 2, t.base_n),
                     "out_ub": (t.base_m, t.base_n)}, gm_strides={}))
+    t = gg.TILES["fp8"]
+    experts, segment_rows, n, k = 8, 2 * t.base_m, 4 * t.base_n, 2 * t.base_k * t.stages
+    plan = t.fp8_buffers(k)
+    found.append(dict(
+        name="grouped_gemm_fp8", module="grouped_gemm_fp8", builder="grouped_gemm_fp8_kernel",
+        kwargs=dict(experts=experts, segment_rows=segment_rows, n=n, k=k, base_m=t.base_m, base_n=t.base_n,
+                    base_k=t.base_k, stages=t.stages, cores=cores, offsets=layout(plan, platform)),
+        blocks=cores, rounds=-(-experts * (segment_rows // t.base_m) * (n // t.base_n) // cores), plan=plan, names={},
+        aliases={"b_bits": "b_row", "a_bits": "a_row"},
+        shapes={"acc": (t.base_m, t.base_n), "a_l0": (2 * t.base_m, gg.SCALE_BLOCK),
+                "b_l0": (2 * gg.SCALE_BLOCK, t.base_n), "partial": (t.base_m // 2, t.base_n),
+                "a_scales": (t.base_m // 2, k // 64), "b_scales": (t.base_n, k // 64), "b_row": (1, t.base_n),
+                "a_row": (1, t.base_m // 2)}, gm_strides={}))
     tokens, heads, dim, topk = cores, 2 * mla.HEAD_GROUP, 512, 4 * mla.KEY_TILE
     g, k, d = mla.HEAD_GROUP, mla.KEY_TILE, mla.D_SPLIT
     plan = mla.buffers(dim, 2)

@@ -71,7 +71,9 @@ def lower_here(jobs: list[dict]) -> dict:
                 artifact = tilelang.lower(func, target=job.get("target", "pto"), platform=job.get("platform", "A5"))
             answer[job["name"]] = {"source": artifact.kernel_source}
         except Exception as error:  # each kernel's failure is a result of its own
-            answer[job["name"]] = {"error": f"{type(error).__name__}: {str(error)[-2000:]}"}
+            text = str(error)
+            message = [line for line in text.splitlines() if "Error" in line or "Check failed" in line]
+            answer[job["name"]] = {"error": f"{type(error).__name__}: {' | '.join(message[-3:]) or text[-2000:]}"}
         answer[job["name"]]["seconds"] = round(time.time() - start, 2)
     return answer
 

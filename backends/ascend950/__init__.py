@@ -1,10 +1,10 @@
 """The ascend950 backend: Huawei Ascend 950 (A5) NPUs through tilelang-ascend kernels, and a CPU
 emulation of those kernels' plans (``backend.execution=emulate``).
 
-:mod:`~deepinfer_backends.ascend950.kernels` builds RMSNorm, the grouped GEMM and sparse MLA
-decode in tilelang-ascend's language (checked by lowering, ``experiments/ascend_lower.py``); the wrappers
-that compile and launch them on an NPU are not written, so ``execution=native`` reports why it
-cannot run (the native stack's status,
+:mod:`~deepinfer_backends.ascend950.kernels` builds RMSNorm, the grouped GEMM (bf16, float32,
+FP8) and sparse MLA decode in tilelang-ascend's language (checked by lowering,
+``experiments/ascend_lower.py``); the wrappers that compile and launch them on an NPU are not
+written, so ``execution=native`` reports why it cannot run (the native stack's status,
 :func:`~deepinfer_backends.ascend950.platform.native_status`) and says so.
 The emulation serves :data:`EMULATED` ops; with ``backend.fallback=reference`` the rest of a
 model runs on the reference. Importing this module never imports ``torch_npu``."""
@@ -50,8 +50,8 @@ class Ascend950Backend(Backend):
         dtypes=frozenset({torch.bfloat16, torch.float32}),
         fp8=True,
         collectives=frozenset({"hccl"}),
-        notes=("npu: rms_norm, grouped_gemm and mla_sparse_decode kernels in tilelang-ascend's language lower "
-               "to pto/A5; no wrapper compiles or launches them yet",
+        notes=("npu: rms_norm, grouped_gemm (bf16, float32, FP8) and mla_sparse_decode kernels in "
+               "tilelang-ascend's language lower to pto/A5; no wrapper compiles or launches them yet",
                "cpu: an emulation of the kernels' tile plans (backend.execution=emulate), not of the hardware",
                "no kernel has run on a 950 (HARDWARE_VALIDATED)"),
     )

@@ -58,6 +58,6 @@ def test_the_kernel_modules_import_without_tilelang(monkeypatch):
                                                                             "deepinfer_backends.ascend950.kernels"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [_NoTilelang(), *sys.meta_path])
-    for module in ("rms_norm", "grouped_gemm", "mla_sparse_decode"):
+    for module in ("rms_norm", "grouped_gemm", "grouped_gemm_fp8", "mla_sparse_decode"):
         assert callable(getattr(importlib.import_module(f"deepinfer_backends.ascend950.kernels.{module}"),
                                 f"{module}_kernel"))

@@ -41,6 +41,22 @@ class GemmTiles:
                 Buffer("acc", "L0C", m * n * 4), Buffer("acc_ub", "UB", m // 2 * n * 4),
                 Buffer("out_ub", "UB", m // 2 * n * out_bytes, copies=2))
 
+    def fp8_buffers(self, k: int) -> tuple[Buffer, ...]:
+        """The FP8 kernel's buffers for a K of ``k``, in layout order: the operands' K steps in
+        L1, one 32-deep scale block of each in L0A and L0B (double-buffered), the float32 block
+        sum in L0C; in a vector core's UB, its half of the accumulator and of the block sum, its
+        rows' packed scales, the tile's weight rows' packed scales, and one block's weight and row
+        scales as floats. The native kernel,
+        :mod:`~deepinfer_backends.ascend950.kernels.grouped_gemm_fp8`, places them here."""
+        m, n, bk, half = self.base_m, self.base_n, self.base_k, self.base_m // 2
+        return (Buffer("a_l1", "L1", m * bk * self.stages, copies=2),
+                Buffer("b_l1", "L1", n * bk * self.stages, copies=2),
+                Buffer("a_l0", "L0A", m * SCALE_BLOCK, copies=2), Buffer("b_l0", "L0B", n * SCALE_BLOCK, copies=2),
+                Buffer("acc", "L0C", m * n * 4), Buffer("acc_ub", "UB", half * n * 4),
+                Buffer("partial", "UB", half * n * 4), Buffer("a_scales", "UB", half * k // 64 * 2),
+                Buffer("b_scales", "UB", n * k // 64 * 2), Buffer("b_row", "UB", n * 4),
+                Buffer("a_row", "UB", half * 4))
+
 
 TILES = {torch.bfloat16: GemmTiles(128, 256, 64, 2), torch.float32: GemmTiles(128, 128, 32, 4),
          "fp8": GemmTiles(128, 256, 128, 1)}
