@@ -1,7 +1,8 @@
 """Lower each ascend950 tilelang-ascend kernel to ``pto`` for ``A5`` and check it against the
 emulation's plan: the launch's block count (one block an AI core), the tile rounds each core
 runs, every planned on-chip buffer's byte offset and size (32-byte rounded) and tile shape, and,
-for the row kernels, how a tile's GM offset follows the core and round indices. Buffers the
+for the row kernels, how a tile's GM offset follows the core and round indices; and that no
+scalar declaration landed inside a call's arguments (source that cannot compile). Buffers the
 lowering folds into another's storage are listed as ``merged``; the reduction's scratch, which
 the lowering sizes itself, need only fit the plan's reservation. The lowering runs in
 ``study.python`` (an interpreter with tilelang-ascend; on x86 an aarch64 CPython under
@@ -23,6 +24,9 @@ from deepinfer.results import write_results  # noqa: E402
 from deepinfer.study import StudySettings, compose_study, study_command  # noqa: E402
 
 ALIGN = 32
+DECLARATION_IN_CALL = re.compile(r"\(\w+, +(?:int|float|uint|bool)\w* \w+ = ")
+"""A scalar reinterpret lowered inside a call's arguments (``f(c, int32_t v_ = ...;``): source
+that cannot compile."""
 COMPILER_SCRATCH = ("reduce_scratch",)
 """Planned buffers the lowering allocates itself (after the annotated ones): their size is its choice."""
 
@@ -145,6 +149,7 @@ def compare(case: dict, lowered: Optional[dict]) -> list[dict]:
                      "status": status or ("agrees" if str(expected) == str(got) else "differs")})
 
     row("launch blocks", case["blocks"], lowering.launch_blocks(source))
+    row("declarations inside calls", 0, len(DECLARATION_IN_CALL.findall(source)) if source else None)
     loop = re.search(r"for \(int32_t step = 0; step < (\d+);", source)
     row("rounds per core", case["rounds"], int(loop.group(1)) if loop else (1 if source else None))
     for buffer in case["plan"]:
