@@ -98,7 +98,7 @@ def test_data_parallel_outputs_equal_one_process_on_every_rank(tmp_path, single_
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("plan, world", [("ep2", 2), ("ep4", 4)])
+@pytest.mark.parametrize("plan, world", [("ep2", 2), pytest.param("ep4", 4, marks=pytest.mark.slow)])
 def test_expert_parallel_greedy_tokens_equal_one_process(tmp_path, single_process, plan, world):
     results = _run(tmp_path, plan, world)
     single = LLM("tiny", overrides=COMMON)
