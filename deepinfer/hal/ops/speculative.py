@@ -20,8 +20,8 @@ def speculative_accept(target_logprobs: torch.Tensor, draft_logprobs: torch.Tens
     """Verify one draft token per row; returns ``(accepted bool [R], resampled int64 [R])``.
 
     ``target_logprobs`` / ``draft_logprobs``: float ``[R, V]`` log-probabilities of the request's
-    processed target distribution ``q`` and of the draft distribution ``p`` the token was drawn
-    from, cast to float32 (DeepInfer's dtype); ``draft_ids``: int64 ``[R]`` (-1: no draft, always
+    processed target distribution ``q`` and of the draft distribution ``p`` that drew the token,
+    cast to float32 (DeepInfer's dtype); ``draft_ids``: int64 ``[R]`` (-1: no draft, always
     rejected); ``seeds``, ``positions``: int64 ``[R]`` (the row's draw position). Row ``r``
     accepts draft ``d`` when ``exp(min(log q(d) - log p(d), 0)) > u``, ``u`` the case-2 uniform
     (:func:`~deepinfer.hal.ops.sampling.draw_uniform`) rounded to float32; a draft of

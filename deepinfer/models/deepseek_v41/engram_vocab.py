@@ -18,7 +18,7 @@ _LONE_SPACE = "\ue000"  # a private-use stand-in that keeps a single-space text 
 @dataclass(frozen=True)
 class CompressedVocab:
     """``ids[t]``: the compressed id of token ``t``; ``size``: how many compressed ids there are;
-    ``tokenizer_json``: the ``tokenizer.json`` text the map was built from, which a checkpoint of
+    ``tokenizer_json``: the ``tokenizer.json`` text the map comes from, which a checkpoint of
     the model must carry (None for :meth:`identity`)."""
 
     ids: tuple[int, ...]
@@ -46,7 +46,7 @@ class CompressedVocab:
         if len(self.ids) < vocab_size:
             raise ValueError(f"{source} has {len(self.ids)} token ids, fewer than the model's vocab_size "
                              f"{vocab_size}: Engram hashes every token through the tokenizer's compressed "
-                             f"vocabulary; use the tokenizer the checkpoint was trained with")
+                             f"vocabulary; use the checkpoint's own tokenizer")
 
 
 def normalizer():

@@ -47,7 +47,7 @@ DECODED_QUANTIZATION = {"weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0
 
 
 class LoaderError(ValueError):
-    """A checkpoint on disk is missing, corrupt, or does not hold what was expected."""
+    """A checkpoint on disk is missing, corrupt, or does not hold what the model expects."""
 
 
 def scale_name(weight_name: str) -> str:
