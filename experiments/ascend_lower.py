@@ -27,7 +27,7 @@ ALIGN = 32
 DECLARATION_IN_CALL = re.compile(r"\(\w+, +(?:int|float|uint|bool)\w* \w+ = ")
 """A scalar reinterpret lowered inside a call's arguments (``f(c, int32_t v_ = ...;``): source
 that cannot compile."""
-COMPILER_SCRATCH = ("reduce_scratch",)
+COMPILER_SCRATCH = ("reduce_scratch", "gather_scratch")
 """Planned buffers the lowering allocates itself (after the annotated ones): their size is its choice."""
 
 
@@ -55,7 +55,9 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
     import torch
 
     from deepinfer_backends.ascend950.buffers import AI_CORES, layout
+    from deepinfer_backends.ascend950.emulate import apply_rope as ar
     from deepinfer_backends.ascend950.emulate import grouped_gemm as gg
+    from deepinfer_backends.ascend950.emulate import kv_norm_rope_store as kv
     from deepinfer_backends.ascend950.emulate import mla
     from deepinfer_backends.ascend950.emulate import rms_norm as rn
 
@@ -116,6 +118,30 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
                 "p_l0": (g, k), "v_l0": (k, d), "scores": (2 * g, k), "pv": (g, d),
                 "out_acc": (dim // d * g // 2, d), "probs": (g // 2, k)},
         gm_strides={}))
+    vector_cores, rope_dim = 2 * cores, 64
+    rows = ar.row_tile(rope_dim, 2, platform)
+    plan = ar.plan_buffers(rows, rope_dim, 2)
+    rope_names = ("rope", "partner", "cos", "sin", "table", "swap_offsets", "cos_offsets", "sin_offsets", "sign")
+    heads, dim = 64, 512  # the V4.1 queries: 64 heads of 512, the trailing 64 rotate
+    found.append(dict(
+        name="apply_rope_bf16_h64", module="apply_rope", builder="apply_rope_kernel",
+        kwargs=dict(tokens=2 * vector_cores * rows // heads, heads=heads, dim=dim, rope_dim=rope_dim, table_rows=4096,
+                    tile_rows=rows, vector_cores=vector_cores, offsets=layout(plan, platform)),
+        blocks=cores, rounds=2, plan=plan, names={"gather_scratch": "tmp_ub_1"},
+        shapes={"rope_in": (2 * rows, rope_dim), **{name: (rows, rope_dim) for name in rope_names}},
+        gm_strides={"step": vector_cores * rows * dim, "block": 2 * rows * dim, "sub": rows * dim}))
+    dim = 512
+    rows = kv.row_tile(dim, rope_dim, 2, "bf16", platform)
+    plan = kv.plan_buffers(rows, dim, rope_dim, 2, "bf16")
+    found.append(dict(
+        name="kv_norm_rope_store_bf16", module="kv_norm_rope_store", builder="kv_norm_rope_store_kernel",
+        kwargs=dict(rows=2 * vector_cores * rows, dim=dim, rope_dim=rope_dim, table_rows=4096, cache_rows=8192,
+                    tile_rows=rows, vector_cores=vector_cores, eps=1e-6, fmt="bf16", offsets=layout(plan, platform)),
+        blocks=cores, rounds=2, plan=plan,
+        names={"weight": "weight_ub", "slots": "slot_ub", "reduce_scratch": "tmp_ub", "gather_scratch": "tmp_ub_1"},
+        shapes={"rows_in": (2 * rows, dim), "work": (rows, dim), "squares": (rows, dim), "weight_ub": (1, dim),
+                **{name: (rows, rope_dim) for name in rope_names}},
+        gm_strides={"step": vector_cores * rows * dim, "block": 2 * rows * dim, "sub": rows * dim}))
     for case in found:
         case.update(target=target, platform=platform)
     return found

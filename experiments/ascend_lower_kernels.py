@@ -17,7 +17,7 @@ KERNELS = Path(__file__).resolve().parent.parent / "backends" / "ascend950" / "k
 LOCAL = re.compile(r"(Tile\w*|L0\w*|L1\w*)<([\w:]+), (\d+), (\d+)[^>]*> (\w+);\s*TASSIGN\(\w+, (\d+)\);")
 LAUNCH = re.compile(r"<<<(\d+), ")
 BYTES = {"bfloat16_t": 2, "half": 2, "float": 4, "int": 4, "uint8_t": 1, "int8_t": 1, "int16_t": 2,
-         "float8_e4m3_t": 1}
+         "uint32_t": 4, "float8_e4m3_t": 1}
 
 
 def lower(python: str | None, jobs: list[dict], timeout: float = 900) -> dict:

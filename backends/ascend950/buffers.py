@@ -7,6 +7,7 @@ lowers a kernel, so every plan is checked here before it runs or is emitted."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 KIB = 1024
 CAPACITY = {
@@ -54,3 +55,22 @@ def layout(buffers: tuple[Buffer, ...], platform: str = "A5") -> dict[str, int]:
                                   f"but {names} need {end / KIB:g} KiB (aligned to {ALIGNMENT[scope]} B); "
                                   f"use smaller tiles or fewer copies")
     return offsets
+
+
+def rows_that_fit(plan: Callable[[int], tuple[Buffer, ...]], budget: int, platform: str = "A5") -> int:
+    """The most rows ``r`` (up to 4096) whose ``plan(r)``, laid out, ends within ``budget`` bytes in
+    every scope; 1 when even one row does not (its layout is still checked against the capacity)."""
+    def fits(rows: int) -> bool:
+        buffers = plan(rows)
+        try:
+            offsets = layout(buffers, platform)
+        except TileBudgetError:
+            return False
+        return all(offsets[b.name] + b.bytes * b.copies <= budget for b in buffers)
+
+    low, high = 1, 4096
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    layout(plan(low), platform)
+    return low

@@ -77,6 +77,58 @@ def test_rms_norm_row_tiles_fit_the_a5_unified_buffer(dim):
     assert row_tile(dim, 2, "A5") >= 1 and row_tile(dim, 4, "A5") >= 1
 
 
+@pytest.mark.parametrize("element", [2, 4])
+def test_rope_row_tiles_fit_half_the_a5_unified_buffer(element):
+    from deepinfer_backends.ascend950.emulate import apply_rope as ar
+
+    rows = ar.row_tile(64, element, "A5")
+    plan = ar.plan_buffers(rows, 64, element)
+    offsets = layout(plan, "A5")
+    assert rows >= 8 and offsets["gather_scratch"] + plan[-1].bytes <= 128 * KIB
+    assert layout(ar.plan_buffers(rows + 1, 64, element), "A5")["gather_scratch"] + plan[-1].bytes > 128 * KIB
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4", "index_fp4", "index_bf16"])
+def test_kv_store_row_tiles_fit_half_the_a5_unified_buffer(fmt):
+    from deepinfer.hal.formats import token_format
+    from deepinfer_backends.ascend950.emulate import kv_norm_rope_store as kv
+
+    dim = token_format(fmt).dim
+    rows = kv.row_tile(dim, 64, 2, fmt, "A5")
+    plan = kv.plan_buffers(rows, dim, 64, 2, fmt)
+    offsets = layout(plan, "A5")
+    assert rows >= 8 and all(offsets[b.name] + b.bytes * b.copies <= 128 * KIB for b in plan)
+    assert ("block_max" in offsets) == (fmt != "bf16" and fmt != "index_bf16")
+
+
+@pytest.mark.parametrize("heads", [1, 3, 64])
+def test_emulated_rope_tiles_rows_by_the_plan_and_matches_the_reference(heads, monkeypatch):
+    from deepinfer.hal.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
+    from deepinfer_backends.ascend950.emulate import apply_rope as ar
+
+    tiles = []
+    real = ar.run_row_tiles
+    monkeypatch.setattr(ar, "run_row_tiles", lambda rows, tile, cores, body: (tiles.append(tile),
+                                                                              real(rows, tile, cores, body)))
+    gen = torch.Generator().manual_seed(heads)
+    x = torch.randn(70, heads, 128, generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 256, (70,), generator=gen)
+    table = rope_cos_sin(rope_inv_freq(10000.0), 256)
+    assert torch.equal(ar.apply_rope(x, positions, table, True), apply_rope(x, positions, table, True))
+    assert tiles == [ar.row_tile(64, 2, "A5")]
+
+
+def test_the_kv_store_kernel_refuses_quantized_formats_with_the_reason():
+    from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import kv_norm_rope_store_kernel
+
+    args = dict(rows=16, dim=512, rope_dim=64, table_rows=256, cache_rows=32, tile_rows=8, vector_cores=2, eps=1e-6,
+                offsets={})
+    with pytest.raises(NotImplementedError, match="'fp4'.*no e2m1"):
+        kv_norm_rope_store_kernel(fmt="fp4", **args)
+    with pytest.raises(NotImplementedError, match="'fp8'.*views of float32 tiles"):
+        kv_norm_rope_store_kernel(fmt="fp8", **args)
+
+
 def test_an_oversized_plan_is_refused():
     with pytest.raises(TileBudgetError, match=r"UB holds 256 KiB per AI core on A5, but \['big'\] need 768 KiB"):
         layout((Buffer("big", "UB", 768 * KIB),), "A5")
