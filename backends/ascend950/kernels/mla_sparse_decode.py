@@ -41,7 +41,8 @@ def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_ro
     from tvm.script.ir_builder import IRBuilder
 
     if cache_format not in ("bf16", *CACHE_ROW_BYTES):
-        raise ValueError(f"mla_sparse_decode_kernel reads bf16 or {sorted(CACHE_ROW_BYTES)} caches, not {cache_format!r}")
+        raise ValueError(f"mla_sparse_decode_kernel reads bf16 or {sorted(CACHE_ROW_BYTES)} caches, "
+                         f"not {cache_format!r}")
     if cache_format != "bf16" and dim != 512:
         raise ValueError(f"a {cache_format} cache row holds 512 values, not dim={dim}")
     for name, size, tile in (("heads", heads, head_group), ("topk", topk, key_tile), ("dim", dim, d_split)):
@@ -74,9 +75,9 @@ def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_ro
                                    bits=T.alloc_ub((groups_per_row,), "int32"))
         for name, buffer in vars(dq).items():
             IRBuilder.name(f"fp8_{name}", buffer)
-        T.annotate_address({dq.row: offsets["fp8_row"], dq.e4m3: offsets["fp8_row"], dq.packed: offsets["fp8_row"] + dim,
-                            dq.values: offsets["fp8_values"], dq.scales: offsets["fp8_scales"],
-                            dq.bits: offsets["fp8_scales"]})
+        T.annotate_address({dq.row: offsets["fp8_row"], dq.e4m3: offsets["fp8_row"],
+                            dq.packed: offsets["fp8_row"] + dim, dq.values: offsets["fp8_values"],
+                            dq.scales: offsets["fp8_scales"], dq.bits: offsets["fp8_scales"]})
         return dq
 
     def mask_buffer():
