@@ -24,9 +24,9 @@ from deepinfer.results import write_results  # noqa: E402
 from deepinfer.study import StudySettings, compose_study, study_command  # noqa: E402
 
 ALIGN = 32
-DECLARATION_IN_CALL = re.compile(r"\(\w+, +(?:int|float|uint|bool)\w* \w+ = ")
-"""A scalar reinterpret lowered inside a call's arguments (``f(c, int32_t v_ = ...;``): source
-that cannot compile."""
+DECLARATION_IN_CALL = re.compile(r"\(\w+, +(?:int|float|uint|bool)\w* \w+(?: = |;)")
+"""A scalar declaration lowered inside a call's arguments (a reinterpret, ``f(c, int32_t v_ = ...;``,
+or a conditional expression, ``f(c, float condval; if ...``): source that cannot compile."""
 COMPILER_SCRATCH = ("reduce_scratch", "gather_scratch")
 """Planned buffers the lowering allocates itself (after the annotated ones): their size is its choice."""
 
@@ -49,7 +49,8 @@ class Settings(StudySettings):
 def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
     """Each kernel's lowering job with what its plan expects: ``blocks``, ``rounds``, the
     planned buffers (``plan``), ``names`` (plan name to lowered name where they differ),
-    ``aliases`` (a lowered buffer placed in a planned one's storage), ``shapes`` (rows, columns)
+    ``aliases`` (a lowered buffer placed in a planned one's storage, or ``(planned, bytes)`` that
+    far into it), ``shapes`` (rows, columns)
     of lowered tiles by lowered name and ``gm_strides`` (the GM offset's coefficient of each loop
     index, for the row kernels)."""
     import torch
@@ -142,8 +143,46 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
         shapes={"rows_in": (2 * rows, dim), "work": (rows, dim), "squares": (rows, dim), "weight_ub": (1, dim),
                 **{name: (rows, rope_dim) for name in rope_names}},
         gm_strides={"step": vector_cores * rows * dim, "block": 2 * rows * dim, "sub": rows * dim}))
+    found.extend(mla_cases(cores, platform))
     for case in found:
         case.update(target=target, platform=platform)
+    return found
+
+
+def mla_cases(cores: int, platform: str) -> list[dict]:
+    """The sparse MLA kernels over quantized caches and over a latent buffer with padding: decode
+    from an ``fp8`` cache, and prefill whose two index lists are padded to whole key tiles."""
+    from deepinfer_backends.ascend950.buffers import layout
+    from deepinfer_backends.ascend950.emulate import mla
+
+    g, k, d, dim, heads = mla.HEAD_GROUP, mla.KEY_TILE, mla.D_SPLIT, 512, 2 * mla.HEAD_GROUP
+    rounds = -(-mla.blocks(cores, heads) // cores)
+    common = dict(names={"sink": "sink_ub", "indices": "index_ub", "reduce_scratch": "tmp_ub"},
+                  aliases={"p_l0": "q_l0", "v_l0": "k_l0"},
+                  shapes={"q_l1": (g, dim), "k_l1": (2 * k, dim), "q_l0": (2 * g, d), "k_l0": (2 * d, k),
+                          "p_l0": (g, k), "v_l0": (k, d), "scores": (2 * g, k), "pv": (g, d),
+                          "out_acc": (dim // d * g // 2, d), "probs": (g // 2, k), "mask_bias": (1, k)},
+                  gm_strides={})
+    found = []
+    plan = mla.buffers(dim, 2, ("fp8",), masked=True)
+    groups = dim // mla.SCALE_GROUP["fp8"]
+    found.append(dict(
+        common, name="mla_sparse_decode_fp8", module="mla_sparse_decode", builder="mla_sparse_decode_kernel",
+        kwargs=dict(tokens=cores, heads=heads, dim=dim, topk=4 * k, kv_rows=4096, head_group=g, key_tile=k,
+                    d_split=d, cores=cores, scale=dim ** -0.5, offsets=layout(plan, platform), cache_format="fp8",
+                    masked=True),
+        blocks=cores, rounds=rounds, plan=plan,
+        aliases={**common["aliases"], "fp8_e4m3": "fp8_row", "fp8_packed": ("fp8_row", dim),
+                 "fp8_bits": "fp8_scales"},
+        shapes={**common["shapes"], "fp8_row": (1, 544), "fp8_e4m3": (groups, 32), "fp8_packed": (1, 16),
+                "fp8_values": (groups, 32), "fp8_scales": (1, groups)}))
+    main, total = mla.padded_lists(128 + 20, 128 + 20 + 100)
+    plan = mla.buffers(dim, 2, masked=True)
+    found.append(dict(
+        common, name="mla_sparse_prefill_bf16", module="mla_sparse_prefill", builder="mla_sparse_prefill_kernel",
+        kwargs=dict(tokens=cores, heads=heads, dim=dim, topk=total, main_keys=main, kv_rows=4096, head_group=g,
+                    key_tile=k, d_split=d, cores=cores, scale=dim ** -0.5, offsets=layout(plan, platform)),
+        blocks=cores, rounds=rounds, plan=plan))
     return found
 
 
@@ -191,8 +230,10 @@ def compare(case: dict, lowered: Optional[dict]) -> list[dict]:
         else:
             row(f"{buffer.scope} {buffer.name} bytes", size, got, merged)
     for name, planned in case.get("aliases", {}).items():
+        planned, delta = planned if isinstance(planned, tuple) else (planned, 0)
         tile = tiles.get(name)
-        row(f"{name} offset (in {planned}'s slot)", offsets[planned], tile and tile["offset"])
+        row(f"{name} offset (in {planned}'s slot{f' + {delta} B' if delta else ''})", offsets[planned] + delta,
+            tile and tile["offset"])
     for name, shape in case["shapes"].items():
         tile = tiles.get(name)
         row(f"{name} tile shape", f"{shape[0]}x{shape[1]}", tile and f"{tile['rows']}x{tile['cols']}")

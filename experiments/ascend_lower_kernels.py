@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parent.parent / "backends" / "ascend950" / "kernels"
+PACKAGE = "ascend950_kernels"
+"""The name the kernels folder is imported under in the lowering interpreter."""
 
 LOCAL = re.compile(r"(Tile\w*|L0\w*|L1\w*)<([\w:]+), (\d+), (\d+)[^>]*> (\w+);\s*TASSIGN\(\w+, (\d+)\);")
 LAUNCH = re.compile(r"<<<(\d+), ")
@@ -63,10 +65,7 @@ def lower_here(jobs: list[dict]) -> dict:
     for job in jobs:
         start = time.time()
         try:
-            spec = importlib.util.spec_from_file_location(f"ascend950_{job['module']}", KERNELS / f"{job['module']}.py")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            func = getattr(module, job["builder"])(**job["kwargs"])
+            func = getattr(kernel_module(job["module"]), job["builder"])(**job["kwargs"])
             with tilelang.tvm.transform.PassContext(config=job.get("pass_configs", {})):
                 artifact = tilelang.lower(func, target=job.get("target", "pto"), platform=job.get("platform", "A5"))
             answer[job["name"]] = {"source": artifact.kernel_source}
@@ -76,6 +75,19 @@ def lower_here(jobs: list[dict]) -> dict:
             answer[job["name"]] = {"error": f"{type(error).__name__}: {' | '.join(message[-3:]) or text[-2000:]}"}
         answer[job["name"]]["seconds"] = round(time.time() - start, 2)
     return answer
+
+
+def kernel_module(name: str):
+    """Module ``name`` of ``backends/ascend950/kernels``, imported as a submodule of a package made
+    from that folder (so the modules' relative imports of one another resolve) without importing
+    deepinfer."""
+    if PACKAGE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(PACKAGE, KERNELS / "__init__.py",
+                                                      submodule_search_locations=[str(KERNELS)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[PACKAGE] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"{PACKAGE}.{name}")
 
 
 def _serve() -> None:

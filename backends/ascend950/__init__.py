@@ -2,7 +2,8 @@
 emulation of those kernels' plans (``backend.execution=emulate``).
 
 :mod:`~deepinfer_backends.ascend950.kernels` builds RMSNorm, the grouped GEMM (bf16, float32,
-FP8), sparse MLA decode, RoPE and the fused norm-RoPE store of bf16 keys in tilelang-ascend's language (checked by lowering,
+FP8), sparse MLA decode (bf16 or FP8 cache), sparse MLA prefill, RoPE and the fused norm-RoPE
+store of bf16 keys in tilelang-ascend's language (checked by lowering,
 ``experiments/ascend_lower.py``); the wrappers that compile and launch them on an NPU are not
 written, so ``execution=native`` reports why it cannot run (the native stack's status,
 :func:`~deepinfer_backends.ascend950.platform.native_status`) and says so.
@@ -50,9 +51,9 @@ class Ascend950Backend(Backend):
         dtypes=frozenset({torch.bfloat16, torch.float32}),
         fp8=True,
         collectives=frozenset({"hccl"}),
-        notes=("npu: rms_norm, grouped_gemm (bf16, float32, FP8), mla_sparse_decode, apply_rope and "
-               "kv_norm_rope_store (bf16 caches) kernels in tilelang-ascend's language lower to pto/A5; no wrapper "
-               "compiles or launches them yet",
+        notes=("npu: rms_norm, grouped_gemm (bf16, float32, FP8), mla_sparse_decode (bf16 or FP8 cache), "
+               "mla_sparse_prefill, apply_rope and kv_norm_rope_store (bf16 caches) kernels in tilelang-ascend's "
+               "language lower to pto/A5; no wrapper compiles or launches them yet",
                "cpu: an emulation of the kernels' tile plans (backend.execution=emulate), not of the hardware",
                "no kernel has run on a 950 (HARDWARE_VALIDATED)"),
     )

@@ -14,6 +14,15 @@ stores the float32 tile once the K walk ends. Buffers: ``GemmTiles.fp8_buffers``
 SCALE_BLOCK = 32
 
 
+def ue8m0_bits(T, packed, row, block):
+    """The float32 bits of ``2^(e - 127)`` for scale byte ``block`` of row ``row`` of UE8M0 scales
+    packed two per int16 (low byte first), ``T`` being ``tilelang.language``: ``e`` in the
+    exponent field (a scalar reinterpret would not compile, so the bits go to an int32 view of a
+    float buffer; ``e = 0`` gives 0)."""
+    word = T.Cast("int32", packed[row, block // 2]) & 0xFFFF
+    return T.shift_left(T.shift_right(word, (block % 2) * 8) & 0xFF, 23)
+
+
 def grouped_gemm_fp8_kernel(experts: int, segment_rows: int, n: int, k: int, base_m: int, base_n: int,
                             base_k: int, stages: int, cores: int, offsets: dict):
     """The tilelang-ascend ``prim_func`` of ``out[rows of e] = (x * x_scale)[rows of e] @
@@ -35,13 +44,6 @@ def grouped_gemm_fp8_kernel(experts: int, segment_rows: int, n: int, k: int, bas
     half = base_m // 2
     rows = experts * segment_rows
     fp8, accum = "e4m3_float8", "float32"
-
-    def ue8m0_bits(packed, row, block):
-        """The float32 bits of ``2^(e - 127)`` for scale byte ``block`` of row ``row`` of packed
-        int16 scales: ``e`` in the exponent field (a scalar reinterpret would not compile, so
-        the bits go to an int32 view of the float buffer)."""
-        word = T.Cast("int32", packed[row, block // 2]) & 0xFFFF
-        return T.shift_left(T.shift_right(word, (block % 2) * 8) & 0xFF, 23)
 
     @T.prim_func
     def grouped_gemm_fp8(x: T.Tensor((rows, k), fp8), x_scale: T.Tensor((rows, k // 64), "int16"),
@@ -105,9 +107,9 @@ def grouped_gemm_fp8_kernel(experts: int, segment_rows: int, n: int, k: int, bas
                         T.barrier_all()
                         for block in T.serial(blocks):
                             for c in T.serial(base_n):
-                                b_bits[c] = ue8m0_bits(b_scales, c, block)
+                                b_bits[c] = ue8m0_bits(T, b_scales, c, block)
                             for r in T.serial(half):
-                                a_bits[r] = ue8m0_bits(a_scales, r, block)
+                                a_bits[r] = ue8m0_bits(T, a_scales, r, block)
                             T.barrier_all()
                             T.wait_cross_flag(0)
                             T.copy(workspace[core, sub * half:(sub + 1) * half, :], partial)

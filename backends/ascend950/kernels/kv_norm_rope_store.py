@@ -15,19 +15,9 @@ folds a buffer first written after another's last use into that one's storage, w
 planned offsets, so the rotation's buffers are cleared at the start of each tile, before any
 buffer's last use."""
 # no `from __future__ import annotations`: TVMScript reads the parameter annotations as objects
-import importlib.util
-from pathlib import Path
+from .apply_rope import rope_macros
 
 BF16_FORMATS = ("bf16", "index_bf16")
-
-
-def _rope_macros():
-    """:func:`apply_rope.rope_macros`, loaded by path (these modules are also loaded by path, in
-    an interpreter without deepinfer)."""
-    spec = importlib.util.spec_from_file_location("ascend950_apply_rope", Path(__file__).with_name("apply_rope.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.rope_macros
 
 
 def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: int, cache_rows: int,
@@ -63,7 +53,7 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
     count = tile_rows * dim
     import tilelang.language as T
 
-    build_offsets, rotate, restore_offsets = _rope_macros()(T, tile_rows, rope_dim, False)
+    build_offsets, rotate, restore_offsets = rope_macros(T, tile_rows, rope_dim, False)
 
     @T.prim_func
     def kv_norm_rope_store(x: T.Tensor((rows, dim), dtype), weight: T.Tensor((1, dim), "float32"),

@@ -9,19 +9,42 @@ probabilities in the operand dtype; the cube multiplies them by the keys (the va
 ``d_split``-wide slice at a time, its operands in the score operands' L0 slots, and hands each
 slice back to be added. At the end each vector
 core divides by the sum, scales by ``sigmoid(lse - sink)``, rounds once and stores its heads'
-rows and ``lse``. Keys are the cache rows already in the operand dtype; every index is valid.
-Buffers and their order: :func:`deepinfer_backends.ascend950.emulate.mla.buffers`."""
+rows and ``lse``. A ``bf16`` cache's rows are the keys in the operand dtype. An ``fp8`` cache's
+528-byte rows (512 e4m3 values, then 16 UE8M0 scales, one per 32, read as int16 pairs, low byte
+first) are staged whole in UB; the vector core widens the values to float32, multiplies each
+32-value group by its scale (bits ``e << 23`` through an int32 view) and rounds them to the
+operand dtype, exactly, as :func:`deepinfer.hal.formats.decode_tokens` defines them. With
+``masked``, a padding index (-1) gathers a zero row and adds a logit bias far below any score
+(its probability is 0), and a query with no valid key gets ``out = 0``, ``lse = -inf``; without
+it every index is valid. Buffers and their order: :func:`deepinfer_backends.ascend950.emulate.mla.buffers`."""
 # no `from __future__ import annotations`: TVMScript reads the parameter annotations as objects
+import types
+
+from .grouped_gemm_fp8 import ue8m0_bits
+
+CACHE_ROW_BYTES = {"fp8": 528}
+"""Bytes of a quantized cache row by format (512 values and their scales)."""
+FP8_GROUP = 32
+"""Values per UE8M0 scale of an ``fp8`` cache row."""
+MASKED_LOGIT = -3.0e38
+"""The logit bias of a padding key: its exponential is 0 next to any real score."""
 
 
 def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_rows: int, head_group: int,
                              key_tile: int, d_split: int, cores: int, scale: float, offsets: dict,
-                             dtype: str = "bfloat16"):
+                             dtype: str = "bfloat16", cache_format: str = "bf16", masked: bool = False):
     """The tilelang-ascend ``prim_func`` of ``out, lse = attend(q [tokens, heads, dim], kv [kv_rows,
-    dim] at indices [tokens, topk], sink [heads])``; ``offsets``: each buffer's byte offset in
-    its scope by plan name."""
+    ...] at indices [tokens, topk], sink [heads])``, ``kv`` the cache rows in ``cache_format``
+    (``bf16``: ``dtype [kv_rows, dim]``; ``fp8``: ``uint8 [kv_rows, 528]``); ``masked``: indices
+    may be -1 (padding); ``offsets``: each buffer's byte offset in its scope by plan name."""
     import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
 
+    if cache_format not in ("bf16", *CACHE_ROW_BYTES):
+        raise ValueError(f"mla_sparse_decode_kernel reads bf16 or {sorted(CACHE_ROW_BYTES)} caches, "
+                         f"not {cache_format!r}")
+    if cache_format != "bf16" and dim != 512:
+        raise ValueError(f"a {cache_format} cache row holds 512 values, not dim={dim}")
     for name, size, tile in (("heads", heads, head_group), ("topk", topk, key_tile), ("dim", dim, d_split)):
         if size % tile:
             raise ValueError(f"mla_sparse_decode_kernel takes whole tiles: {name}={size} is not a multiple of {tile}")
@@ -33,9 +56,56 @@ def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_ro
     half = head_group // 2
     gathered = key_tile // 2
     accum = "float32"
+    quantized = cache_format != "bf16"
+    kv_shape, kv_dtype = ((kv_rows, CACHE_ROW_BYTES[cache_format]), "uint8") if quantized else ((kv_rows, dim), dtype)
+    row_bytes = CACHE_ROW_BYTES.get(cache_format, 0)
+    groups_per_row = dim // FP8_GROUP
+
+    def decode_buffers():
+        """The UB buffers that decode a quantized cache row (None for ``bf16``): the raw row, its
+        values viewed as e4m3, its scales viewed as int16 pairs, the values and scales in float32
+        and an int32 view of the scales for their bits."""
+        if not quantized:
+            return None
+        dq = types.SimpleNamespace(row=T.alloc_ub((1, -(-row_bytes // 32) * 32), "uint8"),
+                                   e4m3=T.alloc_ub((groups_per_row, FP8_GROUP), "e4m3_float8"),
+                                   packed=T.alloc_ub((1, 16), "int16"),
+                                   values=T.alloc_ub((groups_per_row, FP8_GROUP), accum),
+                                   scales=T.alloc_ub((groups_per_row,), accum),
+                                   bits=T.alloc_ub((groups_per_row,), "int32"))
+        for name, buffer in vars(dq).items():
+            IRBuilder.name(f"fp8_{name}", buffer)
+        T.annotate_address({dq.row: offsets["fp8_row"], dq.e4m3: offsets["fp8_row"],
+                            dq.packed: offsets["fp8_row"] + dim, dq.values: offsets["fp8_values"],
+                            dq.scales: offsets["fp8_scales"], dq.bits: offsets["fp8_scales"]})
+        return dq
+
+    def mask_buffer():
+        """The tile's logit bias (None unless ``masked``)."""
+        if not masked:
+            return None
+        bias = T.alloc_ub((key_tile,), accum)
+        IRBuilder.name("mask_bias", bias)
+        T.annotate_address({bias: offsets["mask_bias"]})
+        return bias
+
+    @T.macro
+    def gather_row(row, kv, key_row, dq):
+        """Key row ``row`` of the cache into ``key_row`` in the operand dtype."""
+        if quantized:
+            T.copy(kv[row, :], dq.row[0, 0:row_bytes])
+            T.barrier_all()
+            for g in T.serial(groups_per_row):
+                dq.bits[g] = ue8m0_bits(T, dq.packed, 0, g)
+            T.tile.cast(dq.values, dq.e4m3, "CAST_NONE", dim)
+            T.barrier_all()
+            T.tile.row_expand_mul(dq.values, dq.values, dq.scales)
+            T.tile.cast(key_row, dq.values, "CAST_RINT", dim)
+        else:
+            T.copy(kv[row, :], key_row)
 
     @T.prim_func
-    def mla_sparse_decode(q: T.Tensor((tokens, heads, dim), dtype), kv: T.Tensor((kv_rows, dim), dtype),
+    def mla_sparse_decode(q: T.Tensor((tokens, heads, dim), dtype), kv: T.Tensor(kv_shape, kv_dtype),
                           indices: T.Tensor((tokens, topk), "int32"), sink: T.Tensor((heads,), accum),
                           keys_ws: T.Tensor((cores, key_tile, dim), dtype),
                           scores_ws: T.Tensor((cores, head_group, key_tile), accum),
@@ -64,6 +134,8 @@ def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_ro
             index_ub = T.alloc_ub((key_tile,), "int32")
             key_row = T.alloc_ub((1, dim), dtype)
             out_low = T.alloc_ub((half, d_split), dtype)
+            dq = T.meta_var(decode_buffers())
+            mask_bias = T.meta_var(mask_buffer())
             T.annotate_address({q_l1: offsets["q_l1"], k_l1: offsets["k_l1"], p_l1: offsets["p_l1"],
                                 q_l0: offsets["q_l0"], p_l0: offsets["q_l0"], k_l0: offsets["k_l0"],
                                 v_l0: offsets["k_l0"], scores: offsets["scores"], pv: offsets["pv"],
@@ -119,15 +191,30 @@ def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_ro
                             T.copy(indices[token, t * key_tile:(t + 1) * key_tile], index_ub)
                             T.barrier_all()
                             for j in T.serial(gathered):
-                                T.copy(kv[index_ub[sub * gathered + j], :], key_row)
+                                if masked:
+                                    if index_ub[sub * gathered + j] >= 0:
+                                        gather_row(index_ub[sub * gathered + j], kv, key_row, dq)
+                                    else:
+                                        T.tile.fill(key_row, 0.0)
+                                else:
+                                    gather_row(index_ub[sub * gathered + j], kv, key_row, dq)
                                 T.barrier_all()
                                 T.copy(key_row, keys_ws[core, sub * gathered + j, :])
                                 T.barrier_all()
+                            if masked:
+                                for c in T.serial(key_tile):
+                                    if index_ub[c] >= 0:
+                                        mask_bias[c] = T.float32(0.0)
+                                    else:
+                                        mask_bias[c] = T.float32(MASKED_LOGIT)
                             T.set_cross_flag("MTE3", 0)
                             T.wait_cross_flag(1)
                             T.copy(scores_ws[core, sub * half:(sub + 1) * half, :], probs)
                             T.barrier_all()
                             T.tile.mul(probs, probs, scale)
+                            if masked:
+                                for r in T.serial(half):
+                                    T.tile.add(probs[r, :], probs[r, :], mask_bias)
                             T.copy(row_max, prev_max)
                             T.reduce_max(probs, tile_sum, dim=-1)
                             T.tile.max(row_max, row_max, tile_sum)
@@ -157,6 +244,8 @@ def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_ro
                         T.copy(row_max, lse[token, h0:h0 + half])
                         T.tile.sub(prev_max, row_max, sink_ub)
                         T.tile.sigmoid(prev_max, prev_max)
+                        if masked:
+                            T.tile.max(row_sum, row_sum, 1e-38)
                         T.tile.div(prev_max, prev_max, row_sum)
                         for d in T.serial(steps):
                             T.tile.row_expand_mul(out_acc[d, :, :], out_acc[d, :, :], prev_max)
