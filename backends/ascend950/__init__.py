@@ -4,11 +4,13 @@ emulation of those kernels' plans (``backend.execution=emulate``).
 :mod:`~deepinfer_backends.ascend950.kernels` builds RMSNorm, the grouped GEMM (bf16, float32,
 FP8), sparse MLA decode (bf16 or FP8 cache), sparse MLA prefill, RoPE and the fused norm-RoPE
 store of bf16 keys in tilelang-ascend's language (checked by lowering,
-``experiments/ascend_lower.py``); the wrappers that compile and launch them on an NPU are not
-written, so ``execution=native`` reports why it cannot run (the native stack's status,
-:func:`~deepinfer_backends.ascend950.platform.native_status`) and says so.
-The emulation serves :data:`EMULATED` ops; with ``backend.fallback=reference`` the rest of a
-model runs on the reference. Importing this module never imports ``torch_npu``."""
+``experiments/ascend_lower.py``). ``execution=native`` serves them through
+:mod:`~deepinfer_backends.ascend950.native` where the native stack is available
+(:func:`~deepinfer_backends.ascend950.platform.native_status`: ``torch_npu`` imports and sees an
+A5 NPU) and says why it cannot run elsewhere; the native path has never run on a 950
+(:data:`HARDWARE_VALIDATED`). The emulation serves :data:`EMULATED` ops; with
+``backend.fallback=reference`` the rest of a model, and the inputs a kernel refuses, run on the
+reference. Importing this module never imports ``torch_npu`` or ``tilelang``."""
 from __future__ import annotations
 
 import functools
@@ -17,13 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.hal.backend import Backend, Capabilities
-from deepinfer_backends.ascend950.platform import PLATFORMS, native_status
+from deepinfer_backends.ascend950.platform import PLATFORMS, device_platform, native_status
 
 EXECUTIONS = ("native", "emulate")
 EMULATED = ("apply_rope", "grouped_gemm", "kv_norm_rope_store", "mla_sparse_decode", "mla_sparse_prefill", "rms_norm")
-"""Ops the emulation implements."""
+"""Ops the emulation implements; the native wrappers serve the same ops."""
 HARDWARE_VALIDATED = {op: False for op in EMULATED}
-"""Per kernel: whether a run on a 950 has checked it (none has)."""
+"""Per kernel: whether a run on a 950 has checked it (none has; nor has the native path, which
+compiles and launches them, ever run there)."""
+NATIVE_PLATFORM = "A5"
+"""The platform the native kernels are planned and lowered for."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,11 @@ class Ascend950Backend(Backend):
         dtypes=frozenset({torch.bfloat16, torch.float32}),
         fp8=True,
         collectives=frozenset({"hccl"}),
-        notes=("npu: rms_norm, grouped_gemm (bf16, float32, FP8), mla_sparse_decode (bf16 or FP8 cache), "
-               "mla_sparse_prefill, apply_rope and kv_norm_rope_store (bf16 caches) kernels in tilelang-ascend's "
-               "language lower to pto/A5; no wrapper compiles or launches them yet",
+        notes=("npu (backend.execution=native): rms_norm, grouped_gemm (bf16, float32, FP8), mla_sparse_decode "
+               "(bf16 or FP8 cache), mla_sparse_prefill, apply_rope and kv_norm_rope_store (bf16 caches), "
+               "tilelang-ascend kernels compiled for pto/A5 by shape; other inputs are refused with the reason",
+               "the native wrappers are tested on the CPU with a stand-in for tilelang; they have never compiled "
+               "or run on a 950",
                "cpu: an emulation of the kernels' tile plans (backend.execution=emulate), not of the hardware",
                "no kernel has run on a 950 (HARDWARE_VALIDATED)"),
     )
@@ -75,9 +82,14 @@ class Ascend950Backend(Backend):
             if not available:
                 raise RuntimeError(f"ascend950 cannot run natively here: {reason}. Run its CPU emulation with "
                                    f"backend.execution=emulate, or another backend")
-            raise NotImplementedError("launching the ascend950 tilelang-ascend kernels (deepinfer_backends.ascend950."
-                                      "kernels) on an NPU is not implemented yet; "
-                                      "backend.execution=emulate runs their plans on the CPU")
+            found = device_platform()
+            if self.options.platform != NATIVE_PLATFORM or found != NATIVE_PLATFORM:
+                raise RuntimeError(f"the ascend950 native kernels are planned for {NATIVE_PLATFORM} (the 950); this NPU "
+                                   f"is {found} and backend.options.platform={self.options.platform}. Run the CPU "
+                                   f"emulation with backend.execution=emulate, or another backend")
+            from deepinfer_backends.ascend950 import native
+
+            return native.implementations(self.options.platform)
         from deepinfer_backends.ascend950.emulate import apply_rope, grouped_gemm, kv_norm_rope_store, mla, rms_norm
 
         platform = self.options.platform
@@ -92,6 +104,7 @@ class Ascend950Backend(Backend):
         from deepinfer.hal.spec import SPECS
 
         if self.options.execution == "native":
-            return {}
+            return {op: f"the ascend950 native kernels serve {list(EMULATED)} so far" for op in SPECS
+                    if op not in EMULATED}
         return {op: f"the ascend950 emulation implements {list(EMULATED)} so far" for op in SPECS
                 if op not in EMULATED}

@@ -37,3 +37,9 @@ def native_status() -> tuple[bool, str]:
     if not count:
         return False, "torch_npu imports but sees no NPU"
     return True, f"{count} NPU(s), {torch_npu.npu.get_device_name(0)}"
+
+
+def device_platform() -> str:
+    """The platform of NPU 0, through ``torch_npu`` (call only where :func:`native_status` says
+    the native stack is available)."""
+    return platform_of(importlib.import_module("torch_npu").npu.get_device_name(0))

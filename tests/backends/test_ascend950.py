@@ -2,7 +2,8 @@
 why it cannot run; device names map to platforms; every tile plan fits the A5 buffers and an
 oversized one is refused; the emulation matches float64 within bounds that grow with K (ragged
 tiles, experts without tokens, FP8 with packed scales), repeats bitwise across runs and thread
-counts, writes each output element once; and the tiny model generates through it."""
+counts, writes each output element once; and the tiny model generates through it. The native
+wrappers: ``test_ascend950_native.py``."""
 import subprocess
 import sys
 import types
@@ -13,7 +14,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.hal import OpTable, UnsupportedInput, get_backend
 from deepinfer.hal.formats import quantize
-from deepinfer_backends.ascend950 import Ascend950Backend
+from deepinfer_backends.ascend950 import EMULATED, Ascend950Backend
 from deepinfer_backends.ascend950.buffers import ALIGNMENT, KIB, Buffer, TileBudgetError, layout
 from deepinfer_backends.ascend950.emulate import grouped_gemm as gg
 from deepinfer_backends.ascend950.emulate.plan import WriteRecord
@@ -40,13 +41,12 @@ def test_a_torch_npu_that_fails_to_import_makes_native_unavailable_with_the_reas
         Ascend950Backend().implementations()
 
 
-def test_native_execution_with_an_npu_says_the_kernels_are_not_written(monkeypatch):
+def test_native_execution_with_an_npu_serves_the_kernel_wrappers(monkeypatch):
     fake = types.SimpleNamespace(npu=types.SimpleNamespace(device_count=lambda: 1,
                                                            get_device_name=lambda i: "Ascend950PR"))
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     assert native_status() == (True, "1 NPU(s), Ascend950PR")
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        Ascend950Backend().implementations()
+    assert sorted(Ascend950Backend().implementations()) == sorted(EMULATED)
     broken = types.SimpleNamespace(npu=types.SimpleNamespace(device_count=lambda: 1 / 0))
     monkeypatch.setitem(sys.modules, "torch_npu", broken)
     assert native_status()[1].startswith("torch_npu imports but cannot count NPUs (ZeroDivisionError")
