@@ -106,10 +106,12 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
     starts = np.asarray([chunk.start for chunk, _ in rows], dtype=np.int64)
     offsets = np.asarray([len(chunk.token_ids) - len(chunk.drafts) for chunk, _ in rows], dtype=np.int64)
     chained = np.asarray([chunk.chained for chunk, _ in rows], dtype=np.int64)
-    known = slots is None or not chained.any()  # every position known here: sent as the starts, offsets 0
+    known = slots is None or not chained.any()  # every position known here: sent as they are
+    row_index = np.asarray([j for _, j in rows], dtype=np.int64)
+    if known:  # the emitted tokens' positions and the draws' positions, in place of the starts and offsets
+        starts, offsets = starts + offsets + row_index, verify_row_positions(starts + offsets, row_index)
     host = np.concatenate([
-        starts + offsets if known else starts, np.zeros_like(offsets) if known else offsets, chained,
-        np.asarray([j for _, j in rows], dtype=np.int64),
+        starts, offsets, chained, row_index,
         np.asarray([chunk.slot for chunk, _ in rows], dtype=np.int64),
         np.asarray([min(j, len(chunk.drafts) - 1) if chunk.drafts else 0 for chunk, j in rows], dtype=np.int64),
         np.asarray([as_int64(chunk.request.seed) for chunk, _ in rows], dtype=np.int64),
@@ -124,12 +126,13 @@ def _emit(ops: OpTable, runtime: Runtime, chunks, logits: torch.Tensor, masks, s
     chunk_first, chunk_slot = moved[10 * count:10 * count + 2 * n].view(2, n)
     chunk_verify = moved[10 * count + 2 * n:10 * count + 2 * n + verify_rows.size].view(verify_rows.shape)
     index = moved[10 * count + 2 * n + verify_rows.size:]
-    if not known:
-        start = torch.where(chained > 0, slots.length[slot], start)
     if slots is not None and verify:
         drafts = torch.where(drafts >= 0, drafts, slots.drafts[slot, column])
-    base = start if known else start + offset
-    positions, draws = base + row, verify_row_positions(base, row)  # the emitted token's position; the draw's
+    if known:
+        positions, draws = start, offset  # the emitted token's position; the draw's
+    else:
+        base = torch.where(chained > 0, slots.length[slot], start) + offset
+        positions, draws = base + row, verify_row_positions(base, row)
     vocab = logits.shape[-1]
     filters = any(chunk.request.params.temperature > 0 and (0 < chunk.request.top_k < vocab
                                                              or chunk.request.params.top_p < 1) for chunk, _ in rows)
