@@ -133,6 +133,8 @@ def grouped(experts: int, rows: int, n: int, k: int, label: str, x_format: str =
         sizes = torch.bincount(torch.randint(0, experts, (rows,), device="cuda", generator=g), minlength=experts)
         x = _gemm_operand(g, (rows, k), x_format)
         w = _gemm_operand(g, (experts, n, k), w_format, k ** -0.5)
+        if isinstance(w, Quantized):  # held as the model holds it: a parameter, which a backend may convert once
+            w = Quantized(torch.nn.Parameter(w.data, requires_grad=False), w.scale, w.fmt, w.block)
         return lambda: ops.grouped_gemm(x, w, sizes)
 
     plain = x_format == w_format == "bf16"
@@ -205,6 +207,10 @@ def _points() -> dict[str, Point]:
             points[f"moe_e384_t{tokens}_ep{ranks}_{x_format}_{w_format}"] = grouped(
                 e, m, 2 * INTERMEDIATE, HIDDEN, f"EP{ranks} T={tokens} w13", x_format, w_format,
                 quick=ranks == 8 and (tokens, x_format, w_format) in ((256, "fp8", "mxfp4"), (4096, "fp8", "fp8")))
+    e, m = _ep(384, 65536, 8)
+    for x_format, w_format in quant_formats:  # 1024 rows an expert: compute-bound for FP8 weights
+        points[f"moe_e384_t65536_ep8_{x_format}_{w_format}"] = grouped(
+            e, m, 2 * INTERMEDIATE, HIDDEN, "EP8 T=65536 w13", x_format, w_format, quick=False)
     e, m = _ep(384, 16384, 8)
     for x_format, w_format in quant_formats:
         points[f"moe_e384_t16384_ep8_w2_{x_format}_{w_format}"] = grouped(
