@@ -18,12 +18,14 @@ from deepinfer_backends.sm100.kernels.grouped_gemm import tile_schedule
 
 GROUP = 128
 """Values of K under one scale, and the kernel's k-block."""
+PRODUCER_REGISTERS = 24
+"""Registers a thread of the producer warpgroup keeps (``setmaxnreg``); the consumers share the rest."""
 E4M3 = "float8_e4m3fn"
 
 
 @tilelang.jit
 def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_m: int = 128, block_n: int = 128,
-                          num_stages: int = 4, threads: int = 128, swizzle: int = 8):
+                          num_stages: int = 4, threads: int = 256, swizzle: int = 8):
     """Kernel ``(x e4m3 [m, k], x_scale float32 [k/128, m], w e4m3 [experts, n, k], w_scale float32
     [experts, k/128, n], tile_expert, tile_row, tile_end int32 [tiles], y float32 [m, n])``: scales
     K-group-major, so the rows' and columns' scales of one k-block lie side by side. ``k`` a
@@ -33,6 +35,9 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_m: int = 128, bloc
     k-block's wgmmas, whose time hides the loads."""
     if k % GROUP:
         raise ValueError(f"k={k} must be a multiple of {GROUP}")
+    if block_m != 64 * (threads // 128):
+        raise ValueError(f"block_m={block_m} must be 64 rows per consumer warpgroup ({threads} threads)")
+    consumer_registers = min(232, (65536 - 128 * PRODUCER_REGISTERS) // threads // 8 * 8)
     m = T.dynamic("m")
     tiles = T.dynamic("tiles")
     groups = k // GROUP
@@ -49,8 +54,8 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_m: int = 128, bloc
             w_s = T.alloc_fragment((block_n,), "float")
             partial = T.alloc_fragment((block_m, block_n), "float")
             acc = T.alloc_fragment((block_m, block_n), "float")
-            T.annotate_producer_reg_dealloc(24)
-            T.annotate_consumer_reg_alloc(232)
+            T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
+            T.annotate_consumer_reg_alloc(consumer_registers)
             T.use_swizzle(panel_size=swizzle)
             if tile_expert[bt] < experts:
                 row, expert = tile_row[bt], tile_expert[bt]
@@ -129,8 +134,8 @@ def main() -> None:
     shapes = (("16 experts x 512 rows", 16, 512, 4096, 4096), ("16 experts x 2048 rows", 16, 2048, 4096, 4096),
               ("48 experts x 256 rows, w2", 48, 256, 4096, 2048), ("dense 8192^3", 1, 8192, 8192, 8192))
     configs = ({"block_m": 128, "block_n": 128, "threads": 256}, {"block_m": 128, "block_n": 192, "threads": 256},
-               {"block_m": 128, "block_n": 128, "threads": 256, "num_stages": 5},
-               {"block_m": 128, "block_n": 192, "threads": 256, "num_stages": 3})
+               {"block_m": 192, "block_n": 128, "threads": 384}, {"block_m": 128, "block_n": 128, "threads": 256,
+                                                                  "swizzle": 4})
     for label, experts, rows, n, k in shapes:
         sizes = torch.full((experts,), rows, dtype=torch.int64, device="cuda")
         x = torch.randn(experts * rows, k, device="cuda", generator=gen).to(torch.float8_e4m3fn)
