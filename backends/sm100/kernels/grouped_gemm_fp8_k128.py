@@ -8,8 +8,9 @@ next k-block's first wgmma clears, then one promotion per element,
 ``acc += partial * (x_scale[row] * w_scale[col])``. Per element that is two float32 instructions
 for every 128 values of K, a quarter of what scales per 32 would cost.
 
-The block-scaled HAL operands carry UE8M0 scales per 32 along K; :mod:`..fused.fp8_k128` aligns
-them to this granularity (:func:`align_reference` is its contract). Hopper only (wgmma, TMA)."""
+The block-scaled HAL operands carry UE8M0 scales per 32 along K;
+:mod:`deepinfer_backends.sm100.fp8_k128` aligns them to this granularity (:func:`align_reference`
+is the contract). Hopper only (wgmma, TMA, ``setmaxnreg``)."""
 import tilelang
 import tilelang.language as T
 import torch
