@@ -15,7 +15,7 @@ def _sequences(vocab: int, seed: int = 1) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(seed=0)
+    return tiny_model(seed=0, batch_invariant=True)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,9 @@ def test_chunked_prefill_then_decode_matches_full_forward(model, full_logits, de
         logits = runner.step(active, decode=decode_path)
         for row, s in enumerate(sorted(active)):
             got[s].append(logits[row:row + 1])
-    for s in range(len(seqs)):
-        failures = compare(torch.cat(got[s]), want[s], STEPWISE_TOLERANCE, f"sequence {s}")
-        assert not failures, "\n".join(failures)
+    for s in range(len(seqs)):  # batch-invariant ops: the same arithmetic per row, so the same bits
+        assert torch.equal(torch.cat(got[s]), want[s]), compare(torch.cat(got[s]), want[s], STEPWISE_TOLERANCE,
+                                                                 f"sequence {s}")
 
 
 def test_each_sequence_alone_matches_the_batch(model, full_logits):

@@ -25,8 +25,12 @@ ENGRAM = dict(engram_layer_ids=[0, 3], engram_max_ngram_size=3, engram_vocab_siz
 """Engram on the tiny_random layout: the first layer and a YOCO consumer, orders 2 and 3, two heads."""
 
 
-def tiny_model(seed: int = 0, backend: str = "reference", **overrides) -> DeepseekV41ForCausalLM:
-    model = DeepseekV41ForCausalLM(tiny_config(**overrides), OpTable(backend), max_model_len=1024)
+def tiny_model(seed: int = 0, backend: str = "reference", batch_invariant: bool = False,
+               **overrides) -> DeepseekV41ForCausalLM:
+    """A random tiny model; with ``batch_invariant`` its ops compute each row the same way
+    whatever the step's shape, so chunked and full forwards give bitwise equal logits."""
+    model = DeepseekV41ForCausalLM(tiny_config(**overrides), OpTable(backend, batch_invariant=batch_invariant),
+                                   max_model_len=1024)
     return init_random_weights(model, seed)
 
 
