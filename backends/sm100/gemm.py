@@ -35,7 +35,7 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
     op = "grouped_gemm"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05,
-                                   schedules=schedules, native_k128=options.fp8_grouped_gemm == "native_k128")
+                                   schedules=schedules)
     cuda_bf16(op, "x", x)
     cuda_bf16(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -149,12 +149,10 @@ bytes for the whole K in shared memory)."""
 
 
 def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: bool,
-                        op: str = "grouped_gemm", tcgen05: bool = False, schedules: dict | None = None,
-                        native_k128: bool = False) -> torch.Tensor:
+                        op: str = "grouped_gemm", tcgen05: bool = False, schedules: dict | None = None) -> torch.Tensor:
     """``grouped_gemm`` with block-scaled operands: bf16 or ``"fp8"`` x, ``"fp8"`` or ``"mxfp4"``
     weight, UE8M0 scales per 32 along K. Decoded exactly to bf16 in the kernel; float32 result,
-    like the reference. With ``native_k128``, on Hopper outside the batch-invariant mode and above
-    the few-rows kernel's rows, :func:`~deepinfer_backends.sm100.fp8_k128.grouped_gemm_k128` serves."""
+    like the reference."""
     from deepinfer.hal.ops.grouped_gemm import logical_shape
 
     require(isinstance(weight, Quantized) and weight.fmt in ("fp8", "mxfp4") and weight.block == 32, op,
@@ -174,23 +172,15 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
     rows, k = x_shape
     require(k % QUANT_BLOCK_K == 0, op, f"K={k} must be a multiple of {QUANT_BLOCK_K} for the block-scaled kernel")
     if k > QUANT_MAX_K:
-        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, schedules, native_k128)
+        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, schedules)
     x_data, x_scale = (x.data, x.scale) if isinstance(x, Quantized) else (x, None)
     tensors = [t for t in (x_data, x_scale, weight.data, weight.scale) if t is not None]
     require(all(t.is_cuda for t in tensors), op,
              f"operands must be CUDA tensors, got {[str(t.device) for t in tensors]}")
     require(all(t.dtype == torch.uint8 for t in (x_scale, weight.scale) if t is not None), op,
              "scales must be uint8 (UE8M0 bytes)")
-    arch = toolchain.device_arch(x_data.device.index or 0)
-    if native_k128 and arch == toolchain.HOPPER and not batch_invariant and not tcgen05 \
-            and rows > SKINNY_ROWS_PER_EXPERT * w_shape[0]:
-        from deepinfer_backends.sm100 import fp8_k128
-
-        if fp8_k128.eligible(x, weight, k):
-            return fp8_k128.grouped_gemm_k128(
-                x, weight, group_sizes, lambda tile_rows: shared_schedule(group_sizes, rows, tile_rows, x_data.device,
-                                                                          schedules))
-    module, factory, tiles = quant_kernel(rows, *w_shape, arch, batch_invariant, weight.fmt, tcgen05)
+    module, factory, tiles = quant_kernel(rows, *w_shape, toolchain.device_arch(x_data.device.index or 0),
+                                          batch_invariant, weight.fmt, tcgen05)
     y = torch.empty(rows, w_shape[1], dtype=torch.float32, device=x_data.device)
     if rows:
         schedule = shared_schedule(group_sizes, rows, tiles.get("block_m") or tiles["block_t"], x_data.device,
@@ -212,7 +202,7 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
 
 
 def _split_k(x, weight, group_sizes: torch.Tensor, batch_invariant: bool, op: str, tcgen05: bool,
-             schedules: dict, native_k128: bool = False) -> torch.Tensor:
+             schedules: dict) -> torch.Tensor:
     """The block-scaled GEMM over K beyond :data:`QUANT_MAX_K`: K cut into equal pieces (whole
     K blocks, at most that long each), their float32 products added in order (one tile schedule
     for all). Each weight piece is copied to a contiguous tensor per call."""
@@ -223,7 +213,7 @@ def _split_k(x, weight, group_sizes: torch.Tensor, batch_invariant: bool, op: st
     for piece in range(pieces):
         first, last = blocks * piece // pieces * QUANT_BLOCK_K, blocks * (piece + 1) // pieces * QUANT_BLOCK_K
         part = _grouped_gemm_quant(_k_slice(x, first, last), _k_slice(weight, first, last), group_sizes,
-                                   batch_invariant, op, tcgen05, schedules, native_k128)
+                                   batch_invariant, op, tcgen05, schedules)
         y = part if y is None else y.add_(part)
     return y
 

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 MLA_KERNELS = ("auto", "warp_specialized", "portable")
 LINEAR_KERNELS = ("auto", "tilelang", "cublas")
-FP8_GROUPED_GEMMS = ("exact", "native_k128")
 SKINNY_ROWS = 128
 """Below this many rows a bf16 ``linear`` reads its weight once and is bound by memory, where
 the ``auto`` choice takes cuBLAS (``experiments/results/linear_skinny_h200.csv``)."""
@@ -27,12 +26,6 @@ class KernelOptions:
     kernel, and so does every row count in batch-invariant mode (cuBLAS picks its kernel by
     shape); ``cublas`` is refused there. ``grouped_linear`` follows the choice: cuBLAS's strided
     batched GEMM at every row count unless ``tilelang``."""
-    fp8_grouped_gemm: str = "exact"
-    """Block-scaled ``grouped_gemm`` (FP8 or MXFP4 weights) above the few-rows kernel: ``exact``
-    (operands decoded exactly to bf16, bf16 wgmma; the reference's numbers up to summation order)
-    or ``native_k128`` (Hopper's FP8 wgmma on operands moved to one scale per 128 along K, bf16
-    activations cast to FP8 first: :mod:`~deepinfer_backends.sm100.fp8_k128`, which says what that
-    rounds). Outside Hopper and in the batch-invariant mode the exact kernels serve either way."""
     tcgen05: bool = False
     """The Blackwell tcgen05/TMEM variants of the bf16 grouped GEMM and of sparse MLA decode
     (``kernels/experimental/``: compiled for sm_100a, never run on hardware). They need a
@@ -44,9 +37,6 @@ class KernelOptions:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"backend.options.linear_kernel={self.linear_kernel!r}: expected one of "
                              f"{list(LINEAR_KERNELS)}")
-        if self.fp8_grouped_gemm not in FP8_GROUPED_GEMMS:
-            raise ValueError(f"backend.options.fp8_grouped_gemm={self.fp8_grouped_gemm!r}: expected one of "
-                             f"{list(FP8_GROUPED_GEMMS)}")
         if not isinstance(self.tcgen05, bool):
             raise ValueError(f"backend.options.tcgen05={self.tcgen05!r}: expected true or false")
 

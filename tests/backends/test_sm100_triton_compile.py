@@ -11,8 +11,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _kernels():
-    from deepinfer_backends.sm100.fused import (ep_combine, fp8_k128_align, grouped_gemm_skinny, kv_load, linear_skinny,
-                                                mhc_mixes, mhc_streams, mxfp4_cast, rope, swiglu, tile_schedule)
+    from deepinfer_backends.sm100.fused import (ep_combine, grouped_gemm_skinny, kv_load, linear_skinny, mhc_mixes,
+                                                mhc_streams, mxfp4_cast, rope, swiglu, tile_schedule)
 
     for x, fn, parts in (("*bf16", "*bf16", 3), ("*fp32", "*fp32", 1)):
         yield f"mhc_mix_partials[{parts} parts]", mhc_mixes.mhc_mix_partials, dict(
@@ -59,10 +59,6 @@ def _kernels():
             rows="*u8", bf16_rows="*bf16", fp8_rows="*fp8e4nv", slots="*i32" if narrow else "*i64",
             out="*bf16" if narrow else "*fp32", n="i32"), \
             dict(ROW_BYTES=spec.bytes_per_token, DIM=spec.dim, KIND=kind, BLOCK_ROWS=kv_load.BLOCK_ROWS)
-    for x, quantize in (("*fp8e4nv", False), ("*bf16", True)):
-        yield f"align_rows_kernel[{x}]", fp8_k128_align.align_rows_kernel, dict(
-            x=x, scale="*u8", out="*fp8e4nv", out_scale="*fp32", rows="i32"), \
-            dict(K=4096, QUANTIZE=quantize, ROWS=fp8_k128_align.ROWS)
     yield "mxfp4_cast_kernel", mxfp4_cast.mxfp4_cast_kernel, dict(x="*bf16", out="*bf16", rows="i32", heads="i32",
                                                                   out_heads="i32", out_dim="i32"), \
         dict(DIM=128, BLOCK_ROWS=mxfp4_cast.BLOCK_ROWS)

@@ -1,16 +1,17 @@
 """Grouped GEMM on Hopper's native FP8 wgmma with scales per 128 values of K: e4m3 activations x
-e4m3 expert weights, float32 result.
+e4m3 expert weights, float32 result. Not served: on the compute-bound MoE shapes it runs at about
+the rate of the exact decode-to-bf16 kernel (``kernels/grouped_gemm_quant_ws.py``), which keeps the
+reference's numbers (``experiments/results/grouped_gemm_fp8_k128_h100.md``).
 
 ``y[seg e] = x[seg e] @ w[e].T`` over the contiguous expert segments of ``grouped_gemm.py`` (same
 tile schedule). Each operand row carries one float32 scale per 128 values of K (DeepGEMM's SM90
 granularity), so a 128-deep k-block is four ``k32`` e4m3 wgmmas into a float32 partial that the
-next k-block's first wgmma clears, then one promotion per element,
-``acc += partial * (x_scale[row] * w_scale[col])``. Per element that is two float32 instructions
-for every 128 values of K, a quarter of what scales per 32 would cost.
+k-block's first wgmma clears, then one promotion per element,
+``acc += partial * (x_scale[row] * w_scale[col])``: two float32 instructions per element for every
+128 values of K, a quarter of what scales per 32 cost (``grouped_gemm_fp8_wgmma.py``).
 
-The block-scaled HAL operands carry UE8M0 scales per 32 along K;
-:mod:`deepinfer_backends.sm100.fp8_k128` aligns them to this granularity (:func:`align_reference`
-is the contract). Hopper only (wgmma, TMA, ``setmaxnreg``)."""
+The HAL's block-scaled operands carry UE8M0 scales per 32 along K; :func:`aligned` moves them to
+this granularity (:func:`align_reference` is the rule). Hopper only (wgmma, TMA, ``setmaxnreg``)."""
 import tilelang
 import tilelang.language as T
 import torch
@@ -22,18 +23,21 @@ GROUP = 128
 PRODUCER_REGISTERS = 24
 """Registers a thread of the producer warpgroup keeps (``setmaxnreg``); the consumers share the rest."""
 E4M3 = "float8_e4m3fn"
+MODULE = "experimental.grouped_gemm_fp8_k128"  # this module, as launch.compiled names kernel modules
+MXFP4_SHIFT = 6
+"""MXFP4's e2m1 values are held as e4m3 times ``2 ** MXFP4_SHIFT`` (6 x 64 = 384 <= 448)."""
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @tilelang.jit
 def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_m: int = 128, block_n: int = 128,
                           num_stages: int = 4, threads: int = 256, swizzle: int = 8):
-    """Kernel ``(x e4m3 [m, k], x_scale float32 [k/128, m], w e4m3 [experts, n, k], w_scale float32
-    [experts, k/128, n], tile_expert, tile_row, tile_end int32 [tiles], y float32 [m, n])``: scales
-    K-group-major, so the rows' and columns' scales of one k-block lie side by side. ``k`` a
+    """Kernel ``(x e4m3 [m, k], x_scale float32 [m, k/128], w e4m3 [experts, n, k], w_scale float32
+    [experts, n, k/128], tile_expert, tile_row, tile_end int32 [tiles], y float32 [m, n])``; ``k`` a
     multiple of 128, ``m`` and ``tiles`` dynamic, ``tile_expert[t] >= experts`` an empty tile. Rows of
-    a tile past its segment are multiplied but never stored; rows past ``m`` are read as zero. Each
-    consumer thread loads its rows' and columns' scales of a k-block into registers before that
-    k-block's wgmmas, whose time hides the loads."""
+    a tile past its segment are multiplied but never stored; rows past ``m`` are read as zero. The
+    producer stages each k-block's scales in shared memory beside its tiles; the consumers copy them
+    out before the wgmmas, since the stage is handed back to the producer once the wgmmas are done."""
     if k % GROUP:
         raise ValueError(f"k={k} must be a multiple of {GROUP}")
     if block_m != 64 * (threads // 128):
@@ -44,15 +48,17 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_m: int = 128, bloc
     groups = k // GROUP
 
     @T.prim_func
-    def kernel(x: T.Tensor((m, k), E4M3), x_scale: T.Tensor((groups, m), "float"),
-               w: T.Tensor((experts, n, k), E4M3), w_scale: T.Tensor((experts, groups, n), "float"),
+    def kernel(x: T.Tensor((m, k), E4M3), x_scale: T.Tensor((m, groups), "float"),
+               w: T.Tensor((experts, n, k), E4M3), w_scale: T.Tensor((experts, n, groups), "float"),
                tile_expert: T.Tensor((tiles,), "int32"), tile_row: T.Tensor((tiles,), "int32"),
                tile_end: T.Tensor((tiles,), "int32"), y: T.Tensor((m, n), "float")):
         with T.Kernel(T.ceildiv(n, block_n), tiles, threads=threads) as (bn, bt):
             x_tile = T.alloc_shared((block_m, GROUP), E4M3)
             w_tile = T.alloc_shared((block_n, GROUP), E4M3)
-            x_s = T.alloc_fragment((block_m,), "float")
-            w_s = T.alloc_fragment((block_n,), "float")
+            x_s = T.alloc_shared((block_m,), "float")
+            w_s = T.alloc_shared((block_n,), "float")
+            x_c = T.alloc_shared((block_m,), "float")
+            w_c = T.alloc_shared((block_n,), "float")
             partial = T.alloc_fragment((block_m, block_n), "float")
             acc = T.alloc_fragment((block_m, block_n), "float")
             T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
@@ -65,13 +71,17 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_m: int = 128, bloc
                     T.copy(x[row:row + block_m, kb * GROUP:(kb + 1) * GROUP], x_tile)
                     T.copy(w[expert, bn * block_n:(bn + 1) * block_n, kb * GROUP:(kb + 1) * GROUP], w_tile)
                     for i in T.Parallel(block_m):
-                        x_s[i] = T.if_then_else(row + i < m, x_scale[kb, row + i], 0.0)
+                        x_s[i] = T.if_then_else(row + i < m, x_scale[row + i, kb], 0.0)
                     for j in T.Parallel(block_n):
-                        w_s[j] = T.if_then_else(bn * block_n + j < n, w_scale[expert, kb, bn * block_n + j], 0.0)
+                        w_s[j] = T.if_then_else(bn * block_n + j < n, w_scale[expert, bn * block_n + j, kb], 0.0)
+                    for i in T.Parallel(block_m):
+                        x_c[i] = x_s[i]
+                    for j in T.Parallel(block_n):
+                        w_c[j] = w_s[j]
                     T.gemm(x_tile, w_tile, partial, transpose_B=True, clear_accum=True,
                            policy=T.GemmWarpPolicy.FullRow)
                     for i, j in T.Parallel(block_m, block_n):
-                        acc[i, j] += partial[i, j] * (x_s[i] * w_s[j])
+                        acc[i, j] += partial[i, j] * (x_c[i] * w_c[j])
                 for i, j in T.Parallel(block_m, block_n):
                     if i < tile_end[bt] - row and bn * block_n + j < n:
                         y[row + i, bn * block_n + j] = acc[i, j]
@@ -96,9 +106,26 @@ def align_reference(values: torch.Tensor, exponents: torch.Tensor) -> tuple[torc
     return data, torch.exp2(top.squeeze(-1).to(torch.float32))
 
 
+def aligned(q) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 [..., k], float32 scale [..., k/128])`` of a :class:`~deepinfer.hal.formats.Quantized`
+    ``fp8`` or ``mxfp4`` operand with UE8M0 scales per 32 (byte 0 reads as a zero block, as in the
+    other block-scaled kernels), by :func:`align_reference`: e4m3 values stay exact while they stay
+    in e4m3's normal range after the shift, MXFP4 values while a group's scales span at most 14
+    binades."""
+    scale = q.scale.to(torch.int32)
+    if q.fmt == "mxfp4":
+        table = torch.tensor(_E2M1, device=q.data.device) * 2.0 ** MXFP4_SHIFT
+        codes = torch.stack((q.data & 15, q.data >> 4), dim=-1).flatten(-2).long()
+        values, exponents = table[codes], scale - 127 - MXFP4_SHIFT
+    else:
+        values, exponents = q.data.float(), scale - 127
+    values = values.unflatten(-1, (-1, 32)).masked_fill((scale == 0).unsqueeze(-1), 0.0).flatten(-2)
+    data, group_scale = align_reference(values, exponents)
+    return data.contiguous(), group_scale.contiguous()
+
+
 def reference(x, x_scale, w, w_scale, group_sizes) -> torch.Tensor:
-    """float64 ``y`` of the kernel's operands (scales ``[m, k/128]`` and ``[experts, n, k/128]``, as
-    :func:`run` takes them), one matmul per expert segment, in float32."""
+    """float64 ``y`` of the kernel's operands, one matmul per expert segment, in float32."""
     xs = x.double() * x_scale.double().repeat_interleave(GROUP, dim=-1)
     out, start = torch.zeros(xs.shape[0], w.shape[1], dtype=torch.float32, device=xs.device), 0
     for expert, size in enumerate(group_sizes.tolist()):
@@ -109,15 +136,13 @@ def reference(x, x_scale, w, w_scale, group_sizes) -> torch.Tensor:
 
 
 def run(x, x_scale, w, w_scale, group_sizes, **tiles) -> torch.Tensor:
-    """Compile (cached by shape) and launch on ``x``'s device; scales ``[m, k/128]`` and
-    ``[experts, n, k/128]`` (moved to the kernel's K-group-major layout here)."""
+    """Compile (cached by shape) and launch on ``x``'s device."""
     from deepinfer_backends.sm100.launch import compiled
 
     schedule = tile_schedule(group_sizes, x.shape[0], tiles.get("block_m", 128))
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        kernel = compiled("grouped_gemm_fp8_k128", "grouped_gemm_fp8_k128", *w.shape, **tiles)
-        kernel(x, x_scale.T.contiguous(), w, w_scale.transpose(1, 2).contiguous(), *schedule, y)
+        compiled(MODULE, "grouped_gemm_fp8_k128", *w.shape, **tiles)(x, x_scale, w, w_scale, *schedule, y)
     return y
 
 
@@ -135,8 +160,7 @@ def main() -> None:
     shapes = (("16 experts x 512 rows", 16, 512, 4096, 4096), ("16 experts x 2048 rows", 16, 2048, 4096, 4096),
               ("48 experts x 256 rows, w2", 48, 256, 4096, 2048), ("dense 8192^3", 1, 8192, 8192, 8192))
     configs = ({"block_m": 128, "block_n": 128, "threads": 256}, {"block_m": 128, "block_n": 192, "threads": 256},
-               {"block_m": 192, "block_n": 128, "threads": 384}, {"block_m": 128, "block_n": 128, "threads": 256,
-                                                                  "swizzle": 4})
+               {"block_m": 192, "block_n": 128, "threads": 384})
     for label, experts, rows, n, k in shapes:
         sizes = torch.full((experts,), rows, dtype=torch.int64, device="cuda")
         x = torch.randn(experts * rows, k, device="cuda", generator=gen).to(torch.float8_e4m3fn)
