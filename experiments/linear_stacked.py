@@ -1,6 +1,6 @@
 """The decode-time linears of ``model=small`` on one GPU, alone and stacked where they share their
 input: cuBLAS (``torch.nn.functional.linear``, one call per weight, what ``linear_kernel=auto``
-takes below ``SKINNY_ROWS`` rows) beside sm100's Triton kernel for few rows
+takes above 16 rows) beside sm100's Triton kernel for few rows
 (``fused/linear_skinny.py``, one launch per stack) at each tile choice of a small grid.
 
 Per stack and row count: each one's time (CUDA-graph replay, median of 5 rounds), the weight bytes

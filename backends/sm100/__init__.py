@@ -113,7 +113,7 @@ class Sm100Backend(Backend):
             "before it on Hopper; no FP8 tensor-core GEMM yet",
             "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
             "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128 (beyond 8192 in pieces, added in order)",
-            "linear: the Triton kernel for few rows up to 16 rows, cuBLAS below 128 rows by default (backend.options.linear_kernel), the TileLang GEMM above, "
+            "linear: the Triton kernel for few rows up to 16 rows, cuBLAS above by default (backend.options.linear_kernel), the TileLang GEMM "
             "for block-scaled weights and in batch-invariant mode; grouped_linear: cuBLAS's strided batched GEMM "
             "on bf16 operands where they lie, else the grouped GEMM on group-major copies",
             "mHC (mixes, head, pre, post, post_pre): Triton kernels, float32 math; the mixes' dot products in fixed "

@@ -1,8 +1,8 @@
 """sm100 GEMM wrappers (HAL ``grouped_gemm`` and ``linear``): bf16 operands on the TMA + wgmma
 kernels (for few rows per expert a Triton kernel that streams the weights), block-scaled FP8 /
 MXFP4 operands on the decode-to-bf16 kernels (each warp-specialised on Hopper, and for few rows
-per expert the register-decode ``mma.sync`` kernel); bf16 ``linear`` is cuBLAS for few rows or the
-portable grouped GEMM with one expert. Tiles are picked from the shape, or fixed in the
+per expert the register-decode ``mma.sync`` kernel); bf16 ``linear`` is cuBLAS, or the portable
+grouped GEMM with one expert (``linear_kernel=tilelang`` and the batch-invariant mode). Tiles are picked from the shape, or fixed in the
 batch-invariant mode."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from deepinfer.hal.formats import Quantized
 from deepinfer.hal.ops.grouped_gemm import check_out_dtype
 from deepinfer_backends.sm100 import toolchain
 from deepinfer_backends.sm100.launch import compiled, cuda_bf16, float32_param, on_device, require
-from deepinfer_backends.sm100.options import DEFAULT, SKINNY_ROWS, KernelOptions
+from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
 
 INVARIANT_TILES = {"block_m": 64, "block_n": 128, "threads": 128}
 """GEMM tiles of the batch-invariant mode: one shape whatever the row count (each output element
@@ -345,7 +345,7 @@ def linear(x, weight, out_dtype: torch.dtype | None = None, batch_invariant: boo
     products = few_rows_linears(x, [weight], batch_invariant, options, out_dtype=out_dtype)
     if products is not None:
         return products[0]
-    if linear_kernel(rows, options, batch_invariant) == "cublas" and (out_dtype is None or _CUBLAS_FLOAT32_OUT):
+    if linear_kernel(options, batch_invariant) == "cublas" and (out_dtype is None or _CUBLAS_FLOAT32_OUT):
         if out_dtype is None:
             return torch.nn.functional.linear(x, weight)
         return torch.mm(x.reshape(rows, x.shape[-1]), weight.t(), out_dtype=out_dtype).view(*x.shape[:-1], -1)
@@ -413,17 +413,15 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 
-def linear_kernel(rows: int, options: KernelOptions = DEFAULT, batch_invariant: bool = False) -> str:
-    """``"cublas"`` or ``"tilelang"``: the kernel of a bf16 ``linear`` over ``rows`` rows
-    (:attr:`KernelOptions.linear_kernel`)."""
+def linear_kernel(options: KernelOptions = DEFAULT, batch_invariant: bool = False) -> str:
+    """``"cublas"`` or ``"tilelang"``: the kernel of a bf16 ``linear`` above the Triton kernel's
+    few rows (:attr:`KernelOptions.linear_kernel`)."""
     if batch_invariant:
         if options.linear_kernel == "cublas":
             raise RuntimeError("backend.options.linear_kernel=cublas cannot serve batch-invariant mode: cuBLAS "
                                "picks its kernel by shape. Use linear_kernel=auto or tilelang")
         return "tilelang"
-    if options.linear_kernel == "auto":
-        return "cublas" if rows < SKINNY_ROWS else "tilelang"
-    return options.linear_kernel
+    return "cublas" if options.linear_kernel == "auto" else options.linear_kernel
 
 
 def _linear_quant(x, weight, batch_invariant: bool) -> torch.Tensor:

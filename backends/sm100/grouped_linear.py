@@ -15,17 +15,18 @@ from deepinfer_backends.sm100.rope import apply_rope
 
 
 def grouped_linear(x, weight, positions=None, cos_sin=None, rope_head: int = 0, conjugate: bool = False,
-                   batch_invariant: bool = False, options: KernelOptions = DEFAULT) -> torch.Tensor:
+                   rope_in_place: bool = False, batch_invariant: bool = False,
+                   options: KernelOptions = DEFAULT) -> torch.Tensor:
     """HAL ``grouped_linear``: ``y[t, g] = x[t, g] @ weight[g].T``, with ``rope_head`` after one
     :func:`~.rope.apply_rope` launch that writes the turned heads (and copies the rest) into a new
-    tensor. bf16 operands go to cuBLAS (``torch.bmm`` on strided views, no copies) unless
+    tensor, or with ``rope_in_place`` reads and writes only the turned dims of ``x``. bf16 operands go to cuBLAS (``torch.bmm`` on strided views, no copies) unless
     ``options.linear_kernel`` is ``tilelang`` or ``batch_invariant`` is set (cuBLAS picks its
     kernel by shape); then, and for quantized operands,
     :func:`~deepinfer_backends.sm100.gemm.grouped_gemm` runs on the group-major rows."""
     tokens, groups = check_grouped_linear(x, weight, positions, cos_sin, rope_head)
     plain = not isinstance(x, Quantized) and not isinstance(weight, Quantized)
     if rope_head:
-        x = rope_heads_of(x, positions, cos_sin, rope_head, conjugate, rope=apply_rope)
+        x = rope_heads_of(x, positions, cos_sin, rope_head, conjugate, rope=apply_rope, in_place=rope_in_place)
     if plain and not batch_invariant and options.linear_kernel != "tilelang":
         cuda_bf16("grouped_linear", "x", x)
         cuda_bf16("grouped_linear", "weight", weight)

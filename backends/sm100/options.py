@@ -5,11 +5,6 @@ from dataclasses import dataclass
 
 MLA_KERNELS = ("auto", "warp_specialized", "portable")
 LINEAR_KERNELS = ("auto", "tilelang", "cublas")
-SKINNY_ROWS = 128
-"""Below this many rows a bf16 ``linear`` reads its weight once and is bound by memory, where
-the ``auto`` choice takes cuBLAS (``experiments/results/linear_skinny_h200.csv``)."""
-
-
 @dataclass(frozen=True)
 class KernelOptions:
     """Which kernel serves an op where the sm100 backend has more than one."""
@@ -20,8 +15,9 @@ class KernelOptions:
     linear_kernel: str = "auto"
     """Dense bf16 ``linear`` and ``stacked_linear``: ``auto`` (up to 16 rows the Triton kernel for
     few rows, one launch for every weight of a ``stacked_linear``; cuBLAS, through
-    ``torch.nn.functional.linear``, below :data:`SKINNY_ROWS` rows, where the GEMM kernel's 64- and
-    128-row tiles leave the weight stream short of the memory bandwidth; the TileLang GEMM above),
+    ``torch.nn.functional.linear``, above: on few rows the TileLang GEMM's 64- and 128-row tiles
+    leave the weight stream short of the memory bandwidth, and on a prefill's thousands of rows
+    cuBLAS's kernels run ahead of it, ``experiments/results/prefill_h100.md``),
     ``tilelang`` (always the TileLang GEMM) or ``cublas`` (always cuBLAS). Block-scaled weights always take the TileLang
     kernel, and so does every row count in batch-invariant mode (cuBLAS picks its kernel by
     shape); ``cublas`` is refused there. ``grouped_linear`` follows the choice: cuBLAS's strided

@@ -127,20 +127,19 @@ def test_split_count_weighs_each_ctas_fixed_cost(monkeypatch):
 
 
 def test_linear_kernel_is_chosen_by_rows_options_and_batch_invariance():
-    """``auto``: cuBLAS below ``SKINNY_ROWS`` rows, the TileLang GEMM from there on and in
-    batch-invariant mode at every row count; the fixed choices hold whatever the rows, and cuBLAS
-    is refused in batch-invariant mode (at the call and when the backend builds its table)."""
-    from deepinfer_backends.sm100.options import SKINNY_ROWS, KernelOptions
+    """``auto``: cuBLAS at every row count, the TileLang GEMM in batch-invariant mode; the fixed
+    choices hold whatever the rows, and cuBLAS is refused in batch-invariant mode (at the call and
+    when the backend builds its table)."""
+    from deepinfer_backends.sm100.options import KernelOptions
 
     auto = KernelOptions()
-    assert [gemm.linear_kernel(r, auto) for r in (1, SKINNY_ROWS - 1, SKINNY_ROWS, 8192)] == \
-        ["cublas", "cublas", "tilelang", "tilelang"]
-    assert {gemm.linear_kernel(r, auto, batch_invariant=True) for r in (1, 8192)} == {"tilelang"}
+    assert gemm.linear_kernel(auto) == "cublas"
+    assert gemm.linear_kernel(auto, batch_invariant=True) == "tilelang"
     for fixed in ("tilelang", "cublas"):
-        assert {gemm.linear_kernel(r, KernelOptions(linear_kernel=fixed)) for r in (1, 8192)} == {fixed}
-    assert gemm.linear_kernel(1, KernelOptions(linear_kernel="tilelang"), batch_invariant=True) == "tilelang"
+        assert gemm.linear_kernel(KernelOptions(linear_kernel=fixed)) == fixed
+    assert gemm.linear_kernel(KernelOptions(linear_kernel="tilelang"), batch_invariant=True) == "tilelang"
     with pytest.raises(RuntimeError, match="cannot serve batch-invariant mode"):
-        gemm.linear_kernel(1, KernelOptions(linear_kernel="cublas"), batch_invariant=True)
+        gemm.linear_kernel(KernelOptions(linear_kernel="cublas"), batch_invariant=True)
     with pytest.raises(ValueError, match="linear_kernel=cublas cannot serve engine.batch_invariant=true"):
         get_backend("sm100", options={"linear_kernel": "cublas"}).implementations(batch_invariant=True)
     with pytest.raises(ValueError, match=r"linear_kernel='fast'"):
@@ -181,6 +180,10 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
                         gemm.bf16_kernel(12288, 4, 2048, 4096, toolchain.HOPPER)[2], True),
     "grouped_gemm_ws_small_tiles": ("grouped_gemm_ws", "grouped_gemm_bf16_ws", (2, 24, 96),
                                     gemm.bf16_kernel(40, 2, 24, 96, toolchain.HOPPER)[2], True),
+    "grouped_swiglu": ("grouped_swiglu", "grouped_swiglu_bf16_ws", (4, 2048, 4096, 10.0),
+                       {"block_m": 128, "block_n": 128, "num_stages": gemm.WS_STAGES}, True),
+    "grouped_swiglu_small_tiles": ("grouped_swiglu", "grouped_swiglu_bf16_ws", (2, 128, 96, None),
+                                   {"block_m": 64, "block_n": 128, "num_stages": gemm.WS_STAGES}, True),
     "mla_sparse_decode": ("mla_sparse_decode", "sparse_mla", (64, 512, 128, 512, 512 ** -0.5, "fp8"), {}, True),
     "mla_sparse_decode_split": ("mla_sparse_decode", "sparse_mla", (128, 512, 6, 5, 512 ** -0.5, "fp8"),
                                 {"splits": 2}, True),

@@ -20,7 +20,7 @@ from deepinfer_backends.sm100 import wrappers
 
 for op in sys.argv[1:]:
     spec = SPECS[op]
-    for case in spec.cases:
+    for case in (c for c in spec.cases if c.size != "real"):  # real sizes: minutes in the interpreter
         inputs = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
         got = getattr(wrappers, op)(**inputs)
         failures = compare(got, spec.reference(**inputs), spec.tolerance(case.dtype or torch.float32), case.name)
@@ -43,7 +43,7 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
     from deepinfer.hal.spec import SPECS
     import deepinfer.hal.ops  # noqa: F401
 
-    expected = [f"{op} {case.name} ok" for op in OPS for case in SPECS[op].cases]
+    expected = [f"{op} {case.name} ok" for op in OPS for case in SPECS[op].cases if case.size != "real"]
     assert interpreted(CHECK, *OPS).splitlines() == expected
 
 

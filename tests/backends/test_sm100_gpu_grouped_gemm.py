@@ -41,6 +41,26 @@ def test_grouped_gemm_matches_float64_on_ragged_segments(segments, n, k, batch_i
     torch.testing.assert_close(y.cpu().double(), expected, rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("limit", [7.0, None])
+@pytest.mark.parametrize("segments", sorted(SEGMENTS))
+def test_fused_grouped_swiglu_equals_the_two_gemms_and_the_activation(segments, limit):
+    """The fused gate/up kernel against the composition it replaces (both grouped GEMMs, then the
+    SwiGLU kernel): the same products rounded to bf16, so at most one bf16 step apart where the
+    two exponentials differ in their last float32 bit, and almost every element identical."""
+    from deepinfer_backends.sm100 import activation, gemm, grouped_swiglu
+
+    sizes = torch.tensor(SEGMENTS[segments]).cuda()
+    g = torch.Generator().manual_seed(1)
+    n, k = 256, 320
+    x = torch.randn(int(sizes.sum()), k, generator=g).bfloat16().cuda()
+    w1, w3 = ((torch.randn(len(sizes), n, k, generator=g) * 4 * k ** -0.5).bfloat16().cuda() for _ in range(2))
+    fused = grouped_swiglu.fused_grouped_swiglu(x, w1, w3, sizes, limit)
+    assert fused is not None and fused.dtype == torch.bfloat16
+    composed = activation.swiglu(gemm.grouped_gemm(x, w1, sizes), gemm.grouped_gemm(x, w3, sizes), limit)
+    torch.testing.assert_close(fused.float(), composed.float(), rtol=2 ** -7, atol=0.0)
+    assert (fused != composed).float().mean().item() < 1e-3
+
+
 QUANT_PAIRS = [("fp8", "fp8"), ("fp8", "mxfp4"), ("bf16", "fp8"), ("bf16", "mxfp4")]
 
 

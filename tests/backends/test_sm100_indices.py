@@ -146,13 +146,16 @@ def _layout_edges():
         tokens_per_block=2)]
 
 
-def cases(family: str):
-    """(op, case name, calls): every OpSpec case of the family's ops, then its edge cases."""
+def cases(family: str, real: bool = True):
+    """(op, case name, calls): every OpSpec case of the family's ops (but the ``real``-size ones
+    without ``real``), then its edge cases."""
     importlib.import_module("deepinfer.hal.ops")  # declares every OpSpec
     from deepinfer.hal.spec import SPECS
 
     for op in FAMILIES[family]:
         for case in SPECS[op].cases:
+            if case.size == "real" and not real:
+                continue
             yield op, case.name, [case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))]
     yield from {"swa": _swa_edges, "compress": _compress_edges, "bitmask": _bitmask_edges,
                 "compressed_layout": _layout_edges}[family]()
@@ -174,14 +177,15 @@ def _wrapper(op: str):
                     "compressed_decode_layout": compressed_layout}.get(op, swa_indices), op)
 
 
-def run_checks(device: str, *families: str) -> None:
-    """Each case of ``families`` on ``device`` against the reference on the CPU (calls of a case
-    carry their in-place tensor); prints ``op case ok`` per case, raises on a mismatch."""
+def run_checks(device: str, *families: str, real: bool = True) -> None:
+    """Each case of ``families`` (:func:`cases`) on ``device`` against the reference on the CPU
+    (calls of a case carry their in-place tensor); prints ``op case ok`` per case, raises on a
+    mismatch."""
     importlib.import_module("deepinfer.hal.ops")  # declares every OpSpec
     from deepinfer.hal.spec import SPECS, compare
 
     for family in families:
-        for op, name, calls in cases(family):
+        for op, name, calls in cases(family, real):
             spec, got_carry, want_carry = SPECS[op], None, None
             for call in calls:
                 got_args = _copied(call, torch.device(device), got_carry, op)
@@ -253,11 +257,12 @@ EXTRA = {"compress": ["compress_tokens padding_rows_value_checks_off ok", "compr
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_kernels_match_the_reference_in_the_interpreter(family):
+    """Every case but the real-size ones (minutes in the interpreter; ``run_checks`` on a GPU runs them)."""
     done = subprocess.run([sys.executable, "-c", "import sys; from tests.backends.test_sm100_indices import "
-                           "run_checks; run_checks('cpu', sys.argv[1])", family], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
+                           "run_checks; run_checks('cpu', sys.argv[1], real=False)", family], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = [f"{op} {name} ok" for op, name, _ in cases(family)] + EXTRA.get(family, [])
+    expected = [f"{op} {name} ok" for op, name, _ in cases(family, real=False)] + EXTRA.get(family, [])
     assert done.stdout.splitlines() == expected
 
 

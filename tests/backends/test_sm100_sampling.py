@@ -131,7 +131,8 @@ SPECULATIVE_EDGES = {
 
 for op, edges in (("speculative_accept", SPECULATIVE_EDGES), ("sample", EDGES)):
     spec = SPECS[op]
-    cases = [(case.name, case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))) for case in spec.cases]
+    cases = [(case.name, case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))) for case in spec.cases
+             if device.type != "cpu" or case.size != "real"]  # real sizes: minutes in the interpreter
     for name, inputs in cases + list(edges.items()):
         got = getattr(sampling, op)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
         failures = compare(got, spec.reference(**inputs), spec.tolerance(torch.float32), name)
@@ -151,7 +152,8 @@ def test_sampling_kernels_match_the_reference_in_the_interpreter(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "draw_uniform ok"
-    spec_cases = [f"{op} {case.name} ok" for op in ("speculative_accept", "sample") for case in SPECS[op].cases]
+    spec_cases = [f"{op} {case.name} ok" for op in ("speculative_accept", "sample") for case in SPECS[op].cases
+                  if case.size != "real"]
     assert set(spec_cases) <= set(lines) and len(lines) == 1 + len(spec_cases) + 5 + 23, lines
     assert all(line.endswith(" ok") for line in lines), lines
 

@@ -37,7 +37,11 @@ def test_every_experiment_script_is_a_study_or_a_device_script():
         assert name in scripts, f"configs/experiment/{name}.yaml selects a study with no experiments/{name}.py"
 
 
-@pytest.mark.parametrize("name", STUDIES)
+SLOW = {"soak": "tests/engine/test_soak.py runs the same fast mode and checks what it counts"}
+"""Studies whose fast mode runs only with --runslow, with the test that covers it in the default run."""
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in STUDIES])
 def test_a_study_runs_its_fast_mode_and_writes_its_results(name, tmp_path):
     module = load_script(name)
     settings = module.Settings

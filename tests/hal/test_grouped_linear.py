@@ -9,9 +9,11 @@ from tests.hal.oracle import check_against_oracle
 from tests.hal.test_grouped_gemm import float64_values
 
 
-def grouped_linear_float64(x, weight, positions=None, cos_sin=None, rope_head=0, conjugate=False):
+def grouped_linear_float64(x, weight, positions=None, cos_sin=None, rope_head=0, conjugate=False,
+                           rope_in_place=False):
     """Token by token, group by group, in float64 from the operands' decoded values; with
-    ``rope_head``, each head's trailing pairs of ``x`` turned by hand first."""
+    ``rope_head``, each head's trailing pairs of ``x`` turned by hand first (``rope_in_place``
+    changes nothing in the result)."""
     xv, wv = float64_values(x), float64_values(weight)
     if rope_head:
         xv, half = xv.clone().reshape(xv.shape[0], -1), cos_sin.shape[1] // 2
@@ -69,3 +71,19 @@ def test_rope_head_turns_each_heads_tail_back_before_the_product_by_hand():
         grouped_linear(x, torch.eye(8).view(1, 8, 8), torch.tensor([1]), cos_sin, rope_head=3)
     with pytest.raises(ValueError, match="go with rope_head"):
         grouped_linear(x, torch.eye(8).view(1, 8, 8), torch.tensor([1]), cos_sin)
+
+
+def test_rope_in_place_turns_the_heads_where_they_lie_by_hand():
+    """As above with ``rope_in_place``: the same product, and the heads of a contiguous ``x``
+    turned in ``x`` itself; an ``x`` whose heads cannot be viewed is turned in a copy."""
+    cos_sin = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    x = torch.arange(1.0, 9.0).view(1, 1, 8)
+    got = grouped_linear(x, torch.eye(8).view(1, 8, 8), torch.tensor([1]), cos_sin, rope_head=4, conjugate=True,
+                         rope_in_place=True)
+    assert got.flatten().tolist() == [1.0, 2.0, 4.0, -3.0, 5.0, 6.0, 8.0, -7.0]
+    assert x.flatten().tolist() == [1.0, 2.0, 4.0, -3.0, 5.0, 6.0, 8.0, -7.0]
+    strided = torch.arange(1.0, 17.0).view(1, 8, 2).transpose(1, 2)  # groups and heads cannot merge in a view
+    got = grouped_linear(strided, torch.eye(8).expand(2, 8, 8), torch.tensor([1]), cos_sin, rope_head=4,
+                         conjugate=True, rope_in_place=True)
+    assert got.tolist() == [[[1.0, 3.0, 7.0, -5.0, 9.0, 11.0, 15.0, -13.0],
+                             [2.0, 4.0, 8.0, -6.0, 10.0, 12.0, 16.0, -14.0]]]

@@ -16,7 +16,8 @@ from deepinfer.hal.spec import OpCase, OpSpec, register
 
 
 def grouped_linear(x: Operand, weight: Operand, positions: torch.Tensor | None = None,
-                   cos_sin: torch.Tensor | None = None, rope_head: int = 0, conjugate: bool = False) -> torch.Tensor:
+                   cos_sin: torch.Tensor | None = None, rope_head: int = 0, conjugate: bool = False,
+                   rope_in_place: bool = False) -> torch.Tensor:
     """``y [T, G, N]`` with ``y[t, g] = x[t, g] @ weight[g].T`` for ``x [T, G, K]`` and
     ``weight [G, N, K]`` (plain or :class:`Quantized` as :func:`grouped_gemm` takes them).
 
@@ -27,20 +28,29 @@ def grouped_linear(x: Operand, weight: Operand, positions: torch.Tensor | None =
     With ``rope_head`` > 0 (a plain ``x``; ``positions`` and ``cos_sin`` as
     :func:`~deepinfer.hal.ops.rope.apply_rope` takes them) ``x``, seen as heads ``rope_head`` wide,
     first has each head's trailing ``R`` dims turned by ``apply_rope`` (``conjugate``: backwards,
-    the attention output's inverse rotation), which a backend may do as it loads ``x``."""
+    the attention output's inverse rotation), which a backend may do as it loads ``x``. With
+    ``rope_in_place`` the caller gives ``x`` up as scratch: a backend may turn the heads where they
+    lie instead of writing a turned copy, so ``x``'s values afterwards are unspecified."""
     tokens, groups = check_grouped_linear(x, weight, positions, cos_sin, rope_head)
     if rope_head:
-        x = rope_heads_of(x, positions, cos_sin, rope_head, conjugate)
+        x = rope_heads_of(x, positions, cos_sin, rope_head, conjugate, in_place=rope_in_place)
     sizes = torch.full((groups,), tokens, dtype=torch.int64, device=_data(weight).device)
     out = grouped_gemm(group_major(x), weight, sizes)
     return out.view(groups, tokens, out.shape[-1]).transpose(0, 1).contiguous()
 
 
 def rope_heads_of(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head: int,
-                  conjugate: bool, rope=apply_rope) -> torch.Tensor:
+                  conjugate: bool, rope=apply_rope, in_place: bool = False) -> torch.Tensor:
     """``x [T, G, K]`` with ``rope`` (``apply_rope``'s signature) applied to each ``head``-wide
-    head's trailing dims, in a new tensor: the RoPE half of :func:`grouped_linear`."""
-    return rope(x.reshape(x.shape[0], -1, head), positions, cos_sin, conjugate=conjugate).view(x.shape)
+    head's trailing dims: the RoPE half of :func:`grouped_linear`. In a new tensor, or with
+    ``in_place`` in ``x`` itself (only the turned dims are read and written; an ``x`` whose heads
+    cannot be viewed in place is turned in a copy)."""
+    heads = x.reshape(x.shape[0], -1, head)
+    if not in_place:
+        return rope(heads, positions, cos_sin, conjugate=conjugate).view(x.shape)
+    tail = heads[..., head - cos_sin.shape[1]:]
+    rope(tail, positions, cos_sin, conjugate=conjugate, out=tail)
+    return heads.view(x.shape)
 
 
 def check_grouped_linear(x: Operand, weight: Operand, positions: torch.Tensor | None = None,
@@ -76,13 +86,15 @@ def _data(operand: Operand) -> torch.Tensor:
     return operand.data if isinstance(operand, Quantized) else operand
 
 
-def _case(tokens, groups, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32, rope_head=0, rope_dim=64):
+def _case(tokens, groups, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32, rope_head=0, rope_dim=64,
+          in_place=False):
     def make(gen: torch.Generator, device: torch.device):
         args = {"x": _operand((tokens, groups, k), x_fmt, gen, device, dtype),
                 "weight": _operand((groups, n, k), w_fmt, gen, device, dtype, spread=k ** -0.5)}
         if rope_head:
             args.update(positions=torch.randint(0, 4096, (tokens,), generator=gen).to(device), rope_head=rope_head,
-                        cos_sin=rope_cos_sin(rope_inv_freq(10000.0, rope_dim), 4096).to(device), conjugate=True)
+                        cos_sin=rope_cos_sin(rope_inv_freq(10000.0, rope_dim), 4096).to(device), conjugate=True,
+                        rope_in_place=in_place)
         return args
     return make
 
@@ -102,9 +114,13 @@ register(OpSpec(
         OpCase("tiny_rope_bf16", _case(5, 3, 32, 96, dtype=torch.bfloat16, rope_head=48, rope_dim=16),
                dtype=torch.bfloat16),
         OpCase("rows_rope_bf16", _case(20, 2, 32, 128, dtype=torch.bfloat16, rope_head=64), dtype=torch.bfloat16),
+        OpCase("rows_rope_in_place_bf16", _case(20, 2, 32, 128, dtype=torch.bfloat16, rope_head=64, in_place=True),
+               dtype=torch.bfloat16),
         OpCase("v41_o_proj_bf16", _case(16, 8, 512, 4096, dtype=torch.bfloat16), "real", torch.bfloat16),
         OpCase("v41_o_proj_rope_bf16", _case(1, 8, 512, 4096, dtype=torch.bfloat16, rope_head=512), "real",
                torch.bfloat16),
+        OpCase("v41_o_proj_rope_in_place_bf16", _case(64, 8, 512, 4096, dtype=torch.bfloat16, rope_head=512,
+                                                      in_place=True), "real", torch.bfloat16),
         OpCase("v41_o_proj_fp8_weight_bf16", _case(16, 8, 512, 4096, None, "fp8", torch.bfloat16), "real",
                torch.bfloat16),
     ),

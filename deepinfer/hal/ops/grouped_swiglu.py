@@ -64,6 +64,10 @@ register(OpSpec(
         OpCase("tiny_fp8_mxfp4", _case((4, 2), 8, 128, "fp8", "mxfp4", out=torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_decode_bf16", _case((1, 0, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), 2048, 4096,
                                         dtype=torch.bfloat16), "real", torch.bfloat16),
+        OpCase("long_segments_bf16", _case((130, 0, 7, 64), 256, 160, dtype=torch.bfloat16, limit=None),
+               dtype=torch.bfloat16),
         OpCase("v41_experts_bf16", _case((20, 0, 31, 13), 2048, 4096, dtype=torch.bfloat16), "real", torch.bfloat16),
+        OpCase("v41_prefill_bf16", _case((300, 41, 0, 187), 2048, 4096, dtype=torch.bfloat16), "real",
+               torch.bfloat16),
     ),
 ))

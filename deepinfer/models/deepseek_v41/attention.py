@@ -405,9 +405,10 @@ class Attention(nn.Module):
 
     def _project_out(self, out: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
         """Grouped low-rank projection: each group of heads to ``o_lora_rank``, then to hidden;
-        ``rope`` (``(positions, cos_sin)``) turns the heads back first (conjugate RoPE)."""
+        ``rope`` (``(positions, cos_sin)``) turns the heads back first (conjugate RoPE), in
+        ``out`` itself (nothing reads it afterwards)."""
         tokens, groups = out.shape[0], self.cfg.o_groups
         turn = {} if rope is None else dict(positions=rope[0], cos_sin=rope[1], rope_head=ATTENTION_DIM,
-                                            conjugate=True)
+                                            conjugate=True, rope_in_place=True)
         low_rank = self.ops.grouped_linear(out.reshape(tokens, groups, -1), self.wo_a.operand(groups), **turn)
         return self.wo_b(low_rank.reshape(tokens, -1).to(out.dtype))

@@ -35,11 +35,15 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, streams: int | None = None) -> torch.Tensor:
         """``[T, hidden]``, or with ``streams`` the embedding repeated over that many hyper-connection
-        streams, ``[T, streams, hidden]``, in one gather."""
+        streams, ``[T, streams, hidden]``, in one gather of whole rows (``index_select``, which
+        copies rows where advanced indexing would gather element by element)."""
         if value_checks() and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.weight.shape[0]):
             raise ValueError(f"token ids must be in [0, {self.weight.shape[0]}), got range "
                              f"[{int(ids.min())}, {int(ids.max())}]")
-        return self.weight[ids] if streams is None else self.weight[ids.unsqueeze(1).expand(-1, streams)]
+        if streams is None:
+            return self.weight.index_select(0, ids.reshape(-1)).view(*ids.shape, self.weight.shape[1])
+        rows = ids.reshape(-1, 1).expand(-1, streams).reshape(-1)
+        return self.weight.index_select(0, rows).view(*ids.shape, streams, self.weight.shape[1])
 
 
 class DeepseekV41ForCausalLM(nn.Module):
