@@ -2,8 +2,8 @@
 kernels (for few rows per expert a Triton kernel that streams the weights), block-scaled FP8 /
 MXFP4 operands on the decode-to-bf16 kernels (each warp-specialised on Hopper, and for few rows
 per expert the register-decode ``mma.sync`` kernel); bf16 ``linear`` is cuBLAS, or the portable
-grouped GEMM with one expert (``linear_kernel=tilelang`` and the batch-invariant mode). Tiles are picked from the shape, or fixed in the
-batch-invariant mode."""
+grouped GEMM with one expert (``linear_kernel=tilelang`` and the batch-invariant mode). Tiles are
+picked from the shape, or fixed in the batch-invariant mode."""
 from __future__ import annotations
 
 import functools

@@ -19,7 +19,8 @@ def grouped_linear(x, weight, positions=None, cos_sin=None, rope_head: int = 0, 
                    options: KernelOptions = DEFAULT) -> torch.Tensor:
     """HAL ``grouped_linear``: ``y[t, g] = x[t, g] @ weight[g].T``, with ``rope_head`` after one
     :func:`~.rope.apply_rope` launch that writes the turned heads (and copies the rest) into a new
-    tensor, or with ``rope_in_place`` reads and writes only the turned dims of ``x``. bf16 operands go to cuBLAS (``torch.bmm`` on strided views, no copies) unless
+    tensor, or with ``rope_in_place`` reads and writes only the turned dims of ``x``. bf16
+    operands go to cuBLAS (``torch.bmm`` on strided views, no copies) unless
     ``options.linear_kernel`` is ``tilelang`` or ``batch_invariant`` is set (cuBLAS picks its
     kernel by shape); then, and for quantized operands,
     :func:`~deepinfer_backends.sm100.gemm.grouped_gemm` runs on the group-major rows."""

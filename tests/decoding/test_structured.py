@@ -90,10 +90,11 @@ def test_grammar_end_stops_generation_even_with_ignore_eos(llm):
     assert out.token_ids[-1] in llm.tokenizer.eos_token_ids
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["all_drafts", "varlen"])
+@pytest.mark.parametrize("varlen", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["all_drafts", "varlen"])
 def test_greedy_structured_outputs_are_the_same_with_dspark(varlen):
     """Drafts come from the unconstrained drafter, so many violate the grammar and are rejected
-    by verification; the accepted ones and the final tokens equal plain greedy decoding."""
+    by verification; the accepted ones and the final tokens equal plain greedy decoding. The
+    varlen variant (which verifies fewer drafts, the same grammar path) runs with --runslow."""
     cases = ([("json", s) for s in JSON_SCHEMAS[:8]] + [("regex", r) for r in REGEXES[:8]]
              + [("ebnf", g) for g, _ in EBNF[:8]])
     params = [_params(kind, g, seed=0, temperature=0.0, max_tokens=48) for kind, g in cases]

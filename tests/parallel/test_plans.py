@@ -189,7 +189,9 @@ def test_data_and_expert_parallel_with_dspark_equals_one_process(tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("plan, extra", [
-    ("ep2", ["parallel.num_extra_experts=2", "parallel.eplb_interval=4"]), ("dp2", []), ("cp2", []), ("dp2_ep2", [])])
+    ("ep2", ["parallel.num_extra_experts=2", "parallel.eplb_interval=4"]), ("dp2", []),
+    pytest.param("cp2", [], marks=pytest.mark.slow),  # two ranks: test_context_parallel_outputs_equal_one_process
+    ("dp2_ep2", [])])
 def test_a_plan_on_one_process_runs_its_groups_and_equals_one_process(tmp_path, single_process, plan, extra):
     """``parallel.world_size=1`` (torchrun --nproc-per-node 1): the plan's collectives run through
     a process group of one rank (EPLB re-placing mid-run under ep2) and the outputs are the plain
