@@ -1,6 +1,6 @@
-"""The sm100 Triton kernels against the reference on every case of their op, run by Triton's
-interpreter on the CPU (a subprocess: the interpreter is chosen when triton is imported). The
-parity grid runs them on a GPU (``tests/hal/test_parity.py``)."""
+"""The sm100 Triton kernels against the reference on every case of their op but the real-size
+ones, run by Triton's interpreter on the CPU (a subprocess: the interpreter is chosen when triton
+is imported). The parity grid runs them all on a GPU (``tests/hal/test_parity.py``)."""
 import importlib.util
 import os
 import subprocess

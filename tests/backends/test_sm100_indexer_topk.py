@@ -1,6 +1,6 @@
 """The sm100 ``indexer_topk`` kernel: exact against the reference under Triton's interpreter (a
-subprocess: the interpreter is chosen when triton is imported) on every OpSpec case and on edge
-cases (ties across the k-th value, short and empty windows, -inf, signed zeros, rows longer than
+subprocess: the interpreter is chosen when triton is imported) on every OpSpec case (the small
+ones again with small blocks) and on edge cases (ties across the k-th value, short and empty windows, -inf, signed zeros, rows longer than
 a kernel block), and compiled for sm_90 with the constexprs the wrapper uses."""
 import importlib.util
 import os

@@ -1,6 +1,6 @@
 """The sm100 ``sample`` and ``speculative_accept`` kernels against the reference, run by Triton's
 interpreter on the CPU (a subprocess: the interpreter is chosen when triton is imported): every
-OpSpec case, edge cases (ties at the k-th value, within a block and across blocks, top-p landing
+OpSpec case but the real-size ones (those run on a GPU), edge cases (ties at the k-th value, within a block and across blocks, top-p landing
 exactly on a token's preceding mass, grammar-masked rows, greedy rows beside sampled ones, seeds
 >= 2**63, the draft namespace, odd vocabulary sizes; the filter cases in both filter orders), and
 ``draw_uniform`` bit for bit (every case, both namespaces); then each kernel compiled for sm_90
