@@ -1,10 +1,11 @@
-"""The sm100 Triton kernels of the SWA index ops, ``compressed_decode_layout``, ``compress_tokens`` and
-``apply_token_bitmask``: every OpSpec case but the real-size ones (on a GPU, all of them) and edge
-cases (padding rows, negative positions, visible starts, windows past the positions, ratio-4
-groups split across calls, mask row subsets, vocabularies not a multiple of 32) against the reference, run by Triton's interpreter on the CPU in a subprocess (integers
-and masked logits exact, in-place state and logits compared too); and every kernel compiled for
-sm_90. On a GPU: ``python -c "from tests.backends.test_sm100_indices import run_checks;
-run_checks('cuda', 'swa', 'compress', 'bitmask')"``."""
+"""The sm100 Triton kernels of the SWA index ops, ``compressed_decode_layout``, ``compress_tokens``
+and ``apply_token_bitmask``: every OpSpec case but the real-size ones (on a GPU, all of them) and
+edge cases (padding rows, negative positions, visible starts, windows past the positions, ratio-4
+groups split across calls, mask row subsets, vocabularies not a multiple of 32) against the
+reference, run by Triton's interpreter on the CPU in a subprocess (integers and masked logits
+exact, in-place state and logits compared too); and every kernel compiled for sm_90. On a GPU:
+``python -c "from tests.backends.test_sm100_indices import run_checks; run_checks('cuda', 'swa',
+'compress', 'bitmask')"``."""
 import importlib.util
 import os
 import pathlib
