@@ -149,7 +149,8 @@ bytes for the whole K in shared memory)."""
 
 
 def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: bool,
-                        op: str = "grouped_gemm", tcgen05: bool = False, schedules: dict | None = None) -> torch.Tensor:
+                        op: str = "grouped_gemm", tcgen05: bool = False,
+                        schedules: dict | None = None) -> torch.Tensor:
     """``grouped_gemm`` with block-scaled operands: bf16 or ``"fp8"`` x, ``"fp8"`` or ``"mxfp4"``
     weight, UE8M0 scales per 32 along K. Decoded exactly to bf16 in the kernel; float32 result,
     like the reference."""

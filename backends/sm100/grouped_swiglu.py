@@ -24,18 +24,18 @@ def grouped_swiglu(x, w1, w3, group_sizes: torch.Tensor, limit, dtype=None, batc
     :func:`fused_grouped_swiglu` serves (bf16 result); everything else :func:`grouped_gemm` twice
     (one tile schedule for both) and :func:`swiglu`, with the same ``batch_invariant`` and ``options``."""
     check_grouped_swiglu(x, w1, w3, limit)
-    plain = not any(isinstance(t, Quantized) for t in (x, w1, w3))
-    if plain and not batch_invariant and not options.tcgen05 and x.dim() == 2 and w1.dim() == 3 \
-            and x.shape[0] <= SKINNY_BF16_ROWS_PER_EXPERT * w1.shape[0]:
+    fused = not any(isinstance(t, Quantized) for t in (x, w1, w3)) and not batch_invariant and not options.tcgen05
+    if fused:
         for name, t in (("x", x), ("w1", w1), ("w3", w3)):
             cuda_bf16("grouped_swiglu", name, t)
-        if w1.shape[2] != x.shape[1] or group_sizes.dtype != torch.int64 or tuple(group_sizes.shape) != (w1.shape[0],):
+    if fused and x.dim() == 2 and w1.dim() == 3 and x.shape[0] <= SKINNY_BF16_ROWS_PER_EXPERT * w1.shape[0]:
+        if not _segments_fit(x, w1, group_sizes):
             raise ValueError(f"grouped_swiglu expects x [M, K], weights [E, N, K] and int64 group_sizes [E]; got x "
                              f"{tuple(x.shape)}, w1 {tuple(w1.shape)}, group_sizes {group_sizes.dtype} "
                              f"{tuple(group_sizes.shape)}")
         return grouped_gemm_few_rows(x.contiguous(), w1.contiguous(), group_sizes, up=w3.contiguous(), limit=limit,
                                      dtype=dtype)
-    if plain and not batch_invariant and not options.tcgen05 and dtype in (None, torch.bfloat16):
+    if fused and dtype in (None, torch.bfloat16) and _segments_fit(x, w1, group_sizes):
         y = fused_grouped_swiglu(x, w1, w3, group_sizes, limit)
         if y is not None:
             return y
@@ -48,16 +48,18 @@ FUSED_BLOCK_N = 128
 """Output columns a CTA of the fused kernel computes (gate and up: twice as many products)."""
 
 
+def _segments_fit(x, w1, group_sizes: torch.Tensor) -> bool:
+    """``x [M, K]``, ``w1 [E, N, K]`` and int64 ``group_sizes [E]``."""
+    return x.dim() == 2 and w1.dim() == 3 and w1.shape[2] == x.shape[1] and group_sizes.dtype == torch.int64 \
+        and tuple(group_sizes.shape) == (w1.shape[0],)
+
+
 def fused_grouped_swiglu(x, w1, w3, group_sizes: torch.Tensor, limit) -> torch.Tensor | None:
-    """The bf16 ``grouped_swiglu`` by :func:`~.kernels.grouped_swiglu.grouped_swiglu_bf16_ws`, on
-    a Hopper GPU, for ``N`` a multiple of :data:`FUSED_BLOCK_N` and ``K`` of 8 (16-byte rows for
-    TMA); None where it does not serve. The tile rows and the schedule are the grouped GEMM's
+    """The ``grouped_swiglu`` of CUDA bf16 ``x [M, K]``, ``w1``, ``w3 [E, N, K]`` and int64
+    ``group_sizes [E]`` by :func:`~.kernels.grouped_swiglu.grouped_swiglu_bf16_ws`, on a Hopper
+    GPU, for ``N`` a multiple of :data:`FUSED_BLOCK_N` and ``K`` of 8 (16-byte rows for TMA); None
+    where it does not serve. The tile rows and the schedule are the grouped GEMM's
     (:func:`~.gemm.gemm_tiles`, :func:`~.gemm.shared_schedule`)."""
-    for name, t in (("x", x), ("w1", w1), ("w3", w3)):
-        cuda_bf16("grouped_swiglu", name, t)
-    if x.dim() != 2 or w1.dim() != 3 or w1.shape[2] != x.shape[1] or group_sizes.dtype != torch.int64 \
-            or tuple(group_sizes.shape) != (w1.shape[0],):
-        return None
     experts, n, k = w1.shape
     if n % FUSED_BLOCK_N or k % 8 or toolchain.device_arch(x.device.index or 0) != toolchain.HOPPER:
         return None

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 MLA_KERNELS = ("auto", "warp_specialized", "portable")
 LINEAR_KERNELS = ("auto", "tilelang", "cublas")
+
+
 @dataclass(frozen=True)
 class KernelOptions:
     """Which kernel serves an op where the sm100 backend has more than one."""

@@ -66,7 +66,7 @@ def test_rope_head_turns_each_heads_tail_back_before_the_product_by_hand():
     cos_sin = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     got = grouped_linear(x, torch.eye(8).view(1, 8, 8), torch.tensor([1]), cos_sin, rope_head=4, conjugate=True)
     assert got.flatten().tolist() == [1.0, 2.0, 4.0, -3.0, 5.0, 6.0, 8.0, -7.0]
-    assert x.flatten().tolist() == list(range(1, 9))  # the input is left as it was
+    assert x.flatten().tolist() == list(range(1, 9))  # without rope_in_place the input is untouched
     with pytest.raises(ValueError, match="must divide K"):
         grouped_linear(x, torch.eye(8).view(1, 8, 8), torch.tensor([1]), cos_sin, rope_head=3)
     with pytest.raises(ValueError, match="go with rope_head"):
