@@ -110,7 +110,8 @@ class Sm100Backend(Backend):
             "hardware; enable with backend.options.tcgen05=true on Blackwell (set on Hopper, those ops raise)",
             "fp8: the fp8 KV cache and FP8 grouped-GEMM weights (e4m3, UE8M0 per 32) are read as stored and "
             "decoded to bf16 in the kernel (bf16 wgmma, float32 accumulation), FP8 activations once per row "
-            "before it on Hopper; no FP8 tensor-core GEMM yet",
+            "before it on Hopper; backend.options.quant_gemm=native runs FP8 activations on Hopper's FP8 tensor "
+            "cores instead (scales moved to one per 128 along K and one per weight column; not exact)",
             "fp4: the fp4 compressed KV cache and MXFP4 expert weights are read as stored (packed e2m1) and "
             "decoded to bf16 in the kernel; grouped-GEMM K a multiple of 128 (beyond 8192 in pieces, added in order)",
             "linear: the Triton kernel for few rows up to 16 rows, cuBLAS above by default (backend.options.linear_kernel), the TileLang GEMM "

@@ -35,7 +35,7 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = F
     op = "grouped_gemm"
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05,
-                                   schedules=schedules)
+                                   schedules=schedules, native=options.quant_gemm == "native")
     cuda_bf16(op, "x", x)
     cuda_bf16(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -150,10 +150,11 @@ bytes for the whole K in shared memory)."""
 
 def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: bool,
                         op: str = "grouped_gemm", tcgen05: bool = False,
-                        schedules: dict | None = None) -> torch.Tensor:
+                        schedules: dict | None = None, native: bool = False) -> torch.Tensor:
     """``grouped_gemm`` with block-scaled operands: bf16 or ``"fp8"`` x, ``"fp8"`` or ``"mxfp4"``
     weight, UE8M0 scales per 32 along K. Decoded exactly to bf16 in the kernel; float32 result,
-    like the reference."""
+    like the reference. ``native`` (``quant_gemm=native``) takes the FP8 tensor cores where
+    :func:`~.grouped_gemm_native.native_fits` says so."""
     from deepinfer.hal.ops.grouped_gemm import logical_shape
 
     require(isinstance(weight, Quantized) and weight.fmt in ("fp8", "mxfp4") and weight.block == 32, op,
@@ -172,6 +173,12 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
                          f"{tuple(group_sizes.shape)}")
     rows, k = x_shape
     require(k % QUANT_BLOCK_K == 0, op, f"K={k} must be a multiple of {QUANT_BLOCK_K} for the block-scaled kernel")
+    if native:
+        from deepinfer_backends.sm100.grouped_gemm_native import grouped_gemm_native, native_fits
+
+        arch = toolchain.device_arch(x.data.device.index or 0) if isinstance(x, Quantized) and x.data.is_cuda else ""
+        if native_fits(x, rows, w_shape[0], arch, batch_invariant, tcgen05):
+            return grouped_gemm_native(x, weight, group_sizes, op, schedules)
     if k > QUANT_MAX_K:
         return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, schedules)
     x_data, x_scale = (x.data, x.scale) if isinstance(x, Quantized) else (x, None)

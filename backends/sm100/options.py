@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 MLA_KERNELS = ("auto", "warp_specialized", "portable")
 LINEAR_KERNELS = ("auto", "tilelang", "cublas")
+QUANT_GEMMS = ("exact", "native")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,16 @@ class KernelOptions:
     kernel, and so does every row count in batch-invariant mode (cuBLAS picks its kernel by
     shape); ``cublas`` is refused there. ``grouped_linear`` follows the choice: cuBLAS's strided
     batched GEMM at every row count unless ``tilelang``."""
+    quant_gemm: str = "exact"
+    """Block-scaled ``grouped_gemm`` with FP8 activations: ``exact`` (decoded exactly to bf16 and
+    multiplied on the bf16 tensor cores: the reference's numbers up to the float32 summation
+    order) or ``native`` (on Hopper, the FP8 tensor cores: activation scales moved to one per 128
+    along K and weight scales to one per output column, DeepGEMM's SM90 promotion every 128
+    values of K; ``kernels/grouped_gemm_fp8_k128.py``). ``native`` adds the FP8
+    tensor cores' accumulation error, a few 1e-4 of the largest output, and the rounding of
+    values that the moved scales push below e4m3's normal range, 2^-10 of the new scale at most;
+    bf16 activations, few rows per expert, other archs and the batch-invariant mode keep
+    ``exact``."""
     tcgen05: bool = False
     """The Blackwell tcgen05/TMEM variants of the bf16 grouped GEMM and of sparse MLA decode
     (``kernels/experimental/``: compiled for sm_100a, never run on hardware). They need a
@@ -35,6 +46,8 @@ class KernelOptions:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"backend.options.linear_kernel={self.linear_kernel!r}: expected one of "
                              f"{list(LINEAR_KERNELS)}")
+        if self.quant_gemm not in QUANT_GEMMS:
+            raise ValueError(f"backend.options.quant_gemm={self.quant_gemm!r}: expected one of {list(QUANT_GEMMS)}")
         if not isinstance(self.tcgen05, bool):
             raise ValueError(f"backend.options.tcgen05={self.tcgen05!r}: expected true or false")
 

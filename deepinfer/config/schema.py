@@ -77,8 +77,8 @@ class BackendConfig:
     options: Dict[str, Any] = field(default_factory=dict)
     """The chosen backend's kernel choices, checked by its typed options (sm100:
     ``mla_kernel`` = auto | warp_specialized | portable, ``linear_kernel`` = auto | tilelang | cublas,
-    ``tcgen05`` = false | true; ascend950: ``platform`` = A5 | A3 | A2); e.g.
-    ``+backend.options.mla_kernel=portable``."""
+    ``quant_gemm`` = exact | native, ``tcgen05`` = false | true; ascend950: ``platform`` = A5 | A3 |
+    A2); e.g. ``+backend.options.mla_kernel=portable``."""
     execution: str = "native"
     """``native`` runs the backend's kernels on its device; ``emulate`` runs its CPU emulation of
     them (backends that offer one, e.g. ascend950), with the model on the CPU whatever ``device``

@@ -1,15 +1,22 @@
-"""The experimental native-FP8 grouped GEMM with scales per 128 along K
-(``kernels/experimental/grouped_gemm_fp8_k128.py``): the alignment of per-32 operands on the CPU
-(hand-worked bytes, MXFP4 exactness, the error bound), its compile for sm_90a, and on a GPU
-(skipped without one) the kernel against float64 on its own operands and, fed aligned HAL operands,
+"""The native-FP8 grouped GEMM with activation scales per 128 along K and one weight scale per
+output column (``kernels/grouped_gemm_fp8_k128.py``, ``backend.options.quant_gemm=native``): the
+alignment of per-32 operands on the CPU (hand-worked bytes, MXFP4 exactness per 128 and per row,
+the error bound), the Triton aligner's bytes against the rule's, the kernel's compile for sm_90a,
+and on a GPU (skipped without one) the kernel against float64 on its own operands and the op
 against the reference backend's grouped GEMM."""
 import pytest
 import torch
 
 from deepinfer.hal.formats import Quantized, dequantize, quantize
 
-pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
-from deepinfer_backends.sm100.kernels.experimental import grouped_gemm_fp8_k128 as fp8_k128  # noqa: E402
+from deepinfer_backends.sm100 import fp8_scales
+
+
+def _kernel_module():
+    pytest.importorskip("tilelang", reason="tilelang is not installed (pip install -e '.[sm100]')")
+    from deepinfer_backends.sm100.kernels import grouped_gemm_fp8_k128
+
+    return grouped_gemm_fp8_k128
 
 
 def _fp8_rows(values: list[float], scale_bytes: list[int]) -> Quantized:
@@ -22,7 +29,7 @@ def test_alignment_shifts_each_block_to_the_groups_largest_scale():
     # keeps 2^0; block b's values are multiplied by 2^-{0, 1, 2, 6} and rounded to e4m3
     values = [3.0] * 32 + [1.75] * 32 + [448.0] * 32 + [0.01953125] * 32  # 0.01953125 = 1.25 * 2^-6
     q = _fp8_rows(values, [127, 126, 125, 121])
-    data, scale = fp8_k128.aligned(q)
+    data, scale = fp8_scales.aligned(q)
     assert scale.tolist() == [[1.0]]
     got = data.float()[0].reshape(4, 32)[:, 0].tolist()
     # 1.25 * 2^-12 is below e4m3's smallest subnormal step 2^-9: it rounds to 0 (0.3125 steps)
@@ -33,7 +40,7 @@ def test_alignment_rounds_subnormals_to_nearest_even():
     # a block one binade below its group: 1.125 * 2^-6 becomes 1.125 * 2^-7 = 4.5 * 2^-9, which
     # ties to the even 4 * 2^-9; 1.375 * 2^-6 becomes 5.5 * 2^-9 and goes to 6 * 2^-9
     q = _fp8_rows([1.0] * 32 + [1.125 * 2 ** -6] * 16 + [1.375 * 2 ** -6] * 16 + [1.0] * 64, [130, 129, 130, 129])
-    data, scale = fp8_k128.aligned(q)
+    data, scale = fp8_scales.aligned(q)
     assert scale.tolist() == [[8.0]]
     column = data.float()[0]
     assert column[32].item() == 4 * 2 ** -9 and column[48].item() == 6 * 2 ** -9
@@ -42,7 +49,7 @@ def test_alignment_rounds_subnormals_to_nearest_even():
 
 def test_zero_scale_byte_reads_as_a_zero_block():
     q = _fp8_rows([2.0] * 128, [0, 127, 127, 127])
-    data, scale = fp8_k128.aligned(q)
+    data, scale = fp8_scales.aligned(q)
     assert data.float()[0, :32].abs().sum().item() == 0 and data.float()[0, 32:].eq(2.0).all()
 
 
@@ -53,9 +60,23 @@ def test_mxfp4_weights_align_exactly_when_scales_span_fourteen_binades():
     q = quantize(w, "mxfp4")
     exponents = q.scale.int().unflatten(-1, (-1, 4))
     assert (exponents.amax(-1) - exponents.amin(-1)).max() == 14  # the widest span kept exact
-    data, scale = fp8_k128.aligned(q)
+    data, scale = fp8_scales.aligned(q)
     restored = data.double() * scale.double().repeat_interleave(128, -1)
     assert torch.equal(restored, dequantize(q).double())
+
+
+def test_weight_rows_align_to_one_scale_exactly_when_their_scales_span_fourteen_binades():
+    # every row's 16 scale bytes lie in 118 .. 132 and take both ends: a span of 14 binades
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 256, (2, 8, 256), generator=g, dtype=torch.uint8)
+    exponents = torch.randint(118, 133, (2, 8, 16), generator=g, dtype=torch.uint8)
+    exponents[..., 3], exponents[..., 11] = 118, 132
+    q = Quantized(codes, exponents, "mxfp4", 32)
+    data, scale = fp8_scales.aligned(q, group=None)
+    assert scale.shape == (2, 8)
+    # the row's largest exponent is kept: byte - 127 - 6 (e2m1 values held times 2^6)
+    assert torch.equal(scale, torch.full((2, 8), 2.0 ** (132 - 133)))
+    assert torch.equal(data.double() * scale.double()[..., None], dequantize(q).double())
 
 
 def test_fp8_alignment_error_is_bounded_by_the_subnormal_step():
@@ -63,7 +84,7 @@ def test_fp8_alignment_error_is_bounded_by_the_subnormal_step():
     x = torch.randn(64, 1024, generator=g) * torch.exp2(torch.randint(-4, 5, (64, 32), generator=g).float()
                                                          ).repeat_interleave(32, -1)
     q = quantize(x, "fp8")
-    data, scale = fp8_k128.aligned(q)
+    data, scale = fp8_scales.aligned(q)
     restored = data.double() * scale.double().repeat_interleave(128, -1)
     exact = dequantize(q).double()
     # a shifted value stays exact in e4m3's normal range, else it moves by at most half of 2^-9 of its scale
@@ -72,11 +93,54 @@ def test_fp8_alignment_error_is_bounded_by_the_subnormal_step():
     assert (restored == exact).double().mean() > 0.99
 
 
+def test_tile_scales_gather_each_tiles_rows_k_major():
+    # 3 rows, 2 groups; tiles start at rows 2 and 0: tile 0 reads rows 2, 2, ... (clamped), tile 1 rows 0, 1, 2, 2, ...
+    x_scale = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
+    got = fp8_scales.tile_scales(x_scale, torch.tensor([2, 0], dtype=torch.int32))
+    assert got.shape == (2, 256) and got.is_contiguous()
+    assert got[:, :3].tolist() == [[3.0, 3.0, 3.0], [30.0, 30.0, 30.0]]
+    assert got[:, 128:131].tolist() == [[1.0, 2.0, 3.0], [10.0, 20.0, 30.0]] and got[0, 255].item() == 3.0
+
+
+def check_aligner(rows: int) -> None:
+    """Every non-NaN e4m3 code under scale bytes 100 .. 139 and some 0 (zero blocks) through
+    :func:`~deepinfer_backends.sm100.fused.align_fp8.align_fp8` (run with ``TRITON_INTERPRET=1``
+    on the CPU): the bytes and scales of :func:`aligned`."""
+    from deepinfer_backends.sm100.fused.align_fp8 import align_fp8
+
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.randint(0, 256, (rows, 512), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x12
+    scale = torch.randint(100, 140, (rows, 16), generator=g, dtype=torch.uint8)
+    scale[0, 1] = 0
+    scale[-1, 4:8] = 0
+    q = Quantized(codes.view(torch.float8_e4m3fn), scale, "fp8", 32)
+    want, want_scale = fp8_scales.aligned(q)
+    got, got_scale = align_fp8(q.data, q.scale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), "aligned bytes differ"
+    assert torch.equal(got_scale, want_scale), "scales differ"
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_triton_aligner_writes_the_rules_bytes(rows):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", f"from tests.backends.test_sm100_fp8_k128 import check_aligner; "
+                           f"check_aligner({rows})"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_kernel_compiles_for_hopper():
     import shutil
 
     from deepinfer_backends.sm100.launch import compile_kernel
 
+    fp8_k128 = _kernel_module()
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
     kernel = compile_kernel(fp8_k128.MODULE, "grouped_gemm_fp8_k128", (4, 384, 640), {}, "sm_90a")
@@ -89,7 +153,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.gpu
 @gpu
 def test_kernel_matches_float64_on_its_operands():
-    kernel = fp8_k128
+    kernel = _kernel_module()
 
     g = torch.Generator().manual_seed(2)
     sizes = torch.tensor([0, 130, 1, 255, 64, 0, 300])
@@ -97,7 +161,7 @@ def test_kernel_matches_float64_on_its_operands():
     x = torch.randn(int(sizes.sum()), k, generator=g).to(torch.float8_e4m3fn)
     w = torch.randn(len(sizes), n, k, generator=g).to(torch.float8_e4m3fn)
     x_scale = torch.exp2(torch.randint(-6, 2, (x.shape[0], k // 128), generator=g).float())
-    w_scale = torch.exp2(torch.randint(-6, 2, (len(sizes), n, k // 128), generator=g).float())
+    w_scale = torch.exp2(torch.randint(-6, 2, (len(sizes), n), generator=g).float())
     args = [t.cuda() for t in (x, x_scale, w, w_scale, sizes)]
     y = kernel.run(*args)
     expected = kernel.reference(*args)
@@ -108,17 +172,25 @@ def test_kernel_matches_float64_on_its_operands():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("w_format", ["fp8", "mxfp4"])
-def test_aligned_operands_match_the_reference_backend_within_the_alignment(w_format):
+def test_native_option_serves_the_kernel_within_its_tolerance_of_the_reference(w_format):
+    """``quant_gemm=native``: the op's result is the kernel's on the aligned operands, bit for bit,
+    and within the alignment and FP8 accumulation of the reference backend's exact numbers;
+    ``exact`` (the default) stays within float32 summation order of them."""
     from deepinfer.hal import get_backend
 
+    fp8_k128 = _kernel_module()
     g = torch.Generator().manual_seed(3)
-    sizes = torch.tensor([40, 0, 129, 300, 17, 64])
+    sizes = torch.tensor([40, 0, 129, 300, 17, 64, 0])
     n, k = 256, 1024
     xq = quantize(torch.randn(int(sizes.sum()), k, generator=g), "fp8")
     wq = quantize(torch.randn(len(sizes), n, k, generator=g) * k ** -0.5, w_format)
-    x, x_scale = fp8_k128.aligned(xq)
-    w, w_scale = fp8_k128.aligned(wq)
-    y = fp8_k128.run(*(t.cuda() for t in (x, x_scale, w, w_scale, sizes))).cpu()
     expected = get_backend("reference").implementations()["grouped_gemm"](xq, wq, sizes)
-    # the exact numbers, moved by the activations' alignment and the tensor cores' FP8 accumulation
-    assert (y - expected).abs().max() <= 2 ** -9 * expected.abs().max()
+    on_gpu = [Quantized(q.data.cuda(), q.scale.cuda(), q.fmt, q.block) for q in (xq, wq)]
+    native = get_backend("sm100", {"quant_gemm": "native"}).implementations()["grouped_gemm"](*on_gpu, sizes.cuda())
+    x, x_scale = fp8_scales.aligned(xq)
+    w, w_scale = fp8_scales.aligned(wq, group=None)
+    kernel = fp8_k128.run(*(t.cuda() for t in (x, x_scale, w, w_scale, sizes)))
+    assert torch.equal(native, kernel)
+    assert (native.cpu() - expected).abs().max() <= 2 ** -9 * expected.abs().max()
+    exact = get_backend("sm100").implementations()["grouped_gemm"](*on_gpu, sizes.cuda()).cpu()
+    assert (exact - expected).abs().max() <= 2 ** -16 * expected.abs().max()

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _kernels():
-    from deepinfer_backends.sm100.fused import (ep_combine, grouped_gemm_skinny, kv_load, linear_skinny, mhc_mixes,
-                                                mhc_streams, mxfp4_cast, rope, swiglu, tile_schedule)
+    from deepinfer_backends.sm100.fused import (align_fp8, ep_combine, grouped_gemm_skinny, kv_load, linear_skinny,
+                                                mhc_mixes, mhc_streams, mxfp4_cast, rope, swiglu, tile_schedule)
 
     for x, fn, parts in (("*bf16", "*bf16", 3), ("*fp32", "*fp32", 1)):
         yield f"mhc_mix_partials[{parts} parts]", mhc_mixes.mhc_mix_partials, dict(
@@ -86,6 +86,9 @@ def _kernels():
                 dict(WEIGHTS=weights, BLOCK_T=linear_skinny.BLOCK_T, BLOCK_N=tiles["block_n"],
                      BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rope, GATED=gated, CLAMP=gated,
                      NORM=norm, MXFP4=mxfp4, **({"rows": 1} if one_row else {}))
+    yield "align_fp8_kernel", align_fp8.align_fp8_kernel, dict(
+        x="*u8", x_scale="*u8", out="*u8", out_scale="*fp32", m="i32", k="i32"), \
+        dict(ROWS=align_fp8.ROWS, GROUP=align_fp8.GROUP)
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

@@ -2,8 +2,8 @@
 generated alone and inside 10 random batch compositions (group sizes, orders, partners, prefill
 chunk sizes, token budgets). With ``engine.batch_invariant=true`` every step's logits are
 bitwise those of the prompt alone and the tokens are identical, also with DSpark drafting and
-verifying (fixed verify length); with it off (slow test) the differences are counted and
-reported."""
+verifying (fixed verify length, the first 5 compositions); with it off (slow test) the
+differences are counted and reported."""
 import importlib.util
 import random
 
@@ -16,8 +16,9 @@ from tests.hal.test_batch_invariance import PlainBackend
 
 MODEL, QUIET = "tiny_random", ["engine.use_tqdm=false"]
 PROMPTS, COMPOSITIONS, MAX_TOKENS = 64, 10, 4
-DSPARK_MAX_TOKENS = 8
-"""Room for several verify steps of up to 5 drafts, so token budgets cut some of them."""
+DSPARK_MAX_TOKENS, DSPARK_COMPOSITIONS = 8, 5
+"""Room for several verify steps of up to 5 drafts, so token budgets cut some of them; the first
+5 compositions (each verify step costs a forward of every drafted row on the CPU)."""
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _workload(max_tokens: int = MAX_TOKENS):
+def _workload(max_tokens: int = MAX_TOKENS, num_compositions: int = COMPOSITIONS):
     """Prompts, their seeded sampling parameters, and compositions: (engine overrides, groups of
     prompt indices generated together)."""
     rng = random.Random(9)
@@ -39,7 +40,7 @@ def _workload(max_tokens: int = MAX_TOKENS):
                              seed=rng.getrandbits(64), max_tokens=max_tokens, ignore_eos=True)
               for _ in range(PROMPTS)]
     compositions = []
-    for _ in range(COMPOSITIONS):
+    for _ in range(num_compositions):
         order = rng.sample(range(PROMPTS), PROMPTS)
         sizes = []
         while sum(sizes) < PROMPTS:
@@ -72,7 +73,8 @@ def _alone_and_batched(batch_invariant: bool, target: str, decoding: tuple[str, 
     """Each prompt's run alone, and every (prompt index, batched run) of the compositions."""
     backend, overrides = TARGETS[target]
     mode = [f"engine.batch_invariant={str(batch_invariant).lower()}", *overrides, *decoding]
-    prompts, params, compositions = _workload(DSPARK_MAX_TOKENS if decoding else MAX_TOKENS)
+    prompts, params, compositions = (_workload(DSPARK_MAX_TOKENS, DSPARK_COMPOSITIONS) if decoding
+                                     else _workload())
     alone_llm = LLM(MODEL, backend, QUIET + mode)
     alone = {}
     for i in range(PROMPTS):
@@ -82,7 +84,7 @@ def _alone_and_batched(batch_invariant: bool, target: str, decoding: tuple[str, 
         llm = LLM(MODEL, backend, QUIET + mode + engine)
         for group in groups:
             batched.extend(_generate(llm, prompts, params, group).items())
-    assert len(batched) == PROMPTS * COMPOSITIONS
+    assert len(batched) == PROMPTS * len(compositions)
     return alone, batched
 
 
