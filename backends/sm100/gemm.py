@@ -177,7 +177,7 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
         from deepinfer_backends.sm100.grouped_gemm_native import grouped_gemm_native, native_fits
 
         arch = toolchain.device_arch(x.data.device.index or 0) if isinstance(x, Quantized) and x.data.is_cuda else ""
-        if native_fits(x, rows, w_shape[0], arch, batch_invariant, tcgen05):
+        if native_fits(x, rows, w_shape[0], k, arch, batch_invariant, tcgen05):
             return grouped_gemm_native(x, weight, group_sizes, op, schedules)
     if k > QUANT_MAX_K:
         return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, schedules)

@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.hal.formats import Quantized
 from deepinfer_backends.sm100 import toolchain
-from deepinfer_backends.sm100.fp8_scales import BLOCK_M, aligned, tile_scales
+from deepinfer_backends.sm100.fp8_scales import BLOCK_M, GROUP, aligned, tile_scales
 from deepinfer_backends.sm100.gemm import SKINNY_ROWS_PER_EXPERT, shared_schedule
 from deepinfer_backends.sm100.launch import compiled, param_copy, require
 
@@ -17,13 +17,13 @@ NATIVE_TILES = {"block_n": 192}
 accumulator and a partial of 96 registers each (``experiments/results/grouped_gemm_fp8_k128_h100.md``)."""
 
 
-def native_fits(x, rows: int, experts: int, arch: str, batch_invariant: bool, tcgen05: bool) -> bool:
-    """Whether ``quant_gemm=native`` takes the FP8 tensor cores for ``x`` on a GPU of ``arch``: FP8
-    activations on Hopper, more than ``SKINNY_ROWS_PER_EXPERT`` rows per expert on average (fewer
-    stream the weights, which the exact kernel for few rows does as fast), outside the
-    batch-invariant mode and ``tcgen05``."""
+def native_fits(x, rows: int, experts: int, k: int, arch: str, batch_invariant: bool, tcgen05: bool) -> bool:
+    """Whether ``quant_gemm=native`` takes the FP8 tensor cores for ``x [rows, k]`` on a GPU of
+    ``arch``: FP8 activations on Hopper, ``k`` a positive multiple of 128, more than
+    ``SKINNY_ROWS_PER_EXPERT`` rows per expert on average (fewer stream the weights, which the
+    exact kernel for few rows does as fast), outside the batch-invariant mode and ``tcgen05``."""
     return (isinstance(x, Quantized) and arch == toolchain.HOPPER and not batch_invariant and not tcgen05
-            and rows > SKINNY_ROWS_PER_EXPERT * experts)
+            and k > 0 and k % GROUP == 0 and rows > SKINNY_ROWS_PER_EXPERT * experts)
 
 
 def grouped_gemm_native(x: Quantized, weight: Quantized, group_sizes: torch.Tensor, op: str = "grouped_gemm",

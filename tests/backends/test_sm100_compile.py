@@ -148,19 +148,21 @@ def test_linear_kernel_is_chosen_by_rows_options_and_batch_invariance():
 
 def test_native_fp8_grouped_gemm_is_taken_only_where_it_applies():
     """``quant_gemm=native``: FP8 activations on Hopper with more than 16 rows per expert on
-    average, outside the batch-invariant mode and tcgen05; bf16 activations, few rows, Blackwell
-    and those modes keep the exact kernels. An unknown choice is refused."""
+    average and K a positive multiple of 128, outside the batch-invariant mode and tcgen05; bf16
+    activations, few rows, K = 0, Blackwell and those modes keep the exact kernels. An unknown
+    choice is refused."""
     from deepinfer.hal.formats import quantize
     from deepinfer_backends.sm100.grouped_gemm_native import native_fits
     from deepinfer_backends.sm100.options import KernelOptions
 
     fp8 = quantize(torch.randn(4, 128), "fp8")
-    assert native_fits(fp8, 17 * 8, 8, toolchain.HOPPER, False, False)
-    assert not native_fits(fp8, 16 * 8, 8, toolchain.HOPPER, False, False)
-    assert not native_fits(torch.randn(4, 128), 17 * 8, 8, toolchain.HOPPER, False, False)
-    assert not native_fits(fp8, 17 * 8, 8, toolchain.BLACKWELL, False, False)
-    assert not native_fits(fp8, 17 * 8, 8, toolchain.HOPPER, True, False)
-    assert not native_fits(fp8, 17 * 8, 8, toolchain.HOPPER, False, True)
+    assert native_fits(fp8, 17 * 8, 8, 128, toolchain.HOPPER, False, False)
+    assert not native_fits(fp8, 16 * 8, 8, 128, toolchain.HOPPER, False, False)
+    assert not native_fits(fp8, 17 * 8, 8, 0, toolchain.HOPPER, False, False)
+    assert not native_fits(torch.randn(4, 128), 17 * 8, 8, 128, toolchain.HOPPER, False, False)
+    assert not native_fits(fp8, 17 * 8, 8, 128, toolchain.BLACKWELL, False, False)
+    assert not native_fits(fp8, 17 * 8, 8, 128, toolchain.HOPPER, True, False)
+    assert not native_fits(fp8, 17 * 8, 8, 128, toolchain.HOPPER, False, True)
     assert KernelOptions().quant_gemm == "exact"
     with pytest.raises(ValueError, match=r"quant_gemm='fast'"):
         KernelOptions(quant_gemm="fast")

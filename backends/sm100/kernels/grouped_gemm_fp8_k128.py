@@ -47,8 +47,8 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 192, num_
     ``x_scale[:, 128 t + i]`` the scales of tile ``t``'s row ``i`` (:func:`tile_scales`). Rows of a
     tile past its segment are multiplied but never stored; rows past ``m`` are read as zero.
     ``num_stages`` defaults to as many as fit shared memory."""
-    if k % GROUP or block_n % 16:
-        raise ValueError(f"k={k} must be a multiple of {GROUP}, block_n={block_n} of 16")
+    if k <= 0 or k % GROUP or block_n % 16:
+        raise ValueError(f"k={k} must be a positive multiple of {GROUP}, block_n={block_n} a multiple of 16")
     num_stages = num_stages or min(8, (SHARED_BYTES - 1024) // ((BLOCK_M + block_n) * GROUP + BLOCK_M * 4))
     m = T.dynamic("m")
     tiles = T.dynamic("tiles")
