@@ -52,8 +52,11 @@ def aligned(q, group: int | None = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     return data.contiguous(), (group_scale if group else group_scale.squeeze(-1)).contiguous()
 
 
-def tile_scales(x_scale: torch.Tensor, tile_row: torch.Tensor) -> torch.Tensor:
-    """``x_scale [m, k/128]`` as the kernel reads it: ``[k/128, tiles * 128]``, column ``128 t + i``
-    the scales of row ``tile_row[t] + i`` (clamped into ``[0, m)``; such rows are never stored)."""
-    rows = tile_row.long()[:, None] + torch.arange(BLOCK_M, device=tile_row.device)
-    return x_scale.index_select(0, rows.clamp_(0, max(x_scale.shape[0] - 1, 0)).flatten()).T.contiguous()
+def tile_scales(x_scale: torch.Tensor, schedule: torch.Tensor) -> torch.Tensor:
+    """``x_scale [m, k/128]`` as the kernel reads it, over the tiles of ``schedule int32 [3, tiles]``
+    (expert, first row, end row): ``[k/128, tiles * 128]``, column ``128 t + i`` the scales of row
+    ``first[t] + i`` while that row is before ``end[t]``, else 1 (a row the kernel never stores)."""
+    rows = schedule[1].long()[:, None] + torch.arange(BLOCK_M, device=schedule.device)
+    live = (rows < schedule[2].long()[:, None]).flatten()
+    gathered = x_scale.index_select(0, rows.clamp_(0, max(x_scale.shape[0] - 1, 0)).flatten())
+    return gathered.masked_fill_(~live[:, None], 1.0).T.contiguous()

@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.hal.formats import Quantized
 from deepinfer_backends.sm100 import toolchain
-from deepinfer_backends.sm100.fp8_scales import BLOCK_M, GROUP, aligned, tile_scales
+from deepinfer_backends.sm100.fp8_scales import BLOCK_M, GROUP, aligned
 from deepinfer_backends.sm100.gemm import SKINNY_ROWS_PER_EXPERT, shared_schedule
 from deepinfer_backends.sm100.launch import compiled, param_copy, require
 
@@ -29,9 +29,10 @@ def native_fits(x, rows: int, experts: int, k: int, arch: str, batch_invariant: 
 def grouped_gemm_native(x: Quantized, weight: Quantized, group_sizes: torch.Tensor, op: str = "grouped_gemm",
                         schedules: dict | None = None) -> torch.Tensor:
     """``grouped_gemm`` of FP8 ``x`` and ``weight`` (checked by the caller) on the native kernel, float32
-    result: the activations' scales moved to one per 128 along K by :func:`~.fused.align_fp8.align_fp8`
-    every call, the weights' to one per output column once per parameter (:func:`~.launch.param_copy`
-    keyed by the data; e4m3 copies, so MXFP4 weights take twice their bytes again)."""
+    result: the activations' scales moved to one per 128 along K and gathered per tile by
+    :func:`~.fused.align_fp8.align_fp8` every call, the weights' to one per output column once per
+    parameter (:func:`~.launch.param_copy` keyed by the data; e4m3 copies, so MXFP4 weights take
+    twice their bytes again)."""
     from deepinfer_backends.sm100.fused.align_fp8 import align_fp8
     from deepinfer_backends.sm100.kernels import grouped_gemm_fp8_k128 as native
 
@@ -42,8 +43,8 @@ def grouped_gemm_native(x: Quantized, weight: Quantized, group_sizes: torch.Tens
     rows = x.data.shape[0]
     y = torch.empty(rows, w.shape[1], dtype=torch.float32, device=x.data.device)
     if rows:
-        x_data, x_scale = align_fp8(x.data, x.scale)
         schedule = shared_schedule(group_sizes, rows, BLOCK_M, x.data.device, schedules)
+        x_data, x_scale = align_fp8(x.data, x.scale, schedule)
         compiled(native.MODULE, "grouped_gemm_fp8_k128", *w.shape, **NATIVE_TILES)(
-            x_data, tile_scales(x_scale, schedule[1]), w, w_scale, schedule[0], schedule[1], schedule[2], y)
+            x_data, x_scale, w, w_scale, schedule[0], schedule[1], schedule[2], y)
     return y

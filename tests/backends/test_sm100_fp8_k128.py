@@ -94,46 +94,54 @@ def test_fp8_alignment_error_is_bounded_by_the_subnormal_step():
 
 
 def test_tile_scales_gather_each_tiles_rows_k_major():
-    # 3 rows, 2 groups; tiles start at rows 2 and 0: tile 0 reads rows 2, 2, ... (clamped), tile 1 rows 0, 1, 2, 2, ...
-    x_scale = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
-    got = fp8_scales.tile_scales(x_scale, torch.tensor([2, 0], dtype=torch.int32))
+    # 3 rows, 2 groups; tile 0 covers rows [2, 3), tile 1 rows [0, 2): other slots read 1
+    x_scale = torch.tensor([[2.0, 20.0], [4.0, 40.0], [8.0, 80.0]])
+    schedule = torch.tensor([[1, 0], [2, 0], [3, 2]], dtype=torch.int32)
+    got = fp8_scales.tile_scales(x_scale, schedule)
     assert got.shape == (2, 256) and got.is_contiguous()
-    assert got[:, :3].tolist() == [[3.0, 3.0, 3.0], [30.0, 30.0, 30.0]]
-    assert got[:, 128:131].tolist() == [[1.0, 2.0, 3.0], [10.0, 20.0, 30.0]] and got[0, 255].item() == 3.0
+    assert got[:, :2].tolist() == [[8.0, 1.0], [80.0, 1.0]]
+    assert got[:, 128:131].tolist() == [[2.0, 4.0, 1.0], [20.0, 40.0, 1.0]]
+    assert (got[:, 2:128] == 1.0).all() and (got[:, 130:] == 1.0).all()
 
 
 ALIGNER = """
 import sys
 import torch
 from deepinfer.hal.formats import Quantized
+from deepinfer.hal.ops.grouped_gemm import tile_bounds
 from deepinfer_backends.sm100 import fp8_scales
 from deepinfer_backends.sm100.fused.align_fp8 import align_fp8
 
-rows = int(sys.argv[1])
+sizes = [int(s) for s in sys.argv[1].split(",")]
+rows = sum(sizes)
 g = torch.Generator().manual_seed(rows)
-codes = torch.randint(0, 256, (rows, 512), generator=g, dtype=torch.uint8)
+codes = torch.arange(256, dtype=torch.uint8).repeat(rows, 2)
 codes[(codes & 0x7F) == 0x7F] = 0x12
+codes = codes[:, torch.randperm(512, generator=g)]
 scale = torch.randint(100, 140, (rows, 16), generator=g, dtype=torch.uint8)
 scale[0, 1] = 0
 scale[-1, 4:8] = 0
 q = Quantized(codes.view(torch.float8_e4m3fn), scale, "fp8", 32)
+schedule = torch.stack(tile_bounds(torch.tensor(sizes), rows, fp8_scales.BLOCK_M)).to(torch.int32)
 want, want_scale = fp8_scales.aligned(q)
-got, got_scale = align_fp8(q.data, q.scale)
+got, got_scale = align_fp8(q.data, q.scale, schedule)
 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), "aligned bytes differ"
-assert torch.equal(got_scale, want_scale), "scales differ"
+assert torch.equal(got_scale, fp8_scales.tile_scales(want_scale, schedule)), "tile scales differ"
 print("aligner ok")
 """
 
 
-@pytest.mark.parametrize("rows", [1, 37])
-def test_triton_aligner_writes_the_rules_bytes(rows):
-    """Every non-NaN e4m3 code under scale bytes 100 .. 139 and some 0 (zero blocks) through
+@pytest.mark.parametrize("sizes", ["1", "0,37,130,0,5"])
+def test_triton_aligner_writes_the_rules_bytes(sizes):
+    """Every non-NaN e4m3 code under scale bytes 100 .. 139 and some 0 (zero blocks), rows in ragged
+    segments (empty ones, one over a tile), through
     :func:`~deepinfer_backends.sm100.fused.align_fp8.align_fp8` under Triton's interpreter: the
-    bytes and scales of :func:`~deepinfer_backends.sm100.fp8_scales.aligned`."""
+    bytes of :func:`~deepinfer_backends.sm100.fp8_scales.aligned` and its scales laid out by
+    :func:`~deepinfer_backends.sm100.fp8_scales.tile_scales`."""
     pytest.importorskip("triton")
     from tests.backends.test_sm100_fused import interpreted
 
-    assert interpreted(ALIGNER, str(rows)).strip() == "aligner ok"
+    assert interpreted(ALIGNER, sizes).strip() == "aligner ok"
 
 
 def test_kernel_compiles_for_hopper():

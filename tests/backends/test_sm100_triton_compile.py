@@ -87,8 +87,9 @@ def _kernels():
                      BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rope, GATED=gated, CLAMP=gated,
                      NORM=norm, MXFP4=mxfp4, **({"rows": 1} if one_row else {}))
     yield "align_fp8_kernel", align_fp8.align_fp8_kernel, dict(
-        x="*u8", x_scale="*u8", out="*u8", out_scale="*fp32", m="i32", k="i32"), \
-        dict(ROWS=align_fp8.ROWS, GROUP=align_fp8.GROUP)
+        x="*u8", x_scale="*u8", schedule="*i32", out="*u8", out_scale="*fp32", k="i32", tiles="i32"), \
+        dict(TILE_ROWS=align_fp8.BLOCK_M, GROUP=align_fp8.GROUP, BLOCK=align_fp8.BLOCK,
+             ROUNDER=align_fp8.SUBNORMAL_ROUNDER)
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

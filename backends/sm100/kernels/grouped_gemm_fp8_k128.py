@@ -11,9 +11,10 @@ the weights' column scales multiply the tile once, as it is stored. A weight sca
 would double the promotion's float32 work, which is what the tensor cores wait on.
 
 Warp specialisation with hand-placed barriers: a producer warpgroup streams each k-block's tiles
-and the activations' scales by TMA into one ring stage (the scales gathered per tile and K-major
-by :func:`tile_scales`, so a stage's 128 of them are one aligned 512-byte box; a box starting at
-a segment's first row would be misaligned for most segments); each of two consumer warpgroups
+and the activations' scales by TMA into one ring stage (the scales gathered per tile and K-major,
+as :func:`tile_scales` lays them out and the op's aligner writes them, so a stage's 128 of them
+are one aligned 512-byte box; a box starting at a segment's first row would be misaligned for
+most segments); each of two consumer warpgroups
 (64 rows of a 128-row tile) issues its wgmmas, promotes and only then hands the stage back.
 ``stagger`` holds the second warpgroup back by one k-block at the start, so that one
 warpgroup's promotion tends to run while the other's wgmmas keep the tensor cores busy.
@@ -131,7 +132,7 @@ def run(x, x_scale, w, w_scale, group_sizes, **tiles) -> torch.Tensor:
     schedule = tile_schedule(group_sizes, x.shape[0], BLOCK_M)
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        compiled(MODULE, "grouped_gemm_fp8_k128", *w.shape, **tiles)(x, tile_scales(x_scale, schedule[1]), w, w_scale,
+        compiled(MODULE, "grouped_gemm_fp8_k128", *w.shape, **tiles)(x, tile_scales(x_scale, schedule), w, w_scale,
                                                                      *schedule, y)
     return y
 
