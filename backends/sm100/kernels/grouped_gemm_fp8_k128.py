@@ -14,8 +14,8 @@ Warp specialisation with hand-placed barriers: a producer warpgroup streams each
 and the activations' scales by TMA into one ring stage (the scales gathered per tile and K-major,
 as :func:`tile_scales` lays them out and the op's aligner writes them, so a stage's 128 of them
 are one aligned 512-byte box; a box starting at a segment's first row would be misaligned for
-most segments); each of two consumer warpgroups
-(64 rows of a 128-row tile) issues its wgmmas, promotes and only then hands the stage back.
+most segments); each of two consumer warpgroups (64 rows of a 128-row tile) issues its wgmmas,
+promotes and only then hands the stage back.
 ``stagger`` holds the second warpgroup back by one k-block at the start, so that one
 warpgroup's promotion tends to run while the other's wgmmas keep the tensor cores busy.
 
