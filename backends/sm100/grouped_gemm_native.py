@@ -12,9 +12,16 @@ from deepinfer_backends.sm100.fp8_scales import BLOCK_M, GROUP, aligned
 from deepinfer_backends.sm100.gemm import SKINNY_ROWS_PER_EXPERT, shared_schedule
 from deepinfer_backends.sm100.launch import compiled, param_copy, require
 
-NATIVE_TILES = {"block_n": 192}
-"""Tiles of the native FP8 grouped GEMM (128 rows a tile): 192 columns keep a promoted
-accumulator and a partial of 96 registers each (``experiments/results/grouped_gemm_fp8_k128_h100.md``)."""
+DEEP_K = 4096
+"""Reduction depth from which the native kernel takes its wider tile."""
+
+
+def native_tiles(k: int) -> dict:
+    """Tiles of the native FP8 grouped GEMM (128 rows a tile) for reduction depth ``k``: 208 columns
+    from ``DEEP_K`` on, else 192, the faster of the two on each side on an H100
+    (``experiments/results/grouped_gemm_fp8_k128_h100.md``). Either keeps a promoted accumulator
+    and a partial of at most 104 registers each."""
+    return {"block_n": 208 if k >= DEEP_K else 192}
 
 
 def native_fits(x, rows: int, experts: int, k: int, arch: str, batch_invariant: bool, tcgen05: bool) -> bool:
@@ -45,6 +52,6 @@ def grouped_gemm_native(x: Quantized, weight: Quantized, group_sizes: torch.Tens
     if rows:
         schedule = shared_schedule(group_sizes, rows, BLOCK_M, x.data.device, schedules)
         x_data, x_scale = align_fp8(x.data, x.scale, schedule)
-        compiled(native.MODULE, "grouped_gemm_fp8_k128", *w.shape, **NATIVE_TILES)(
+        compiled(native.MODULE, "grouped_gemm_fp8_k128", *w.shape, **native_tiles(w.shape[2]))(
             x_data, x_scale, w, w_scale, schedule[0], schedule[1], schedule[2], y)
     return y
