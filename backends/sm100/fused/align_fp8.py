@@ -16,10 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_backends.sm100.fp8_scales import BLOCK_M
+from deepinfer_backends.sm100.fp8_scales import BLOCK_M, GROUP
 
-GROUP = 128
-"""Values under one aligned scale."""
 BLOCK = 32
 """Values under one input scale byte."""
 SUBNORMAL_ROUNDER = 1.5 * 2.0 ** 14
