@@ -55,6 +55,7 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
     index, for the row kernels)."""
     import torch
 
+    from deepinfer.hal.formats import FP8_AMAX_FLOOR
     from deepinfer_backends.ascend950.buffers import AI_CORES, layout
     from deepinfer_backends.ascend950.emulate import apply_rope as ar
     from deepinfer_backends.ascend950.emulate import grouped_gemm as gg
@@ -132,17 +133,26 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
         shapes={"rope_in": (2 * rows, rope_dim), **{name: (rows, rope_dim) for name in rope_names}},
         gm_strides={"step": vector_cores * rows * dim, "block": 2 * rows * dim, "sub": rows * dim}))
     dim = 512
-    rows = kv.row_tile(dim, rope_dim, 2, "bf16", platform)
-    plan = kv.plan_buffers(rows, dim, rope_dim, 2, "bf16")
-    found.append(dict(
-        name="kv_norm_rope_store_bf16", module="kv_norm_rope_store", builder="kv_norm_rope_store_kernel",
-        kwargs=dict(rows=2 * vector_cores * rows, dim=dim, rope_dim=rope_dim, table_rows=4096, cache_rows=8192,
-                    tile_rows=rows, vector_cores=vector_cores, eps=1e-6, fmt="bf16", offsets=layout(plan, platform)),
-        blocks=cores, rounds=2, plan=plan,
-        names={"weight": "weight_ub", "slots": "slot_ub", "reduce_scratch": "tmp_ub", "gather_scratch": "tmp_ub_1"},
-        shapes={"rows_in": (2 * rows, dim), "work": (rows, dim), "squares": (rows, dim), "weight_ub": (1, dim),
-                **{name: (rows, rope_dim) for name in rope_names}},
-        gm_strides={"step": vector_cores * rows * dim, "block": 2 * rows * dim, "sub": rows * dim}))
+    for fmt in ("bf16", "fp8"):
+        rows = kv.row_tile(dim, rope_dim, 2, fmt, platform)
+        plan = kv.plan_buffers(rows, dim, rope_dim, 2, fmt)
+        blocks = rows * dim // kv.SCALE_BLOCK.get(fmt, 1)
+        views = dict(aliases={"code_bytes": "squares", "codes": "squares", "magnitudes": "squares",
+                              "work_blocks": "work", "max_bits": "block_max", "recip_bits": "recip"},
+                     shapes={"code_bytes": (4 * rows, dim), "codes": (rows, dim), "magnitudes": (blocks, 32),
+                             "work_blocks": (blocks, 32), "block_max": (1, blocks), "recip": (1, blocks),
+                             "max_bits": (1, blocks), "recip_bits": (1, blocks)}) if fmt == "fp8" else {}
+        found.append(dict(
+            name=f"kv_norm_rope_store_{fmt}", module="kv_norm_rope_store", builder="kv_norm_rope_store_kernel",
+            kwargs=dict(rows=2 * vector_cores * rows, dim=dim, rope_dim=rope_dim, table_rows=4096, cache_rows=8192,
+                        tile_rows=rows, vector_cores=vector_cores, eps=1e-6, fmt=fmt,
+                        offsets=layout(plan, platform), **({"amax_floor": FP8_AMAX_FLOOR} if fmt == "fp8" else {})),
+            blocks=cores, rounds=2, plan=plan,
+            names={"weight": "weight_ub", "slots": "slot_ub", "reduce_scratch": "tmp_ub", "gather_scratch": "tmp_ub_1"},
+            aliases=views.get("aliases", {}),
+            shapes={"rows_in": (2 * rows, dim), "work": (rows, dim), "squares": (rows, dim), "weight_ub": (1, dim),
+                    **{name: (rows, rope_dim) for name in rope_names}, **views.get("shapes", {})},
+            gm_strides={"step": vector_cores * rows * dim, "block": 2 * rows * dim, "sub": rows * dim}))
     found.extend(mla_cases(cores, platform))
     for case in found:
         case.update(target=target, platform=platform)

@@ -118,15 +118,40 @@ def test_emulated_rope_tiles_rows_by_the_plan_and_matches_the_reference(heads, m
     assert tiles == [ar.row_tile(64, 2, "A5")]
 
 
-def test_the_kv_store_kernel_refuses_quantized_formats_with_the_reason():
+def test_the_kv_store_kernel_refuses_fp4_formats_with_the_reason():
     from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import kv_norm_rope_store_kernel
 
     args = dict(rows=16, dim=512, rope_dim=64, table_rows=256, cache_rows=32, tile_rows=8, vector_cores=2, eps=1e-6,
                 offsets={})
-    with pytest.raises(NotImplementedError, match="'fp4'.*no e2m1"):
-        kv_norm_rope_store_kernel(fmt="fp4", **args)
-    with pytest.raises(NotImplementedError, match="'fp8'.*views of float32 tiles"):
+    for fmt in ("fp4", "index_fp4"):
+        with pytest.raises(NotImplementedError, match=f"'{fmt}'.*no e2m1"):
+            kv_norm_rope_store_kernel(fmt=fmt, **args)
+    with pytest.raises(ValueError, match="512 values, not dim=128"):
+        kv_norm_rope_store_kernel(fmt="fp8", amax_floor=1e-4, **{**args, "dim": 128})
+    with pytest.raises(ValueError, match="takes amax_floor"):
         kv_norm_rope_store_kernel(fmt="fp8", **args)
+
+
+def test_the_fp8_stores_integer_scale_rule_is_the_formats_scale():
+    """The kernel's scale byte from a block max's bits (no division) against ``ue8m0_scale``
+    (a float32 division) over every exponent a floored max can have, the mantissas around the
+    1.75 boundary and random ones."""
+    from deepinfer.hal.formats import E4M3_MAX, FP8_AMAX_FLOOR, ue8m0_scale
+    from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import fp8_scale_byte
+
+    exponents = torch.arange(1, 255, dtype=torch.int32)
+    edges = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFE, 0x7FFFFF], dtype=torch.int32)
+    mantissas = torch.cat((edges, torch.randint(0, 1 << 23, (64,), generator=torch.Generator().manual_seed(0),
+                                                dtype=torch.int32)))
+    bits = ((exponents[:, None] << 23) | mantissas[None, :]).flatten()
+    amax = bits.view(torch.float32)
+    amax = amax[amax >= FP8_AMAX_FLOOR]
+    floor = torch.tensor([FP8_AMAX_FLOOR], dtype=torch.float32)
+    amax = torch.cat((floor, amax))
+    got = fp8_scale_byte(amax.view(torch.int32), lambda value, shift: value >> shift)
+    want = ue8m0_scale(amax, E4M3_MAX, FP8_AMAX_FLOOR).to(torch.int32)
+    assert amax.numel() > 10000 and got[0] == 105
+    assert torch.equal(got, want), (amax[got != want][:5], got[got != want][:5], want[got != want][:5])
 
 
 def test_an_oversized_plan_is_refused():

@@ -3,7 +3,7 @@
 rows' dtype as the unfused ops round), rotated in float32 (rounded again), quantized to the cache
 format (FP8 with UE8M0 scales, FP4 with e4m3 scales, as the A5 formats hold them) and written to
 its cache rows. The native kernel, :mod:`~deepinfer_backends.ascend950.kernels.kv_norm_rope_store`,
-runs this plan for the bf16 formats."""
+runs this plan for the bf16 and fp8 formats."""
 from __future__ import annotations
 
 import torch

@@ -2,7 +2,7 @@
 turns bf16 rows in place (on a copy padded with whole tokens to whole tiles of the emulation's
 :func:`~deepinfer_backends.ascend950.emulate.apply_rope.row_tile`, the padding at position 0);
 :mod:`~deepinfer_backends.ascend950.kernels.kv_norm_rope_store` normalises, turns and stores bf16
-keys in a ``bf16`` or ``index_bf16`` cache (rows padded to whole tiles of
+keys in a ``bf16``, ``index_bf16`` or ``fp8`` cache (rows padded to whole tiles of
 :func:`~deepinfer_backends.ascend950.emulate.kv_norm_rope_store.row_tile`, the padding at slot
 ``-1``, never stored)."""
 from __future__ import annotations
@@ -11,13 +11,16 @@ import math
 
 import torch
 
-from deepinfer.hal.formats import token_format
+from deepinfer.hal.formats import FP8_AMAX_FLOOR, token_format
 from deepinfer.hal.ops.kv_cache import cache_rows, check_slots
 from deepinfer.hal.ops.rope import check_rope_args
 from deepinfer_backends.ascend950.buffers import AI_CORES
 from deepinfer_backends.ascend950.emulate import apply_rope as rope_plan
 from deepinfer_backends.ascend950.emulate import kv_norm_rope_store as store_plan
 from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import BF16_FORMATS
+
+STORED_FORMATS = (*BF16_FORMATS, "fp8")
+"""Cache formats the store kernel writes."""
 from deepinfer_backends.ascend950.native.launch import (Kernels, check_device, padded, plan_offsets, refuse, round_up,
                                                        whole)
 
@@ -55,12 +58,11 @@ def apply_rope(kernels: Kernels, x: torch.Tensor, positions: torch.Tensor, cos_s
 def kv_norm_rope_store(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                        cos_sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, fmt: str) -> torch.Tensor:
     """:func:`deepinfer.hal.ops.kv_norm_rope_store.kv_norm_rope_store` on the NPU for bf16 rows
-    stored in a ``bf16`` or ``index_bf16`` cache."""
+    stored in a ``bf16``, ``index_bf16`` or ``fp8`` cache."""
     spec = token_format(fmt)
-    if fmt not in BF16_FORMATS:
-        raise refuse(STORE, f"the kernel stores {list(BF16_FORMATS)} caches, not {fmt!r} (an FP8 store needs int32 "
-                            f"and byte views of float32 tiles, which tilelang-ascend 0.1.4 does not lower; FP4 has "
-                            f"no e2m1 type there)")
+    if fmt not in STORED_FORMATS:
+        raise refuse(STORE, f"the kernel stores {list(STORED_FORMATS)} caches, not {fmt!r} (tilelang-ascend has no "
+                            f"e2m1 type to hold FP4 codes)")
     if x.dim() != 2 or x.shape[1] != spec.dim or not x.is_floating_point():
         raise ValueError(f"x must be a float tensor [T, {spec.dim}] for format {fmt!r}, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -69,7 +71,8 @@ def kv_norm_rope_store(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, 
     if weight.shape != (spec.dim,):
         raise ValueError(f"weight must be [{spec.dim}] (the norm over x's last dim), got {tuple(weight.shape)}")
     check_rope_args(x, positions, cos_sin)
-    rows = cache_rows(cache, spec).view(torch.bfloat16)
+    rows = cache_rows(cache, spec)
+    rows = rows if fmt == "fp8" else rows.view(torch.bfloat16)
     check_slots(slots, rows.shape[0])
     if slots.shape != (x.shape[0],):
         raise ValueError(f"slots must be [T={x.shape[0]}], got {tuple(slots.shape)}")
@@ -84,7 +87,7 @@ def kv_norm_rope_store(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, 
     kernel = kernels.get(STORE, dict(rows=whole_rows, dim=dim, rope_dim=rope_dim, table_rows=cos_sin.shape[0],
                                      cache_rows=rows.shape[0], tile_rows=tile, vector_cores=2 * AI_CORES[platform],
                                      eps=float(eps), fmt=fmt, offsets=plan_offsets(STORE, buffers, platform),
-                                     dtype="bfloat16"), out_idx=[6])
+                                     dtype="bfloat16", amax_floor=FP8_AMAX_FLOOR), out_idx=[6])
     out = kernel(whole(x, (whole_rows, dim)), weight.float().reshape(1, dim).contiguous(),
                  whole(positions.to(torch.int32), (whole_rows,)), cos_sin.float().contiguous(),
                  whole(slots.to(torch.int32), (whole_rows,), -1), rows)
