@@ -18,13 +18,12 @@ from deepinfer_backends.ascend950.buffers import AI_CORES
 from deepinfer_backends.ascend950.emulate import apply_rope as rope_plan
 from deepinfer_backends.ascend950.emulate import kv_norm_rope_store as store_plan
 from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import BF16_FORMATS
-
-STORED_FORMATS = (*BF16_FORMATS, "fp8")
-"""Cache formats the store kernel writes."""
 from deepinfer_backends.ascend950.native.launch import (Kernels, check_device, padded, plan_offsets, refuse, round_up,
                                                        whole)
 
 ROPE, STORE = "apply_rope", "kv_norm_rope_store"
+STORED_FORMATS = (*BF16_FORMATS, "fp8")
+"""Cache formats the store kernel writes."""
 
 
 def apply_rope(kernels: Kernels, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
