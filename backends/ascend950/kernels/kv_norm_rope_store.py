@@ -105,8 +105,10 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
 
     @T.macro
     def clear_views(q):
-        """Every view written first, at the tile's start, so the lowering keeps it at its address."""
+        """Every view written first, at the tile's start, so the lowering keeps it at its address;
+        after a barrier, since the last tile's stores may still be reading the codes."""
         if quantized:
+            T.barrier_all()
             T.tile.fill(q.code_bytes, 0)
             T.tile.fill(q.codes, 0.0)
             T.tile.fill(q.magnitudes, 0.0)
