@@ -28,12 +28,10 @@ last use."""
 import types
 
 from .apply_rope import rope_macros
+from .mla_sparse_decode import CACHE_ROW_BYTES, FP8_GROUP
 
 BF16_FORMATS = ("bf16", "index_bf16")
-FP8_GROUP = 32
-"""Values per UE8M0 scale of an ``fp8`` cache row."""
-FP8_ROW_BYTES = 528
-"""Bytes of an ``fp8`` cache row: 512 e4m3 values, then their 16 scale bytes."""
+FP8_ROW_BYTES = CACHE_ROW_BYTES["fp8"]
 
 
 def fp8_scale_byte(bits, shift_right):
