@@ -3,9 +3,9 @@
 One run measures the card's device-to-device copy bandwidth and dense bf16 matmul rate (torch),
 then each op point on the backend chosen by the Hydra config (``backend=sm100`` by default) and,
 for a few points, on the reference backend. Per point it reports time, achieved GB/s and
-TFLOP/s, their ratios to the two ceilings and to the roofline floor ``max(bytes / copy_bw,
-flops / dense_rate)``. Kernels are compiled first, in parallel processes, so compile time stays
-out of the run.
+TFLOP/s, their ratios to the ceilings and to the roofline floor ``max(bytes / copy_bw,
+flops / dense_rate)`` (the dense FP8 rate for FP8 activations, the bf16 one otherwise).
+Kernels are compiled first, in parallel processes, so compile time stays out of the run.
 
     python experiments/bench_ops.py [study.sweep=quick|full] [study.only=[NAME_PART,...]] [study.jobs=N]
         [study.output_dir=DIR] [overrides...]
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_points import POINTS, Point  # noqa: E402
 
 COLUMNS = ("op", "backend", "shape", "time_us", "gb_s", "tflop_s", "frac_copy_bw", "frac_dense_bf16", "frac_dense_fp8",
-           "frac_roofline", "timing", "note")
+           "frac_roofline", "fp8", "timing", "note")
 """A row's columns, in the CSV's order."""
 
 
@@ -136,13 +136,13 @@ def measure(point: Point, ops, backend: str, peaks: dict[str, float]) -> dict:
     """Time one point on one backend and relate it to the ceilings."""
     fn = point.build(ops)
     seconds, how = timed(fn, reps=point.reps, graph=backend != "reference")
-    floor = max(point.bytes / peaks["copy_bw"], point.flops / peaks["dense_bf16"])
+    floor = max(point.bytes / peaks["copy_bw"], point.flops / peaks["dense_fp8" if point.fp8 else "dense_bf16"])
     row = {"op": point.op, "backend": backend, "shape": point.shape, "time_us": seconds * 1e6,
            "gb_s": point.bytes / seconds / 1e9, "tflop_s": point.flops / seconds / 1e12,
            "frac_copy_bw": point.bytes / seconds / peaks["copy_bw"],
            "frac_dense_bf16": point.flops / seconds / peaks["dense_bf16"],
            "frac_dense_fp8": point.flops / seconds / peaks["dense_fp8"], "frac_roofline": floor / seconds,
-           "timing": how, "note": point.note}
+           "timing": how, "note": point.note, "fp8": point.fp8}
     if point.gathered:
         row["note"] = f"{point.note} gathers {point.gathered / 1e9:.2f} GB: {point.gathered / seconds / 1e9:.0f} " \
                       f"GB/s".strip()
@@ -211,11 +211,14 @@ def _ordered(row: dict) -> dict:
 
 
 def _line(row: dict) -> str:
+    fp8 = row.get("fp8") is True
+
     def num(key, fmt):
         return format(row[key], fmt) if isinstance(row.get(key), float) else "-"
     return (f"{row['op']:<18} {row['backend']:<9} {row['shape']:<44} {num('time_us', '9.1f')} us "
             f"{num('gb_s', '7.0f')} GB/s {num('tflop_s', '6.1f')} TF/s bw {num('frac_copy_bw', '.2f')} "
-            f"tc {num('frac_dense_bf16', '.2f')} roof {num('frac_roofline', '.2f')} {row.get('note', '')}")
+            f"tc {num('frac_dense_fp8' if fp8 else 'frac_dense_bf16', '.2f')}{' (fp8)' if fp8 else ''} "
+            f"roof {num('frac_roofline', '.2f')} {row.get('note', '')}")
 
 
 if __name__ == "__main__":

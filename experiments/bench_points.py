@@ -34,6 +34,8 @@ class Point:
     note: str = ""
     gathered: float = 0.0
     """Bytes the op's gathers read when rows repeat across queries (reads served by L2 or HBM)."""
+    fp8: bool = False
+    """FP8 activations: the compute floor and the ``tc`` share take the dense FP8 rate."""
 
 
 def _gen() -> torch.Generator:
@@ -141,7 +143,7 @@ def grouped(experts: int, rows: int, n: int, k: int, label: str, x_format: str =
     moved = gemm_bytes(experts, rows, n, k, x_format, w_format)
     formats = "" if plain else f" x={x_format} w={w_format}"
     return Point("grouped_gemm", f"{label} E={experts} M={rows} N={n} K={k}{formats}", moved, 2.0 * rows * n * k,
-                 build, dense_shape=(rows, n, k), reps=5, **kw)
+                 build, dense_shape=(rows, n, k), reps=5, fp8=x_format == "fp8", **kw)
 
 
 def rms(rows: int, dim: int, residual: bool, **kw) -> Point:

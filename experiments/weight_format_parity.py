@@ -9,6 +9,8 @@ error of the composed backend's logits against the expected ones, the largest ab
 the share of rows whose argmax agrees, and writes
 ``experiments/results/weight_format_parity_<tag>.csv``. The composed backend runs with its own
 ``backend.fallback`` (none by default), so an op it lacks fails the run.
+``model.expert_activation_format=fp8`` (which asks for ``model.weight_format`` set too) casts the
+experts' activations of the quantized formats' models.
 
     python experiments/weight_format_parity.py [study.formats=[none,fp8,mxfp4]] [study.batch=4]
         [study.prompt_len=96] [study.steps=8] [study.tag=h200] [overrides...]
@@ -26,6 +28,7 @@ import torch
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.deepseek_v41.config import PAGE_TOKENS
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer.models.deepseek_v41.moe import cast_expert_activations
 from deepinfer.models.deepseek_v41.weights import hold_quantized, init_random_weights
 from deepinfer.models.forward_context import ForwardContext
 from deepinfer.models.registry import build_config
@@ -100,13 +103,16 @@ def format_rows(app, settings: Settings, config, ops: SwitchedOps, fmt: str, pro
     started = time.time()
     model = DeepseekV41ForCausalLM(config, ops, dtype=app.model.torch_dtype,
                                    max_model_len=settings.prompt_len + settings.steps + 64)
-    model = hold_quantized(init_random_weights(model, 0), None if fmt == "none" else fmt).to(app.backend.device)
+    model = hold_quantized(init_random_weights(model, 0), None if fmt == "none" else fmt)
+    activations = app.model.expert_activation_format if fmt != "none" else None
+    model = cast_expert_activations(model, activations).to(app.backend.device)
     built = time.time() - started
     want, fed = run_backend(model, ops, settings.expected_backend, prompts, settings.steps, None)
     got, _ = run_backend(model, ops, app.backend.name, prompts, settings.steps, fed)
     rows = []
     for step, (w, g) in enumerate(zip(want, got)):
-        row = {"model": app.model.name, "weight_format": fmt, "step": "prefill" if step == 0 else step,
+        row = {"model": app.model.name, "weight_format": fmt, "expert_activations": activations or app.model.dtype,
+               "step": "prefill" if step == 0 else step,
                **{k: round(v, 6) for k, v in compare(w, g).items()}}
         rows.append(row)
         print(f"{fmt:>6} {row['step']!s:>8} rel_l2 {row['rel_l2']:.2e} max_abs {row['max_abs']:.3e} "

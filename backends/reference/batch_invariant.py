@@ -66,6 +66,7 @@ INVARIANT_AS_IS = {
     "kv_store": "per token: block max, power-of-two scale and rounding are exact",
     "kv_load": "per token: exact decode",
     "kv_cast": "per token: exact encode and decode",
+    "quantize_activations": "per 32 values of a row: block max, power-of-two scale and rounding are exact",
     "indexer_topk": "per row: comparisons only (stable sort, ties to the lower column)",
     "candidate_blocks": "per row: block maxima and comparisons only (stable sort, ties to the lower block)",
     "ep_dispatch": "a permutation of rows",

@@ -18,8 +18,8 @@ from deepinfer_backends.sm100.options import KernelOptions
 IMPLEMENTED = ("apply_rope", "apply_token_bitmask", "compress_tokens", "compressed_decode_layout", "ep_combine",
                "ep_dispatch", "grouped_gemm", "grouped_linear", "grouped_swiglu", "indexer_logits", "indexer_topk",
                "kv_load", "kv_norm_rope_store", "linear", "mhc_head", "mhc_mixes", "mhc_post", "mhc_post_pre",
-               "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "moe_route", "rms_norm", "sample",
-               "speculative_accept", "stacked_linear", "swa_decode_indices", "swa_history_slots",
+               "mhc_pre", "mla_sparse_decode", "mla_sparse_prefill", "moe_gate", "moe_route", "quantize_activations",
+               "rms_norm", "sample", "speculative_accept", "stacked_linear", "swa_decode_indices", "swa_history_slots",
                "swa_prefill_indices", "swa_ring_slots", "swiglu")
 _NOT_YET = "no TileLang kernel yet; set backend.fallback=reference to run the reference on the GPU"
 UNSUPPORTED = {
@@ -54,6 +54,7 @@ INVARIANT = {
     "ep_combine": "per token: the routed slots are summed in slot order",
     "kv_load": "per token: exact decode",
     "swiglu": "per element",
+    "quantize_activations": "per 32 values of a row: their own max and rounding",
     "mhc_pre": "one program per (token, column block), the streams added in order",
     "mhc_post": "one program per (token, column block), the streams added in order",
     "mhc_post_pre": "mhc_post, then per (token, column) the stored streams added in order (with the next input's "

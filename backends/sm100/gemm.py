@@ -13,6 +13,7 @@ import torch
 from deepinfer.hal.formats import Quantized
 from deepinfer.hal.ops.grouped_gemm import check_out_dtype
 from deepinfer_backends.sm100 import toolchain
+from deepinfer_backends.sm100.fp8_scales import BLOCK_M
 from deepinfer_backends.sm100.launch import compiled, cuda_bf16, float32_param, on_device, require
 from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
 
@@ -290,6 +291,13 @@ keeps one (twice the CTAs): a one-expert ``linear`` with a few thousand output c
 otherwise leave most SMs idle (reasoned from the grid, not measured: the bench has no such point)."""
 
 
+ONE_EXPERT_TILE_ROWS = tuple(sorted({SKINNY_TILES["block_t"], *(t["block_t"] for t in SKINNY_WIDE_TILES.values()),
+                                      64, 128, BLOCK_M}))
+"""Tile heights the block-scaled kernels cut rows into (the few-row kernel's, the 64- and 128-row
+tiles of :func:`gemm_tiles`, the native kernel's ``BLOCK_M``): a one-expert ``linear`` has its
+schedule for each made once per row count."""
+
+
 def skinny_tiles(rows: int, experts: int, n: int, w_format: str) -> dict[str, int]:
     """Tiles of ``grouped_gemm_quant_skinny`` for ``rows`` over ``experts`` of ``n`` output columns:
     :data:`SKINNY_TILES` up to 4 rows per expert, else :data:`SKINNY_WIDE_TILES`; one MMA tile a
@@ -343,7 +351,7 @@ def linear(x, weight, out_dtype: torch.dtype | None = None, batch_invariant: boo
     op = "linear"
     check_out_dtype(op, out_dtype)
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
-        return _linear_quant(x, weight, batch_invariant)
+        return _linear_quant(x, weight, batch_invariant, options)
     cuda_bf16(op, "x", x)
     cuda_bf16(op, "weight", weight)
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
@@ -432,8 +440,10 @@ def linear_kernel(options: KernelOptions = DEFAULT, batch_invariant: bool = Fals
     return "cublas" if options.linear_kernel == "auto" else options.linear_kernel
 
 
-def _linear_quant(x, weight, batch_invariant: bool) -> torch.Tensor:
-    """``linear`` with block-scaled operands: the block-scaled grouped GEMM with one expert."""
+def _linear_quant(x, weight, batch_invariant: bool, options: KernelOptions = DEFAULT) -> torch.Tensor:
+    """``linear`` with block-scaled operands: the block-scaled grouped GEMM with one expert, with
+    ``options``' kernel choices (``quant_gemm``, ``tcgen05``), its segment size and tile schedules
+    made once per row count (no launch per call)."""
     def rows(operand):
         if not isinstance(operand, Quantized):
             return operand.reshape(-1, operand.shape[-1])
@@ -452,9 +462,18 @@ def _linear_quant(x, weight, batch_invariant: bool) -> torch.Tensor:
                          f"weight {tuple(w_data.shape)}")
     flat = rows(x)
     count = (flat.data if isinstance(flat, Quantized) else flat).shape[0]
-    sizes = torch.full((1,), count, dtype=torch.int64, device=data.device)
-    y = _grouped_gemm_quant(flat, one_expert(weight), sizes, batch_invariant, op="linear")
+    schedules = {(count, tile_rows): _single_expert_schedule(count, tile_rows, data.device)
+                 for tile_rows in ONE_EXPERT_TILE_ROWS}
+    y = _grouped_gemm_quant(flat, one_expert(weight), _single_expert_sizes(count, data.device), batch_invariant,
+                            op="linear", tcgen05=options.tcgen05, schedules=schedules,
+                            native=options.quant_gemm == "native")
     return y.reshape(*data.shape[:-1], y.shape[-1])
+
+
+@functools.lru_cache(maxsize=512)
+def _single_expert_sizes(rows: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[1]`` holding ``rows``: the segment sizes of one expert (made on ``device`` once)."""
+    return torch.full((1,), rows, dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=512)

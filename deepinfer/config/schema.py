@@ -45,6 +45,13 @@ class ModelConfig:
     ``mxfp4`` as the checkpoint stores them (projections FP8 e4m3, routed experts MXFP4, UE8M0
     scales per 32 along K); ``fp8`` with the routed experts FP8 too. The GEMMs then read them
     quantized."""
+    expert_activation_format: Optional[str] = None
+    """What the experts' GEMMs (routed and shared) take as activations: None the model dtype;
+    ``fp8`` e4m3 with UE8M0 scales per 32, as DeepInfer's FP8 x FP4 expert compute casts them (the
+    expert inputs, and the SwiGLU's float32 products ahead of the down projections). ``fp8``
+    needs ``weight_format``. It differs from DeepInfer in one rounding: the router weights
+    multiply the routed down projection's output at the combine, where DeepInfer scales the
+    SwiGLU output before its cast."""
     config: Dict[str, Any] = field(default_factory=dict)
     """HF ``config.json`` architecture keys; a checkpoint's config.json overrides them."""
 
@@ -53,6 +60,11 @@ class ModelConfig:
         _require(self.max_model_len >= 1, "model.max_model_len", self.max_model_len, "must be >= 1")
         _require(self.weight_format in (None, "fp8", "mxfp4"), "model.weight_format", self.weight_format,
                  "use null (weights in model.dtype), fp8 or mxfp4")
+        _require(self.expert_activation_format in (None, "fp8"), "model.expert_activation_format",
+                 self.expert_activation_format, "use null (activations in model.dtype) or fp8")
+        _require(self.expert_activation_format is None or self.weight_format is not None,
+                 "model.expert_activation_format", self.expert_activation_format,
+                 "fp8 expert activations feed block-scaled expert GEMMs: set model.weight_format=fp8 or mxfp4 too")
 
     @property
     def torch_dtype(self):

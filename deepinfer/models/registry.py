@@ -46,11 +46,13 @@ def build_model(model_cfg, ops, device: str = "cpu", seed: int = 0):
     With ``checkpoint`` set, the checkpoint's config.json and weights are used; otherwise the
     preset's architecture gets seeded random weights (and, with Engram layers, the identity
     compressed vocabulary: such a model has no tokenizer file). ``weight_format`` keeps the quantized
-    weights quantized (``weights.hold_quantized``). Returns ``(model, has_random_weights)``."""
+    weights quantized (``weights.hold_quantized``), ``expert_activation_format`` casts the experts'
+    activations (``moe.cast_expert_activations``). Returns ``(model, has_random_weights)``."""
     import torch
 
     from deepinfer.models.deepseek_v41.engram_vocab import CompressedVocab
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from deepinfer.models.deepseek_v41.moe import cast_expert_activations
     from deepinfer.models.deepseek_v41.weights import hold_quantized, init_random_weights, load_pretrained
 
     if model_cfg.arch not in ARCHITECTURES:
@@ -59,9 +61,10 @@ def build_model(model_cfg, ops, device: str = "cpu", seed: int = 0):
     if model_cfg.checkpoint:
         model = load_pretrained(resolve_checkpoint(model_cfg.checkpoint), ops, dtype=dtype,
                                 max_model_len=model_cfg.max_model_len, weight_format=model_cfg.weight_format)
-        return model.to(device), False
+        return cast_expert_activations(model, model_cfg.expert_activation_format).to(device), False
     config = build_config({"arch": model_cfg.arch, "config": dict(model_cfg.config)})
     vocab = CompressedVocab.identity(config.vocab_size) if config.engram_layer_ids else None
     model = DeepseekV41ForCausalLM(config, ops, dtype=dtype, max_model_len=model_cfg.max_model_len,
                                    engram_vocab=vocab)
-    return hold_quantized(init_random_weights(model, seed), model_cfg.weight_format).to(device), True
+    model = hold_quantized(init_random_weights(model, seed), model_cfg.weight_format)
+    return cast_expert_activations(model, model_cfg.expert_activation_format).to(device), True

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 def _kernels():
     from deepinfer_backends.sm100.fused import (align_fp8, ep_combine, grouped_gemm_skinny, kv_load, linear_skinny,
-                                                mhc_mixes, mhc_streams, mxfp4_cast, rope, swiglu, tile_schedule)
+                                                mhc_mixes, mhc_streams, mxfp4_cast, quantize_activations, rope, swiglu,
+                                                tile_schedule)
 
     for x, fn, parts in (("*bf16", "*bf16", 3), ("*fp32", "*fp32", 1)):
         yield f"mhc_mix_partials[{parts} parts]", mhc_mixes.mhc_mix_partials, dict(
@@ -90,6 +91,11 @@ def _kernels():
         x="*u8", x_scale="*u8", schedule="*i32", out="*u8", out_scale="*fp32", k="i32", tiles="i32"), \
         dict(TILE_ROWS=align_fp8.BLOCK_M, GROUP=align_fp8.GROUP, BLOCK=align_fp8.BLOCK,
              ROUNDER=align_fp8.SUBNORMAL_ROUNDER)
+    for x in ("*bf16", "*fp32"):
+        yield f"quantize_activations_kernel[{x}]", quantize_activations.quantize_activations_kernel, dict(
+            x=x, data="*u8", scale="*u8", rows="i32", k="i32", x_stride="i32"), \
+            dict(BLOCK_ROWS=quantize_activations.BLOCK_ROWS, BLOCK_K=quantize_activations.BLOCK_K,
+                 BLOCK=quantize_activations.BLOCK)
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(
             sizes="*i64", out="*i32", experts="i32", tiles="i32"), \

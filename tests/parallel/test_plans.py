@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.models.deepseek_v41.moe import MoE
 from deepinfer.parallel.context import balanced_rows
 from deepinfer.parallel.expert import local_experts
 from deepinfer.parallel.groups import leave
@@ -64,8 +65,9 @@ def _rank(rank: int, world: int, port: int, plan: str, out_dir: str, extra: list
             getattr(layer, name).contiguous().view(torch.uint8).numpy().tobytes()
             for layer in [*caches.layers, *caches.draft_layers]
             for name in ("swa_ring", "compressed", "index_k", "compress_state") if getattr(layer, name) is not None))
+        activations = {m.activation_format for m in llm.model.modules() if isinstance(m, MoE)}
         torch.save({"tokens": tokens, "held": held, "ran": ran, "sampled": _sampled(llm, prompts), "placements": placements,
-                    "split": split, "caches": digest.hexdigest()},
+                    "split": split, "caches": digest.hexdigest(), "activations": activations},
                    Path(out_dir) / f"rank{rank}.pt")
         leave(llm.groups)
         del llm, enqueue
@@ -106,6 +108,17 @@ def test_expert_parallel_greedy_tokens_equal_one_process(tmp_path, single_proces
     for rank, result in enumerate(results):
         assert result["tokens"] == single_process["tokens"], f"rank {rank} of {plan}"
         assert result["held"] == {name: count // world for name, count in full.items()}, f"rank {rank} of {plan}"
+
+
+@pytest.mark.multirank
+def test_expert_parallel_with_fp8_expert_activations_equals_one_process(tmp_path):
+    """Quantized experts (MXFP4) fed FP8 activations: each rank casts the rows it receives, which
+    are the rows one process casts, so the tokens are one process's."""
+    extra = ["model.weight_format=mxfp4", "model.expert_activation_format=fp8"]
+    want = _generate(LLM("tiny", overrides=[*COMMON, *extra]), PROMPTS)
+    for rank, result in enumerate(_run(tmp_path, "ep2", 2, extra)):
+        assert result["activations"] == {"fp8"}, f"rank {rank} of ep2"
+        assert result["tokens"] == want, f"rank {rank} of ep2"
 
 
 @pytest.mark.multirank

@@ -17,6 +17,7 @@ from deepinfer.hal.ops import (  # noqa: F401
     mla,
     moe_route,
     norm,
+    quantize_activations,
     rope,
     routing,
     sampling,

@@ -8,6 +8,9 @@ from torch import nn
 from deepinfer.hal.registry import OpTable
 from deepinfer.models.layers import Linear, quantized_operand, quantized_parameters, stacked
 
+EXPERT_ACTIVATION_FORMATS = (None, "fp8")
+"""What the routed experts' GEMMs take as activations (:meth:`MoE.cast_activations`)."""
+
 
 class Gate(nn.Module):
     """Router: ``weight [E, H]`` (logits in float32) and the noaux_tc selection ``bias [E]``."""
@@ -69,11 +72,29 @@ class MoE(nn.Module):
         self.gate = Gate(hidden, experts, dtype)
         self.experts = Experts(experts, hidden, intermediate, dtype)
         self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
+        self.activation_format = None  # "fp8": the routed experts' GEMMs take FP8 activations (cast_activations)
+
+    def cast_activations(self, fmt: str | None) -> None:
+        """Feed the experts' GEMMs (routed and shared) activations in ``fmt``: None, the model dtype;
+        ``"fp8"``, e4m3 with UE8M0 scales per 32 (``quantize_activations``), as DeepInfer's expert
+        compute takes them: the expert inputs, and the SwiGLU's float32 products ahead of the down
+        projections. ``"fp8"`` needs the experts held quantized (``model.weight_format``)."""
+        if fmt not in EXPERT_ACTIVATION_FORMATS:
+            raise ValueError(f"expert activations are one of {list(EXPERT_ACTIVATION_FORMATS)}, got {fmt!r}")
+        shared = self.shared_experts
+        if fmt is not None and any(w is None for w in (self.experts.w1_scale, shared.w1.weight_scale,
+                                                        shared.w3.weight_scale, shared.w2.weight_scale)):
+            raise ValueError(f"{fmt} expert activations feed block-scaled expert GEMMs: hold the experts quantized "
+                             f"(model.weight_format=fp8 or mxfp4), or keep model.expert_activation_format=null")
+        self.activation_format = fmt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Routed experts plus the shared expert on the normalised ``x``: the router's logits and
         the shared expert's activation (the SwiGLU of its gate and up projections) in one
-        ``stacked_linear``, then the gate with the dispatch in one ``moe_route``."""
+        ``stacked_linear`` (with FP8 activations the shared expert apart, on the cast ``x``), then
+        the gate with the dispatch in one ``moe_route``."""
+        if self.activation_format is not None:
+            return self._routed(x, self._shared_cast(x), logits=self.ops.linear(x, self.gate.weight))
         shared = self.shared_experts
         logits, activation = stacked(self.ops, x, [self.gate.weight, shared.w1, shared.w3], swiglu=True,
                                      swiglu_limit=self.limit)
@@ -86,9 +107,18 @@ class MoE(nn.Module):
 
     def apply_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts (weighted by ``weights``) plus the shared expert."""
+        if self.activation_format is not None:
+            return self._routed(x, self._shared_cast(x), weights=weights, ids=ids)
         shared = self.shared_experts
         gate, up = stacked(self.ops, x, [shared.w1, shared.w3])
         return self._routed(x, shared.w2(self.ops.swiglu(gate, up, self.limit)), weights=weights, ids=ids)
+
+    def _shared_cast(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert on activations cast to :attr:`activation_format`, in ``x.dtype``."""
+        ops, shared, fmt = self.ops, self.shared_experts, self.activation_format
+        hidden, = ops.stacked_linear(ops.quantize_activations(x, fmt), [shared.w1.operand(), shared.w3.operand()],
+                                     swiglu=True, swiglu_limit=self.limit)
+        return ops.linear(ops.quantize_activations(hidden, fmt), shared.w2.operand()).to(x.dtype)
 
     def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.moe_gate(logits, self.gate.bias, self.top_k, self.routed_scale)
@@ -110,6 +140,20 @@ class MoE(nn.Module):
             else:
                 rows, group_sizes, handle = ops.ep_dispatch(x, self.eplb.route(ids), weights, self.eplb.num_physical,
                                                             self.ep_group)
-        hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
-                                    x.dtype)
+        if self.activation_format is None:
+            hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
+                                        x.dtype)
+        else:
+            rows = ops.quantize_activations(rows, self.activation_format)
+            hidden = ops.quantize_activations(ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"),
+                                                                 group_sizes, self.limit, torch.float32),
+                                              self.activation_format)
         return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle, add=shared)
+
+
+def cast_expert_activations(model: nn.Module, fmt: str | None) -> nn.Module:
+    """:meth:`MoE.cast_activations` of every MoE layer of ``model`` (returned)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.cast_activations(fmt)
+    return model

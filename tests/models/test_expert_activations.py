@@ -1,0 +1,88 @@
+"""``model.expert_activation_format=fp8``: the routed experts' GEMMs take FP8 activations (e4m3,
+UE8M0 per 32), routed and shared, the expert inputs and the SwiGLU's float32 products cast as
+DeepInfer's expert compute casts them, checked against a float64 computation of the recipe; the option reaches
+every MoE layer from the config and is refused where it cannot apply."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.config.schema import ConfigError, ModelConfig
+from deepinfer.hal.formats import cast_back
+from deepinfer.models.deepseek_v41.moe import MoE, cast_expert_activations
+from deepinfer.models.deepseek_v41.weights import hold_quantized
+from tests.models.tiny_model import tiny_model
+
+
+def _moe(fmt: str | None) -> MoE:
+    model = cast_expert_activations(hold_quantized(tiny_model(seed=5), "mxfp4"), fmt)
+    return next(m for m in model.modules() if isinstance(m, MoE))
+
+
+def _routing(moe: MoE, tokens: int):
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.stack([torch.randperm(moe.num_experts, generator=gen)[:moe.top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, moe.top_k, generator=gen) + 0.2
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def _swiglu_fp8(rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float):
+    """One expert by the recipe, in float64 from FP8-cast ``rows``: the clamped SwiGLU (rounded to
+    float32, as the op hands it on) cast through FP8, then the down projection."""
+    hidden = F.silu((rows @ w1.T).clamp(max=limit)) * (rows @ w3.T).clamp(-limit, limit)
+    return cast_back(hidden.float(), "fp8").double() @ w2.T
+
+
+def _experts_fp8_float64(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts (weighted) plus the shared expert by the recipe, in float64."""
+    w1, w3, w2 = (moe.experts.operand(name).dequantize().double() for name in ("w1", "w3", "w2"))
+    shared = [getattr(moe.shared_experts, name).operand().dequantize().double() for name in ("w1", "w3", "w2")]
+    rows = cast_back(x, "fp8").double()
+    out = _swiglu_fp8(rows, *shared, moe.limit)
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t].tolist(), ids[t].tolist()):
+            out[t] += weight * _swiglu_fp8(rows[t], w1[e], w3[e], w2[e], moe.limit)
+    return out
+
+
+def test_fp8_expert_activations_follow_the_recipe():
+    fp8, plain = _moe("fp8"), _moe(None)
+    x = torch.randn(24, fp8.gate.weight.shape[1], generator=torch.Generator().manual_seed(4))
+    weights, ids = _routing(fp8, x.shape[0])
+    want = _experts_fp8_float64(fp8, x, weights, ids)
+    scale = want.abs().max().item()
+    got_error = (fp8.apply_experts(x, weights, ids).double() - want).abs().max().item()
+    plain_error = (plain.apply_experts(x, weights, ids).double() - want).abs().max().item()
+    assert got_error <= 1e-5 * scale, f"fp8 expert activations are {got_error / scale:.1e} of max |y| off the recipe"
+    assert plain_error > 100 * got_error, "the model-dtype activations should miss the FP8 recipe"
+
+
+def test_the_forward_casts_as_apply_experts_does():
+    moe = _moe("fp8")
+    x = torch.randn(10, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(6))
+    weights, ids = moe.route(x)
+    torch.testing.assert_close(moe(x), moe.apply_experts(x, weights, ids), rtol=0, atol=0)
+
+
+def test_the_config_reaches_every_moe_layer_and_generation_runs():
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    llm = LLM("tiny_random", "reference", ["engine.use_tqdm=false", "model.weight_format=mxfp4",
+                                           "model.expert_activation_format=fp8"])
+    layers = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    assert layers and all(m.activation_format == "fp8" for m in layers)
+    outputs = llm.generate([[1, 5, 9, 200, 17], [3, 4]], params)
+    assert [len(o.token_ids) for o in outputs] == [6, 6]
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(expert_activation_format="fp8"), "set model.weight_format"),
+    (dict(expert_activation_format="int8", weight_format="fp8"), "model.expert_activation_format='int8'"),
+])
+def test_the_config_refuses_what_cannot_apply(fields, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**fields)
+
+
+def test_plain_experts_refuse_fp8_activations():
+    with pytest.raises(ValueError, match="hold the experts quantized"):
+        cast_expert_activations(tiny_model(seed=5), "fp8")
