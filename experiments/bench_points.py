@@ -218,6 +218,10 @@ def _points() -> dict[str, Point]:
         points[f"moe_e384_t16384_ep8_w2_{x_format}_{w_format}"] = grouped(
             e, m, HIDDEN, INTERMEDIATE, "EP8 T=16384 w2", x_format, w_format,
             quick=(x_format, w_format) == ("fp8", "mxfp4"))
+    e, m = _ep(384, 65536, 8)
+    for x_format, w_format in quant_formats[:2]:  # 1024 rows an expert: w2 past the FP8 ridge (256 rows are not)
+        points[f"moe_e384_t65536_ep8_w2_{x_format}_{w_format}"] = grouped(
+            e, m, HIDDEN, INTERMEDIATE, "EP8 T=65536 w2", x_format, w_format, quick=False)
     points["rms_hidden_256"] = rms(256, HIDDEN, True)
     points["rms_hidden_16384"] = rms(16384, HIDDEN, True, with_reference=True)
     points["rms_latent_4096"] = rms(4096, 512, False)
