@@ -9,7 +9,7 @@ from deepinfer.hal.registry import OpTable
 from deepinfer.models.layers import Linear, quantized_operand, quantized_parameters, stacked
 
 EXPERT_ACTIVATION_FORMATS = (None, "fp8")
-"""What the routed experts' GEMMs take as activations (:meth:`MoE.cast_activations`)."""
+"""What the experts' GEMMs take as activations (:meth:`MoE.cast_activations`)."""
 
 
 class Gate(nn.Module):
@@ -72,7 +72,7 @@ class MoE(nn.Module):
         self.gate = Gate(hidden, experts, dtype)
         self.experts = Experts(experts, hidden, intermediate, dtype)
         self.shared_experts = SharedExperts(hidden, shared_width, ops, dtype)
-        self.activation_format = None  # "fp8": the routed experts' GEMMs take FP8 activations (cast_activations)
+        self.activation_format = None  # "fp8": the experts' GEMMs take FP8 activations (cast_activations)
 
     def cast_activations(self, fmt: str | None) -> None:
         """Feed the experts' GEMMs (routed and shared) activations in ``fmt``: None, the model dtype;
