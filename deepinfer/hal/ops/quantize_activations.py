@@ -18,7 +18,8 @@ from deepinfer.hal.spec import OpCase, OpSpec, Tolerance, register
 def quantize_activations(x: torch.Tensor, fmt: str = "fp8") -> Quantized:
     """``x [..., K]`` (a float tensor, ``K`` a multiple of 32) as :class:`Quantized` ``fmt``
     (``"fp8"``): e4m3 data ``[..., K]`` and UE8M0 scale bytes ``uint8 [..., K / 32]``, the bytes of
-    :func:`~deepinfer.hal.formats.quantize`. Each row depends on its own values only."""
+    :func:`~deepinfer.hal.formats.quantize`. Each row depends on its own values only. A block
+    holding an infinity or NaN gets bytes no reader can use; backends may differ there."""
     check_quantize_activations(x, fmt)
     return quantize(x, fmt, BLOCK)
 
