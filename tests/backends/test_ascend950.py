@@ -118,40 +118,70 @@ def test_emulated_rope_tiles_rows_by_the_plan_and_matches_the_reference(heads, m
     assert tiles == [ar.row_tile(64, 2, "A5")]
 
 
-def test_the_kv_store_kernel_refuses_fp4_formats_with_the_reason():
+def test_the_kv_store_kernel_refuses_what_it_cannot_store_with_the_reason():
     from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import kv_norm_rope_store_kernel
 
     args = dict(rows=16, dim=512, rope_dim=64, table_rows=256, cache_rows=32, tile_rows=8, vector_cores=2, eps=1e-6,
                 offsets={})
-    for fmt in ("fp4", "index_fp4"):
-        with pytest.raises(NotImplementedError, match=f"'{fmt}'.*no e2m1"):
-            kv_norm_rope_store_kernel(fmt=fmt, **args)
+    with pytest.raises(NotImplementedError, match="'fp4' yet .*e4m3 scales per 16"):
+        kv_norm_rope_store_kernel(fmt="fp4", **args)
     with pytest.raises(ValueError, match="512 values, not dim=128"):
         kv_norm_rope_store_kernel(fmt="fp8", amax_floor=1e-4, **{**args, "dim": 128})
-    with pytest.raises(ValueError, match="takes amax_floor"):
-        kv_norm_rope_store_kernel(fmt="fp8", **args)
+    with pytest.raises(ValueError, match="128 values, not dim=512"):
+        kv_norm_rope_store_kernel(fmt="index_fp4", amax_floor=1e-4, **args)
+    for fmt, dim in (("fp8", 512), ("index_fp4", 128)):
+        with pytest.raises(ValueError, match="takes amax_floor"):
+            kv_norm_rope_store_kernel(fmt=fmt, **{**args, "dim": dim})
 
 
-def test_the_fp8_stores_integer_scale_rule_is_the_formats_scale():
+@pytest.mark.parametrize("fmt, boundary, floor_byte", [("fp8", 0x600000, 105), ("mxfp4", 0x400000, 1)])
+def test_the_stores_integer_scale_rules_are_the_formats_scales(fmt, boundary, floor_byte):
     """The kernel's scale byte from a block max's bits (no division) against ``ue8m0_scale``
     (a float32 division) over every exponent a floored max can have, the mantissas around the
-    1.75 boundary and random ones."""
-    from deepinfer.hal.formats import E4M3_MAX, FP8_AMAX_FLOOR, ue8m0_scale
-    from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import fp8_scale_byte
+    format's boundary (1.75 for e4m3's 448, 1.5 for e2m1's 6) and random ones."""
+    from deepinfer.hal.formats import E2M1_MAX, E4M3_MAX, FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, ue8m0_scale
+    from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import fp8_scale_byte, mxfp4_scale_byte
 
+    rule, fmt_max, floor = {"fp8": (fp8_scale_byte, E4M3_MAX, FP8_AMAX_FLOOR),
+                            "mxfp4": (mxfp4_scale_byte, E2M1_MAX, MXFP4_AMAX_FLOOR)}[fmt]
     exponents = torch.arange(1, 255, dtype=torch.int32)
-    edges = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFE, 0x7FFFFF], dtype=torch.int32)
+    edges = torch.tensor([0, 1, boundary - 1, boundary, boundary + 1, 0x7FFFFE, 0x7FFFFF], dtype=torch.int32)
     mantissas = torch.cat((edges, torch.randint(0, 1 << 23, (64,), generator=torch.Generator().manual_seed(0),
                                                 dtype=torch.int32)))
     bits = ((exponents[:, None] << 23) | mantissas[None, :]).flatten()
     amax = bits.view(torch.float32)
-    amax = amax[amax >= FP8_AMAX_FLOOR]
-    floor = torch.tensor([FP8_AMAX_FLOOR], dtype=torch.float32)
-    amax = torch.cat((floor, amax))
-    got = fp8_scale_byte(amax.view(torch.int32), lambda value, shift: value >> shift)
-    want = ue8m0_scale(amax, E4M3_MAX, FP8_AMAX_FLOOR).to(torch.int32)
-    assert amax.numel() > 10000 and got[0] == 105
+    amax = torch.cat((torch.tensor([floor], dtype=torch.float32), amax[amax >= floor]))
+    got = rule(amax.view(torch.int32), lambda value, shift: value >> shift)
+    want = ue8m0_scale(amax, fmt_max, floor).to(torch.int32)
+    assert amax.numel() > 10000 and got[0] == floor_byte
     assert torch.equal(got, want), (amax[got != want][:5], got[got != want][:5], want[got != want][:5])
+
+
+def test_the_index_fp4_stores_e2m1_steps_are_the_formats_rounding():
+    """The kernel's e2m1 rounding, emulated op for op in float32: per step of ``E2M1_STEPS``
+    ``clamp((a - t) * 2^30 [+ 1], 0, 1)`` summed into the code and, by value, into the decoded
+    magnitude; the sign from ``clamp(-v * 2^100 * 2^100, 0, 1)``. Against ``e2m1_codes`` and
+    ``e2m1_values`` over every finite bf16 value scaled by powers of two from 2^-20 to 2^20
+    (the ties at every threshold among them), ``-0.0`` aside (the kernel gives it code 0, the
+    format 8: both decode to zero)."""
+    from deepinfer.hal.formats import e2m1_codes, e2m1_values
+    from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import E2M1_STEPS
+
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    values = values[torch.isfinite(values)]
+    scaled = torch.cat([values * 2.0 ** e for e in range(-20, 21, 4)])
+    scaled = scaled[(scaled.abs() <= 6.0) & ~((scaled == 0) & torch.signbit(scaled))]
+    a = scaled.abs()
+    code, decoded = torch.zeros_like(a), torch.zeros_like(a)
+    for threshold, inclusive, value in E2M1_STEPS:
+        step = ((a - threshold) * 2.0 ** 30 + (1.0 if inclusive else 0.0)).clamp(0.0, 1.0)
+        assert torch.all((step == 0) | (step == 1)), threshold
+        code, decoded = code + step, decoded + step * value
+    negative = (scaled * -(2.0 ** 100) * 2.0 ** 100).clamp(0.0, 1.0)
+    code, decoded = code + 8 * negative, decoded * (1 - 2 * negative)
+    want = e2m1_codes(scaled)
+    assert scaled.numel() > 100000 and torch.equal(code.to(torch.uint8), want)
+    assert torch.equal(decoded, e2m1_values(want))
 
 
 def test_an_oversized_plan_is_refused():

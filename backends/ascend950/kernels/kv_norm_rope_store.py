@@ -14,13 +14,24 @@ dim]`` view of its byte rows).
 ``FP8_AMAX_FLOOR``) gives its scale byte from the max's float32 bits (:func:`fp8_scale_byte`,
 scalar integer arithmetic through an int32 view of the maxima), the reciprocal and the scale
 go back as float bits, the keys are multiplied by the reciprocal (exact, a power of two) and
-rounded to e4m3; ``out`` is those values times the scale. The FP4 formats are refused (see
-:func:`kv_norm_rope_store_kernel`); the emulation covers them.
+rounded to e4m3; ``out`` is those values times the scale.
+
+``index_fp4``: 68-byte rows, 128 e2m1 codes packed two a byte (the even value in the low
+nibble) then one UE8M0 byte per 32 values. The scale byte comes from the block max (at least
+``MXFP4_AMAX_FLOOR``) as for ``fp8`` (:func:`mxfp4_scale_byte`); tilelang-ascend has no e2m1
+type, so the keys times the reciprocal are rounded to e2m1 in float32 arithmetic: each step of
+:data:`E2M1_STEPS` is ``clamp((|v| - t) * 2^30 [+ 1], 0, 1)``, exactly 0 or 1, summed into the
+code and, by its value, into the decoded magnitude; the sign adds 8 (a ``-0.0`` key keeps code
+0, which decodes to the same zero). A gather pairs the codes (evens, then odds), ``low + 16 *
+high`` goes through half to bytes; ``out`` is the decoded values times the scale. ``fp4`` (e4m3
+scales per 16) is refused (see :func:`kv_norm_rope_store_kernel`); the emulation covers it.
 
 Buffers, in the plan's order
-(:func:`deepinfer_backends.ascend950.emulate.kv_norm_rope_store.plan_buffers`); the FP8 store
-reads some through views placed at the same address (the squares tile as 32-value blocks, as
-e4m3 values and as bytes; the maxima and reciprocals as int32 bits). The lowering folds a buffer
+(:func:`deepinfer_backends.ascend950.emulate.kv_norm_rope_store.plan_buffers`); the quantizing
+stores read some through views placed at the same address (the squares and working tiles as
+32-value blocks, the maxima and reciprocals as int32 bits; for ``fp8`` the squares tile as
+e4m3 values and as bytes; for ``index_fp4`` the decoded values as blocks, the paired codes'
+halves and the packed bytes' data rows). The lowering folds a buffer
 first written after another's last use into that one's storage, whatever the planned offsets, so
 the rotation's buffers and the views are cleared at the start of each tile, before any buffer's
 last use."""
@@ -32,6 +43,22 @@ from .mla_sparse_decode import CACHE_ROW_BYTES, FP8_GROUP
 
 BF16_FORMATS = ("bf16", "index_bf16")
 FP8_ROW_BYTES = CACHE_ROW_BYTES["fp8"]
+INDEX_FP4_ROW_BYTES = 68
+"""An ``index_fp4`` row: 64 bytes of packed e2m1 codes (128 values), then 4 UE8M0 scale bytes."""
+E2M1_STEPS = ((0.25, False, 0.5), (0.75, True, 0.5), (1.25, False, 0.5), (1.75, True, 0.5), (2.5, False, 1.0),
+              (3.5, True, 1.0), (5.0, False, 2.0))
+"""e2m1's rounding of a magnitude, nearest with ties to the even code, as steps: ``(threshold,
+whether a magnitude equal to it steps up, value added)``; the code is the number of steps taken,
+the value the sum of their additions (0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+
+
+def mxfp4_scale_byte(bits, shift_right):
+    """UE8M0 byte of the least power of two at or above ``amax / 6``, from the float32 bits of
+    ``amax`` (positive, normal, at least the floor), by ``shift_right``: with ``amax = m * 2^E``
+    the power is ``2^(E - 2)`` for ``m <= 1.5`` (6 is 1.5 * 2^2) and ``2^(E - 1)`` above, and
+    adding ``0x3FFFFF`` carries into the exponent field exactly when the mantissa field is above
+    ``0x400000``."""
+    return shift_right(bits + 0x3FFFFF, 23) - 2
 
 
 def fp8_scale_byte(bits, shift_right):
@@ -50,15 +77,17 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
     [1, dim]`` (float32), rotated by ``cos_sin [table_rows, rope_dim]`` (float32) at ``positions
     [rows]`` (int32), in cache format ``fmt`` at ``slots [rows]`` (int32) of a ``cache_rows``-row
     cache (bf16 ``[cache_rows, dim]`` for the bf16 formats, uint8 ``[cache_rows, 528]`` for
-    ``fp8``), and returning the decoded keys in ``out``; ``rows`` a multiple of ``tile_rows``;
-    ``offsets``: each UB buffer's byte offset by its plan name; ``amax_floor``: the least block max
-    an ``fp8`` scale is taken from (:data:`deepinfer.hal.formats.FP8_AMAX_FLOOR`; ``fp8`` only)."""
-    if fmt in ("fp4", "index_fp4"):
-        raise NotImplementedError(f"kv_norm_rope_store_kernel cannot store format {fmt!r}: tilelang-ascend's language "
-                                  f"has no e2m1 (FP4) type, so a tile can neither be cast to FP4 codes nor hold them; "
-                                  f"the emulation (backend.execution=emulate) covers it")
-    if fmt not in (*BF16_FORMATS, "fp8"):
-        raise ValueError(f"kv_norm_rope_store_kernel stores formats {[*BF16_FORMATS, 'fp8']}, got {fmt!r}")
+    ``fp8``, ``[cache_rows, 68]`` for ``index_fp4``), and returning the decoded keys in ``out``;
+    ``rows`` a multiple of ``tile_rows``; ``offsets``: each UB buffer's byte offset by its plan
+    name; ``amax_floor``: the least block max a scale is taken from
+    (:data:`deepinfer.hal.formats.FP8_AMAX_FLOOR` for ``fp8``, ``MXFP4_AMAX_FLOOR`` for
+    ``index_fp4``; the quantized formats only)."""
+    if fmt == "fp4":
+        raise NotImplementedError("kv_norm_rope_store_kernel does not store format 'fp4' yet (e2m1 with e4m3 scales "
+                                  "per 16, whose reciprocals are rounded divisions); the emulation "
+                                  "(backend.execution=emulate) covers it")
+    if fmt not in (*BF16_FORMATS, "fp8", "index_fp4"):
+        raise ValueError(f"kv_norm_rope_store_kernel stores formats {[*BF16_FORMATS, 'fp8', 'index_fp4']}, got {fmt!r}")
     if dtype != "bfloat16":
         raise ValueError(f"kv_norm_rope_store_kernel takes bfloat16 rows, got {dtype}")
     if rows % tile_rows:
@@ -66,39 +95,63 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
                          f"tile_rows={tile_rows}")
     if vector_cores % 2:
         raise ValueError(f"vector_cores={vector_cores}: an AI core pairs two vector cores")
-    quantized = fmt == "fp8"
-    if quantized and dim + dim // FP8_GROUP != FP8_ROW_BYTES:
+    fp4 = fmt == "index_fp4"
+    quantized = fmt == "fp8" or fp4
+    if fmt == "fp8" and dim + dim // FP8_GROUP != FP8_ROW_BYTES:
         raise ValueError(f"an fp8 cache row holds 512 values, not dim={dim}")
+    if fp4 and dim // 2 + dim // FP8_GROUP != INDEX_FP4_ROW_BYTES:
+        raise ValueError(f"an index_fp4 cache row holds 128 values, not dim={dim}")
     if quantized and amax_floor is None:
-        raise ValueError("an fp8 store takes amax_floor, the least block max a scale is taken from")
+        raise ValueError(f"an {fmt} store takes amax_floor, the least block max a scale is taken from")
     tiles = rows // tile_rows
     rounds = -(-tiles // vector_cores)
     count = tile_rows * dim
     blocks = count // FP8_GROUP
     per_row = dim // FP8_GROUP
-    cache_shape, cache_dtype = ((cache_rows, FP8_ROW_BYTES), "uint8") if quantized else ((cache_rows, dim), dtype)
+    half = dim // 2
+    row_bytes = INDEX_FP4_ROW_BYTES if fp4 else FP8_ROW_BYTES
+    cache_shape, cache_dtype = ((cache_rows, row_bytes), "uint8") if quantized else ((cache_rows, dim), dtype)
     import tilelang.language as T
     from tvm.script.ir_builder import IRBuilder
 
     build_offsets, rotate, restore_offsets = rope_macros(T, tile_rows, rope_dim, False)
 
-    def fp8_views():
-        """The FP8 store's buffers (None for the bf16 formats): the block maxima and the
-        reciprocals, and views at their addresses: the squares tile as 32-value blocks, as e4m3
-        values and as bytes, the working tile as blocks, the maxima and reciprocals as int32."""
+    def quant_views():
+        """The quantizing stores' buffers (None for the bf16 formats): the block maxima and the
+        reciprocals, and views at their addresses: the squares tile and the working tile as
+        32-value blocks, the maxima and reciprocals as int32; for ``fp8`` the squares tile as e4m3
+        values and as bytes; for ``index_fp4`` the FP4 buffers of the plan and the decoded values
+        as blocks."""
         if not quantized:
             return None
         views = dict(block_max=T.alloc_ub((blocks,), "float32"), recip=T.alloc_ub((blocks,), "float32"),
                      max_bits=T.alloc_ub((blocks,), "int32"), recip_bits=T.alloc_ub((blocks,), "int32"),
                      magnitudes=T.alloc_ub((blocks, FP8_GROUP), "float32"),
-                     work_blocks=T.alloc_ub((blocks, FP8_GROUP), "float32"),
-                     codes=T.alloc_ub((tile_rows, dim), "e4m3_float8"),
-                     code_bytes=T.alloc_ub((4 * tile_rows, dim), "uint8"))
+                     work_blocks=T.alloc_ub((blocks, FP8_GROUP), "float32"))
+        place = dict(block_max="block_max", recip="recip", max_bits="block_max", recip_bits="recip",
+                     magnitudes="squares", work_blocks="work")
+        if fp4:
+            views.update(steps=T.alloc_ub((tile_rows, dim), "float32"), codes=T.alloc_ub((tile_rows, dim), "float32"),
+                         decoded=T.alloc_ub((tile_rows, dim), "float32"),
+                         decoded_blocks=T.alloc_ub((blocks, FP8_GROUP), "float32"),
+                         pairs=T.alloc_ub((2 * tile_rows, half), "float32"),
+                         low_codes=T.alloc_ub((tile_rows, half), "float32"),
+                         high_codes=T.alloc_ub((tile_rows, half), "float32"),
+                         pair_offsets=T.alloc_ub((2 * tile_rows, half), "uint32"),
+                         byte_half=T.alloc_ub((tile_rows, half), "float16"),
+                         packed=T.alloc_ub((2 * tile_rows, half), "uint8"),
+                         code_bytes=T.alloc_ub((tile_rows, half), "uint8"))
+            place.update(steps="steps", codes="codes", decoded="decoded", decoded_blocks="decoded", pairs="pairs",
+                         low_codes="pairs", high_codes=("pairs", tile_rows * half * 4), pair_offsets="pair_offsets",
+                         byte_half="byte_half", packed="packed", code_bytes="packed")
+        else:
+            views.update(codes=T.alloc_ub((tile_rows, dim), "e4m3_float8"),
+                         code_bytes=T.alloc_ub((4 * tile_rows, dim), "uint8"))
+            place.update(codes="squares", code_bytes="squares")
         for name, buffer in views.items():
             IRBuilder.name(name, buffer)
-        place = dict(block_max="block_max", recip="recip", max_bits="block_max", recip_bits="recip",
-                     magnitudes="squares", work_blocks="work", codes="squares", code_bytes="squares")
-        T.annotate_address({buffer: offsets[place[name]] for name, buffer in views.items()})
+        T.annotate_address({buffer: offsets[place[name]] if isinstance(place[name], str)
+                            else offsets[place[name][0]] + place[name][1] for name, buffer in views.items()})
         return types.SimpleNamespace(**views)
 
     @T.macro
@@ -107,7 +160,18 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
         after a barrier, since the last tile's stores may still be reading the codes."""
         if quantized:
             T.barrier_all()
-            T.tile.fill(q.code_bytes, 0)
+            if fp4:
+                T.tile.fill(q.packed, 0)
+                T.tile.fill(q.code_bytes, 0)
+                T.tile.fill(q.byte_half, 0.0)
+                T.tile.fill(q.pairs, 0.0)
+                T.tile.fill(q.low_codes, 0.0)
+                T.tile.fill(q.high_codes, 0.0)
+                T.tile.fill(q.decoded_blocks, 0.0)
+                T.tile.fill(q.decoded, 0.0)
+                T.tile.fill(q.steps, 0.0)
+            else:
+                T.tile.fill(q.code_bytes, 0)
             T.tile.fill(q.codes, 0.0)
             T.tile.fill(q.magnitudes, 0.0)
             T.tile.fill(q.work_blocks, 0.0)
@@ -137,10 +201,80 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
         T.tile.cast(keys_in, work, "CAST_RINT", count)
 
     @T.macro
+    def build_pair_offsets(q):
+        """The byte offsets of each row's even codes, then of its odd ones, for the gather that
+        pairs them (once a launch)."""
+        if fp4:
+            for r in T.serial(tile_rows):
+                for j in T.serial(half):
+                    q.pair_offsets[r, j] = T.Cast("uint32", (r * dim + 2 * j) * 4)
+                    q.pair_offsets[tile_rows + r, j] = T.Cast("uint32", (r * dim + 2 * j + 1) * 4)
+
+    @T.macro
+    def e2m1_step(q, magnitudes, index):
+        """Step ``index`` of :data:`E2M1_STEPS` over the tile's scaled magnitudes: 1 where taken,
+        else 0, added to the codes and, times the step's value, to the decoded magnitudes."""
+        T.tile.add(q.steps, magnitudes, -E2M1_STEPS[index][0])
+        T.tile.mul(q.steps, q.steps, 2.0 ** 30)
+        if E2M1_STEPS[index][1]:
+            T.tile.add(q.steps, q.steps, 1.0)
+        T.tile.max(q.steps, q.steps, 0.0)
+        T.tile.min(q.steps, q.steps, 1.0)
+        T.tile.axpy(q.codes, q.steps, 1.0)
+        T.tile.axpy(q.decoded, q.steps, E2M1_STEPS[index][2])
+
+    @T.macro
+    def quantize_fp4(keys_in, work, squares, q):
+        """The tile's keys (``work``, float32 of the rounded keys) to packed e2m1 codes and scale
+        bytes in ``q.packed``, and what a reader decodes from them into ``keys_in``: per 32-value
+        block the UE8M0 byte from the max's bits (:func:`mxfp4_scale_byte`), the keys times the
+        reciprocal (exact), each magnitude's steps of :data:`E2M1_STEPS` as ``clamp((a - t) *
+        2^30 [+ 1], 0, 1)`` (exactly 0 or 1: a magnitude differs from a threshold by at least
+        2^-25), the sign from ``clamp(-key * 2^200, 0, 1)`` (so ``-0.0`` keeps code 0), and the
+        codes paired by a gather, ``low + 16 * high``, cast through half to bytes."""
+        T.tile.abs(squares, work)
+        T.reduce_max(q.magnitudes, q.block_max, dim=-1)
+        T.tile.max(q.block_max, q.block_max, amax_floor)
+        T.barrier_all()
+        for b in T.serial(blocks):
+            byte = mxfp4_scale_byte(q.max_bits[b], T.shift_right)
+            q.packed[tile_rows + b // per_row, b % per_row] = T.Cast("uint8", byte)
+            q.recip_bits[b] = T.shift_left(254 - byte, 23)
+            q.max_bits[b] = T.shift_left(byte, 23)
+        T.barrier_all()
+        T.tile.row_expand_mul(q.work_blocks, q.work_blocks, q.recip)
+        T.tile.abs(squares, work)
+        e2m1_step(q, squares, 0)
+        e2m1_step(q, squares, 1)
+        e2m1_step(q, squares, 2)
+        e2m1_step(q, squares, 3)
+        e2m1_step(q, squares, 4)
+        e2m1_step(q, squares, 5)
+        e2m1_step(q, squares, 6)
+        T.tile.mul(q.steps, work, -(2.0 ** 100))
+        T.tile.mul(q.steps, q.steps, 2.0 ** 100)
+        T.tile.max(q.steps, q.steps, 0.0)
+        T.tile.min(q.steps, q.steps, 1.0)
+        T.tile.axpy(q.codes, q.steps, 8.0)
+        T.tile.mul(q.steps, q.steps, -2.0)
+        T.tile.add(q.steps, q.steps, 1.0)
+        T.tile.mul(q.decoded, q.decoded, q.steps)
+        T.tile.row_expand_mul(q.decoded_blocks, q.decoded_blocks, q.block_max)
+        T.tile.cast(keys_in, q.decoded, "CAST_RINT", count)
+        T.tile.gather(q.pairs, q.codes, q.pair_offsets, 0)
+        T.tile.bitwise_lshift(q.pair_offsets, q.pair_offsets, 2)
+        T.tile.axpy(q.low_codes, q.high_codes, 16.0)
+        T.tile.cast(q.byte_half, q.low_codes, "CAST_NONE", tile_rows * half)
+        T.tile.cast(q.code_bytes, q.byte_half, "CAST_RINT", tile_rows * half)
+
+    @T.macro
     def store_row(rows_in, slot, r, slot_row, cache, q):
         """Row ``r`` of the tile into cache row ``slot_row``: the e4m3 bytes and scale bytes, or the
         bf16 keys (``rows_in[slot]``)."""
-        if quantized:
+        if fp4:
+            T.copy(q.packed[r, :], cache[slot_row, 0:half])
+            T.copy(q.packed[tile_rows + r, 0:per_row], cache[slot_row, half:INDEX_FP4_ROW_BYTES])
+        elif quantized:
             T.copy(q.code_bytes[r, :], cache[slot_row, 0:dim])
             T.copy(q.code_bytes[tile_rows + r, 0:per_row], cache[slot_row, dim:FP8_ROW_BYTES])
         else:
@@ -174,10 +308,11 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
                                 sin: offsets["sin"], table: offsets["table"], swap_offsets: offsets["swap_offsets"],
                                 cos_offsets: offsets["cos_offsets"], sin_offsets: offsets["sin_offsets"],
                                 sign: offsets["sign"]})
-            q = T.meta_var(fp8_views())
+            q = T.meta_var(quant_views())
             with T.Scope("V"):
                 T.copy(weight, weight_ub)
                 build_offsets(swap_offsets, cos_offsets, sin_offsets, sign)
+                build_pair_offsets(q)
                 for step in T.serial(rounds):
                     tile = step * vector_cores + block * 2 + sub
                     slot = step % 2
@@ -211,7 +346,10 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
                         T.copy(rope, work[:, dim - rope_dim:dim])
                         T.tile.cast(rows_in[slot, :, :], work, "CAST_RINT", count)
                         restore_offsets(swap_offsets, cos_offsets, sin_offsets)
-                        if quantized:
+                        if fp4:
+                            T.tile.cast(work, rows_in[slot, :, :], "CAST_NONE", count)
+                            quantize_fp4(rows_in[slot, :, :], work, squares, q)
+                        elif quantized:
                             T.tile.cast(work, rows_in[slot, :, :], "CAST_NONE", count)
                             quantize_fp8(rows_in[slot, :, :], work, squares, q)
                         T.barrier_all()

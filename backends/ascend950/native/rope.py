@@ -2,7 +2,7 @@
 turns bf16 rows in place (on a copy padded with whole tokens to whole tiles of the emulation's
 :func:`~deepinfer_backends.ascend950.emulate.apply_rope.row_tile`, the padding at position 0);
 :mod:`~deepinfer_backends.ascend950.kernels.kv_norm_rope_store` normalises, turns and stores bf16
-keys in a ``bf16``, ``index_bf16`` or ``fp8`` cache (rows padded to whole tiles of
+keys in a ``bf16``, ``index_bf16``, ``fp8`` or ``index_fp4`` cache (rows padded to whole tiles of
 :func:`~deepinfer_backends.ascend950.emulate.kv_norm_rope_store.row_tile`, the padding at slot
 ``-1``, never stored)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from deepinfer.hal.formats import FP8_AMAX_FLOOR, token_format
+from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, token_format
 from deepinfer.hal.ops.kv_cache import cache_rows, check_slots
 from deepinfer.hal.ops.rope import check_rope_args
 from deepinfer_backends.ascend950.buffers import AI_CORES
@@ -22,8 +22,10 @@ from deepinfer_backends.ascend950.native.launch import (Kernels, check_device, p
                                                        whole)
 
 ROPE, STORE = "apply_rope", "kv_norm_rope_store"
-STORED_FORMATS = (*BF16_FORMATS, "fp8")
+STORED_FORMATS = (*BF16_FORMATS, "fp8", "index_fp4")
 """Cache formats the store kernel writes."""
+AMAX_FLOORS = {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR}
+"""The least block max each quantized format's scale is taken from."""
 
 
 def apply_rope(kernels: Kernels, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -57,11 +59,11 @@ def apply_rope(kernels: Kernels, x: torch.Tensor, positions: torch.Tensor, cos_s
 def kv_norm_rope_store(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                        cos_sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, fmt: str) -> torch.Tensor:
     """:func:`deepinfer.hal.ops.kv_norm_rope_store.kv_norm_rope_store` on the NPU for bf16 rows
-    stored in a ``bf16``, ``index_bf16`` or ``fp8`` cache."""
+    stored in a ``bf16``, ``index_bf16``, ``fp8`` or ``index_fp4`` cache."""
     spec = token_format(fmt)
     if fmt not in STORED_FORMATS:
-        raise refuse(STORE, f"the kernel stores {list(STORED_FORMATS)} caches, not {fmt!r} (tilelang-ascend has no "
-                            f"e2m1 type to hold FP4 codes)")
+        raise refuse(STORE, f"the kernel stores {list(STORED_FORMATS)} caches, not {fmt!r} (e2m1 codes under e4m3 "
+                            f"scales per 16 are not written natively yet)")
     if x.dim() != 2 or x.shape[1] != spec.dim or not x.is_floating_point():
         raise ValueError(f"x must be a float tensor [T, {spec.dim}] for format {fmt!r}, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -71,7 +73,7 @@ def kv_norm_rope_store(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"weight must be [{spec.dim}] (the norm over x's last dim), got {tuple(weight.shape)}")
     check_rope_args(x, positions, cos_sin)
     rows = cache_rows(cache, spec)
-    rows = rows if fmt == "fp8" else rows.view(torch.bfloat16)
+    rows = rows if fmt in AMAX_FLOORS else rows.view(torch.bfloat16)
     check_slots(slots, rows.shape[0])
     if slots.shape != (x.shape[0],):
         raise ValueError(f"slots must be [T={x.shape[0]}], got {tuple(slots.shape)}")
@@ -86,7 +88,7 @@ def kv_norm_rope_store(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, 
     kernel = kernels.get(STORE, dict(rows=whole_rows, dim=dim, rope_dim=rope_dim, table_rows=cos_sin.shape[0],
                                      cache_rows=rows.shape[0], tile_rows=tile, vector_cores=2 * AI_CORES[platform],
                                      eps=float(eps), fmt=fmt, offsets=plan_offsets(STORE, buffers, platform),
-                                     dtype="bfloat16", amax_floor=FP8_AMAX_FLOOR), out_idx=[6])
+                                     dtype="bfloat16", amax_floor=AMAX_FLOORS.get(fmt, FP8_AMAX_FLOOR)), out_idx=[6])
     out = kernel(whole(x, (whole_rows, dim)), weight.float().reshape(1, dim).contiguous(),
                  whole(positions.to(torch.int32), (whole_rows,)), cos_sin.float().contiguous(),
                  whole(slots.to(torch.int32), (whole_rows,), -1), rows)
