@@ -1,16 +1,19 @@
-"""``model.expert_activation_format=fp8``: the routed experts' GEMMs take FP8 activations (e4m3,
-UE8M0 per 32), routed and shared, the expert inputs and the SwiGLU's float32 products cast as
-DeepInfer's expert compute casts them, checked against a float64 computation of the recipe; the option reaches
-every MoE layer from the config and is refused where it cannot apply."""
+"""``model.expert_activation_format=fp8``: the experts' GEMMs, routed and shared, take FP8
+activations (e4m3, UE8M0 per 32), the expert inputs and the SwiGLU's float32 products cast as
+DeepInfer's expert compute casts them, checked against a float64 computation of the recipe; the
+option reaches every MoE layer from the config (random weights and a checkpoint) and is refused
+where it cannot apply."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config.schema import ConfigError, ModelConfig
+from deepinfer.hal import OpTable
 from deepinfer.hal.formats import cast_back
 from deepinfer.models.deepseek_v41.moe import MoE, cast_expert_activations
-from deepinfer.models.deepseek_v41.weights import hold_quantized
+from deepinfer.models.deepseek_v41.weights import hold_quantized, save_pretrained
+from deepinfer.models.registry import build_model
 from tests.models.tiny_model import tiny_model
 
 
@@ -72,6 +75,15 @@ def test_the_config_reaches_every_moe_layer_and_generation_runs():
     assert layers and all(m.activation_format == "fp8" for m in layers)
     outputs = llm.generate([[1, 5, 9, 200, 17], [3, 4]], params)
     assert [len(o.token_ids) for o in outputs] == [6, 6]
+
+
+def test_a_checkpoint_loads_with_fp8_expert_activations_in_every_moe_layer(tmp_path):
+    save_pretrained(tiny_model(seed=5), tmp_path)
+    config = ModelConfig(checkpoint=str(tmp_path), weight_format="mxfp4", expert_activation_format="fp8")
+    model, random_weights = build_model(config, OpTable("reference"))
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert not random_weights and layers and all(m.activation_format == "fp8" for m in layers)
+    assert all(m.experts.w1_scale is not None for m in layers)
 
 
 @pytest.mark.parametrize("fields, match", [
