@@ -180,21 +180,30 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
             T.tile.fill(q.block_max, 0.0)
             T.tile.fill(q.recip, 0.0)
 
+    scale_byte = mxfp4_scale_byte if fp4 else fp8_scale_byte
+
     @T.macro
-    def quantize_fp8(keys_in, work, squares, q):
-        """The tile's keys (``work``, float32 of the rounded keys) to e4m3 codes and scale bytes in
-        ``q``'s views, and what a reader decodes from them into ``keys_in`` (exact)."""
+    def block_scales(work, squares, q, scale_bytes):
+        """Each 32-value block's max (at least the floor) to its UE8M0 byte (:func:`scale_byte`,
+        at row ``tile_rows + r`` of ``scale_bytes``), its scale's and reciprocal's bits into the
+        maxima and reciprocals, and the keys in ``work`` times their reciprocal (exact)."""
         T.tile.abs(squares, work)
         T.reduce_max(q.magnitudes, q.block_max, dim=-1)
         T.tile.max(q.block_max, q.block_max, amax_floor)
         T.barrier_all()
         for b in T.serial(blocks):
-            byte = fp8_scale_byte(q.max_bits[b], T.shift_right)
-            q.code_bytes[tile_rows + b // per_row, b % per_row] = T.Cast("uint8", byte)
+            byte = scale_byte(q.max_bits[b], T.shift_right)
+            scale_bytes[tile_rows + b // per_row, b % per_row] = T.Cast("uint8", byte)
             q.recip_bits[b] = T.shift_left(254 - byte, 23)
             q.max_bits[b] = T.shift_left(byte, 23)
         T.barrier_all()
         T.tile.row_expand_mul(q.work_blocks, q.work_blocks, q.recip)
+
+    @T.macro
+    def quantize_fp8(keys_in, work, squares, q):
+        """The tile's keys (``work``, float32 of the rounded keys) to e4m3 codes and scale bytes in
+        ``q``'s views, and what a reader decodes from them into ``keys_in`` (exact)."""
+        block_scales(work, squares, q, q.code_bytes)
         T.tile.cast(q.codes, work, "CAST_RINT", count)
         T.tile.cast(work, q.codes, "CAST_NONE", count)
         T.tile.row_expand_mul(q.work_blocks, q.work_blocks, q.block_max)
@@ -232,17 +241,7 @@ def kv_norm_rope_store_kernel(rows: int, dim: int, rope_dim: int, table_rows: in
         2^30 [+ 1], 0, 1)`` (exactly 0 or 1: a magnitude differs from a threshold by at least
         2^-25), the sign from ``clamp(-key * 2^200, 0, 1)`` (so ``-0.0`` keeps code 0), and the
         codes paired by a gather, ``low + 16 * high``, cast through half to bytes."""
-        T.tile.abs(squares, work)
-        T.reduce_max(q.magnitudes, q.block_max, dim=-1)
-        T.tile.max(q.block_max, q.block_max, amax_floor)
-        T.barrier_all()
-        for b in T.serial(blocks):
-            byte = mxfp4_scale_byte(q.max_bits[b], T.shift_right)
-            q.packed[tile_rows + b // per_row, b % per_row] = T.Cast("uint8", byte)
-            q.recip_bits[b] = T.shift_left(254 - byte, 23)
-            q.max_bits[b] = T.shift_left(byte, 23)
-        T.barrier_all()
-        T.tile.row_expand_mul(q.work_blocks, q.work_blocks, q.recip)
+        block_scales(work, squares, q, q.packed)
         T.tile.abs(squares, work)
         e2m1_step(q, squares, 0)
         e2m1_step(q, squares, 1)

@@ -140,14 +140,13 @@ class MoE(nn.Module):
             else:
                 rows, group_sizes, handle = ops.ep_dispatch(x, self.eplb.route(ids), weights, self.eplb.num_physical,
                                                             self.ep_group)
-        if self.activation_format is None:
-            hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
-                                        x.dtype)
-        else:
-            rows = ops.quantize_activations(rows, self.activation_format)
-            hidden = ops.quantize_activations(ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"),
-                                                                 group_sizes, self.limit, torch.float32),
-                                              self.activation_format)
+        fmt = self.activation_format
+        if fmt is not None:
+            rows = ops.quantize_activations(rows, fmt)
+        hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
+                                    x.dtype if fmt is None else torch.float32)
+        if fmt is not None:
+            hidden = ops.quantize_activations(hidden, fmt)
         return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle, add=shared)
 
 
