@@ -103,12 +103,18 @@ def ceilings() -> dict[str, float]:
     return {"copy_bw": 2 * src.numel() / copy_s, "dense_bf16": 2 * 8192 ** 3 / mm_s, "dense_fp8": 2 * 8192 ** 3 / fp8_s}
 
 
-def dense_rate(rows: int, n: int, k: int) -> float:
-    """torch's bf16 matmul rate at ``rows x n x k`` (the grouped GEMM's total FLOPs in one GEMM)."""
+def dense_rate(rows: int, n: int, k: int, fp8: bool = False) -> float:
+    """torch's dense rate at ``rows x n x k`` (the grouped GEMM's total FLOPs in one GEMM): the bf16
+    matmul, or with ``fp8`` the e4m3 ``torch._scaled_mm`` (per-tensor scales, bf16 out)."""
     g = torch.Generator("cuda").manual_seed(0)
     a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    seconds, _ = timed(lambda: a @ b)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        seconds, _ = timed(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    else:
+        seconds, _ = timed(lambda: a @ b.t())
     return 2 * rows * n * k / seconds
 
 
@@ -147,8 +153,9 @@ def measure(point: Point, ops, backend: str, peaks: dict[str, float]) -> dict:
         row["note"] = f"{point.note} gathers {point.gathered / 1e9:.2f} GB: {point.gathered / seconds / 1e9:.0f} " \
                       f"GB/s".strip()
     if point.dense_shape is not None:
-        same_flops = dense_rate(*point.dense_shape)
-        row["note"] = f"{point.note} torch dense same FLOPs {same_flops / 1e12:.0f} TFLOP/s; ratio " \
+        same_flops = dense_rate(*point.dense_shape, fp8=point.fp8)
+        row["note"] = f"{point.note} torch dense {'fp8' if point.fp8 else 'bf16'} same FLOPs " \
+                      f"{same_flops / 1e12:.0f} TFLOP/s; ratio " \
                       f"{point.flops / seconds / same_flops:.2f}".strip()
     return row
 

@@ -351,7 +351,8 @@ def linear(x, weight, out_dtype: torch.dtype | None = None, batch_invariant: boo
     op = "linear"
     check_out_dtype(op, out_dtype)
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
-        return _linear_quant(x, weight, batch_invariant, options)
+        products = None if isinstance(x, Quantized) else few_rows_linears(x, [weight], batch_invariant, options)
+        return products[0] if products is not None else _linear_quant(x, weight, batch_invariant, options)
     cuda_bf16(op, "x", x)
     cuda_bf16(op, "weight", weight)
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
@@ -393,12 +394,14 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     ``options.linear_kernel=auto``, outside the batch-invariant mode, for bf16 CUDA ``x`` of at most
     :data:`~.fused.linear_skinny.BLOCK_T` rows and bf16 CUDA weights whose widths the kernel's column
     blocks divide (ahead of cuBLAS on model=small's decode shapes but shared.w2 at 16 rows:
-    ``experiments/results/linear_stacked_h200.csv``); None where it does not serve. ``rope``
+    ``experiments/results/linear_stacked_h200.csv``), or weights that are all FP8
+    (:func:`_fp8_weight`; products float32 by default, ``linear``'s dtype for quantized operands);
+    None where it does not serve. ``rope``
     (``(positions, cos_sin, head width per weight)``, the HAL ``stacked_linear``'s RoPE) is applied
     in the kernel's epilogue where the column blocks divide the head widths and their rotated
     parts; None where it cannot be. ``swiglu`` (``(limit,)``): the last two weights are a gate and
     an up projection whose SwiGLU the kernel stores in place of both. ``out_dtype``: the products'
-    dtype (default bf16). ``norm`` (``(weight [K], eps)``): the products of ``x`` (bf16 or float32)
+    dtype (default bf16, float32 for FP8 weights). ``norm`` (``(weight [K], eps)``): the products of ``x`` (bf16 or float32)
     RMS-normalised and rounded to bf16, where ``K`` is at most
     :data:`~.fused.linear_skinny.NORM_MAX_K` (None above it). ``mxfp4``: the products (indices)
     cast through MXFP4 in the epilogue, where the column tiles are 32 wide (None where not)."""
@@ -410,10 +413,13 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     if norm is not None and x.shape[-1] > NORM_MAX_K:
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= BLOCK_T or not all(isinstance(w, torch.Tensor) and on_device(w) and w.dtype == torch.bfloat16
-                                          for w in weights):
+    fp8 = all(_fp8_weight(w) for w in weights)
+    if not 0 < rows <= BLOCK_T or not (fp8 or all(isinstance(w, torch.Tensor) and on_device(w)
+                                                  and w.dtype == torch.bfloat16 for w in weights)):
         return None
-    tiles = tiles_for([w.shape[0] for w in weights])
+    if fp8:
+        weights = [Quantized(w.data.contiguous(), w.scale.contiguous(), w.fmt, w.block) for w in weights]
+    tiles = tiles_for([(w.data if fp8 else w).shape[0] for w in weights])
     if tiles is None or (swiglu is not None and len(weights) > MAX_WEIGHTS + 1) or (mxfp4 and tiles["block_n"] % 32):
         return None
     if rope is not None:
@@ -422,11 +428,19 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
             return None
         rope = (positions.contiguous(), cos_sin.float().contiguous(), list(heads))
     flat = x.reshape(rows, x.shape[-1])
-    products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(), [w.contiguous() for w in weights],
-                             tiles, rope=rope, gated=swiglu is not None,
+    products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(),
+                             weights if fp8 else [w.contiguous() for w in weights], tiles, rope=rope, gated=swiglu is not None,
                              limit=swiglu[0] if swiglu is not None else None, out_dtype=out_dtype,
                              norm=None if norm is None else (float32_param(norm[0]), norm[1]), mxfp4=tuple(mxfp4))
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
+
+
+def _fp8_weight(w) -> bool:
+    """``w`` is an FP8 weight the kernel for few rows reads: Quantized ``"fp8"`` with blocks of 32,
+    on the device, ``[N, K]`` with K a multiple of 32 and uint8 scales."""
+    return (isinstance(w, Quantized) and w.fmt == "fp8" and w.block == 32 and on_device(w.data)
+            and w.data.dtype == torch.float8_e4m3fn and w.data.dim() == 2 and w.data.shape[1] % 32 == 0
+            and w.scale.dtype == torch.uint8 and tuple(w.scale.shape) == (w.data.shape[0], w.data.shape[1] // 32))
 
 
 def linear_kernel(options: KernelOptions = DEFAULT, batch_invariant: bool = False) -> str:

@@ -2,6 +2,7 @@
 needed: Triton's front end, its GPU passes and the ptxas it ships. Catches what the interpreter
 lets through (globals that are not constexpr, ops without a GPU lowering)."""
 import importlib.util
+import itertools
 
 import pytest
 
@@ -75,18 +76,22 @@ def _kernels():
     variants = ((1, False, 0, False), (5, True, 0, False), (2, True, 64, False), (2, False, 64, False),
                 (3, False, 0, True), (3, True, 0, True))
     for (weights, one_row, rope, gated), tiles in zip(variants, [*linear_skinny.TILES.values()] * 3):
-        for norm, x, mxfp4 in ((False, "*bf16", False), (True, "*fp32", tiles["block_n"] == 32)) if rope \
-                else ((False, "*bf16", False),):
+        for (norm, x, mxfp4), fp8 in itertools.product(
+                ((False, "*bf16", False), (True, "*fp32", tiles["block_n"] == 32)) if rope else ((False, "*bf16", False),),
+                (False, True)):
+            w, y = ("*u8", "*fp32") if fp8 else ("*bf16", "*bf16")
             # Triton passes a row count of 1 as a constant
             yield f"linear_skinny_kernel[{weights} weights, one row {one_row}, rope {rope}, gated {gated}, " \
-                  f"norm {norm}, mxfp4 {mxfp4}, {tiles['block_n']} columns]", linear_skinny.linear_skinny_kernel, dict(
-                    x=x, **{f"w{i}": "*bf16" for i in range(5)}, y="*bf16", **({} if one_row else {"rows": "i32"}),
+                  f"norm {norm}, mxfp4 {mxfp4}, fp8 {fp8}, {tiles['block_n']} columns]", \
+                linear_skinny.linear_skinny_kernel, dict(
+                    x=x, **{f"w{i}": w for i in range(5)}, y=y, **({} if one_row else {"rows": "i32"}),
                     k="i32", x_stride="i32", **{f"end{i}": "i32" for i in range(5)}, positions="*i64",
-                    cos_sin="*fp32", table_stride="i32", **{f"head{i}": "i32" for i in range(5)}, w_up="*bf16",
-                    gated_from="i32", limit="fp32", norm_weight="*fp32", norm_eps="fp32", mxfp4_mask="i32"), \
+                    cos_sin="*fp32", table_stride="i32", **{f"head{i}": "i32" for i in range(5)}, w_up=w,
+                    gated_from="i32", limit="fp32", norm_weight="*fp32", norm_eps="fp32", mxfp4_mask="i32",
+                    **{f"s{i}": "*u8" if fp8 else x for i in range(5)}, s_up="*u8" if fp8 else x), \
                 dict(WEIGHTS=weights, BLOCK_T=linear_skinny.BLOCK_T, BLOCK_N=tiles["block_n"],
                      BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"], ROPE=rope, GATED=gated, CLAMP=gated,
-                     NORM=norm, MXFP4=mxfp4, **({"rows": 1} if one_row else {}))
+                     NORM=norm, MXFP4=mxfp4, FP8=fp8, **({"rows": 1} if one_row else {}))
     yield "align_fp8_kernel", align_fp8.align_fp8_kernel, dict(
         x="*u8", x_scale="*u8", schedule="*i32", out="*u8", out_scale="*fp32", k="i32", tiles="i32"), \
         dict(TILE_ROWS=align_fp8.BLOCK_M, GROUP=align_fp8.GROUP, BLOCK=align_fp8.BLOCK,

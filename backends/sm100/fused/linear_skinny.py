@@ -1,11 +1,13 @@
-"""The bf16 ``linear`` of a few rows in one Triton kernel, for one weight or for up to
+"""The ``linear`` of a few rows in one Triton kernel, for one weight or for up to
 :data:`MAX_WEIGHTS` that share their input: each program takes ``BLOCK_N`` output columns of one
 weight and streams that slice of it through shared memory in ``BLOCK_K`` steps, float32
-accumulation, a bf16 store. Each weight's product is stored as its own contiguous ``[rows, N_i]``
-block of one buffer, so the callers read every product as a plain tensor. A product may leave
-with RoPE applied to its heads (the HAL ``stacked_linear``'s ``rope_heads``): the epilogue rounds
-the tile to bf16, turns the interleaved pairs of each head's trailing dims by the row's angles, and
-stores the turned values.
+accumulation, a bf16 store (float32 for FP8 weights). The weights are bf16, or all FP8 (e4m3
+with UE8M0 scales per 32 along K, decoded exactly to bf16 in registers ahead of the dot). Each
+weight's product is stored as its own contiguous ``[rows, N_i]`` block of one buffer, so the
+callers read every product as a plain tensor. A product may leave with RoPE applied to its heads
+(the HAL ``stacked_linear``'s ``rope_heads``): the epilogue rounds the tile to the products'
+dtype, turns the interleaved pairs of each head's trailing dims by the row's angles, and stores
+the turned values.
 
 With a handful of rows a linear reads its weight once and is bound by memory: narrow column
 blocks keep the SMs streaming, and one launch serves several weights that share their input.
@@ -18,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.hal.formats import Quantized
 from deepinfer_backends.sm100.fused.mxfp4_cast import cast_blocks
 from deepinfer_backends.sm100.fused.swiglu import clamped_swiglu
 
@@ -41,12 +44,28 @@ def tiles_for(widths: list[int]) -> dict[str, int] | None:
 
 
 @triton.jit
+def e4m3_to_bf16(codes, scale_rows, step, k, rows_read, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K]`` e4m3 ``codes`` (uint8; values ``step ..`` of K) times their UE8M0
+    scales (one byte per 32 values, at ``scale_rows + K index // 32``; read where ``rows_read``
+    ``[BLOCK_N]``), as bf16: exact for every scale byte but 0, which reads as zero (``2 ** -127``
+    is a float32 subnormal; no weight encoder writes it)."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    group = step // 32 + tl.arange(0, GROUPS)
+    byte = tl.load(scale_rows + group[None, :], mask=rows_read[:, None] & (group * 32 < k)[None, :],
+                   other=0).to(tl.int32)
+    factor = tl.reshape(tl.broadcast_to((byte << 23).to(tl.float32, bitcast=True)[:, :, None],
+                                        (BLOCK_N, GROUPS, 32)), (BLOCK_N, BLOCK_K))
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(tl.bfloat16)
+
+
+@triton.jit
 def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1, end2, end3, end4, positions,
                          cos_sin, table_stride, head0, head1, head2, head3, head4, w_up, gated_from, limit,
-                         norm_weight, norm_eps, mxfp4_mask, WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         ROPE: tl.constexpr = 0, GATED: tl.constexpr = False, CLAMP: tl.constexpr = False,
-                         NORM: tl.constexpr = False, MXFP4: tl.constexpr = False):
+                         norm_weight, norm_eps, mxfp4_mask, s0, s1, s2, s3, s4, s_up, WEIGHTS: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NUM_STAGES: tl.constexpr, ROPE: tl.constexpr = 0, GATED: tl.constexpr = False,
+                         CLAMP: tl.constexpr = False, NORM: tl.constexpr = False, MXFP4: tl.constexpr = False,
+                         FP8: tl.constexpr = False):
     """Columns ``[BLOCK_N * pid0, BLOCK_N * (pid0 + 1))`` and rows ``[BLOCK_T * pid1, ..)`` of
     ``x [rows, k] @ cat(w0 .. w{WEIGHTS - 1}).T`` (rows of ``x`` ``x_stride`` elements apart);
     ``end0 ..``: the weights' cumulative widths (each width a multiple of ``BLOCK_N``). The product
@@ -62,31 +81,37 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
     (float32, times ``norm_weight``) and rounded to the weights' dtype: a first pass over ``k``
     sums each row's squares (meant for short rows, a few KB), the loop normalises each step.
     With ``MXFP4`` (``BLOCK_N`` a multiple of 32) the products whose bit is set in ``mxfp4_mask``
-    leave rounded to ``y``'s dtype and cast through MXFP4 and back, a scale per 32 columns."""
+    leave rounded to ``y``'s dtype and cast through MXFP4 and back, a scale per 32 columns.
+    With ``FP8`` every weight (and ``w_up``) is e4m3 codes (uint8) with UE8M0 scales ``s0 ..``
+    (``s_up``), ``[N_i, k / 32]``, decoded to bf16 in registers (:func:`e4m3_to_bf16`); ``k`` a
+    multiple of 32."""
     col0 = tl.program_id(0) * BLOCK_N
     start = end0 * 0
     end = end0
     w = w0
+    ws = s0
     head = head0
     index = 0
     if WEIGHTS > 1:
         if col0 >= end0:
-            start, end, w, head, index = end0, end1, w1, head1, 1
+            start, end, w, ws, head, index = end0, end1, w1, s1, head1, 1
     if WEIGHTS > 2:
         if col0 >= end1:
-            start, end, w, head, index = end1, end2, w2, head2, 2
+            start, end, w, ws, head, index = end1, end2, w2, s2, head2, 2
     if WEIGHTS > 3:
         if col0 >= end2:
-            start, end, w, head, index = end2, end3, w3, head3, 3
+            start, end, w, ws, head, index = end2, end3, w3, s3, head3, 3
     if WEIGHTS > 4:
         if col0 >= end3:
-            start, end, w, head, index = end3, end4, w4, head4, 4
+            start, end, w, ws, head, index = end3, end4, w4, s4, head4, 4
     row = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = row < rows
     local = col0 - start + tl.arange(0, BLOCK_N)
     depth = tl.arange(0, BLOCK_K)
     x_rows = x + row[:, None].to(tl.int64) * x_stride
     w_rows = w + local[:, None].to(tl.int64) * k
+    scale_rows = ws + local[:, None].to(tl.int64) * (k // 32)
+    up_scale_rows = s_up + local[:, None].to(tl.int64) * (k // 32)
     acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
     gated = col0 + tl.arange(0, BLOCK_N) >= gated_from  # one value for the whole column block
@@ -103,12 +128,16 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
         a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
         if NORM:
             gain = tl.load(norm_weight + kk, mask=within, other=0.0)
-            a = (a.to(tl.float32) * inverse_rms[:, None] * gain[None, :]).to(w0.dtype.element_ty)
-        b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0.0)
+            a = (a.to(tl.float32) * inverse_rms[:, None] * gain[None, :]).to(tl.bfloat16)
+        b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0)
+        if FP8:
+            b = e4m3_to_bf16(b, scale_rows, step, k, local >= 0, BLOCK_N, BLOCK_K)
         acc = tl.dot(a, tl.trans(b), acc)
         if GATED:  # the other programs' loads are masked off: no traffic, a dot of zeros
             c = tl.load(w_up + local[:, None].to(tl.int64) * k + kk[None, :],
-                        mask=gated[:, None] & within[None, :], other=0.0)
+                        mask=gated[:, None] & within[None, :], other=0)
+            if FP8:
+                c = e4m3_to_bf16(c, up_scale_rows, step, k, gated, BLOCK_N, BLOCK_K)
             up = tl.dot(a, tl.trans(c), up)
     out = y + start.to(tl.int64) * rows + row[:, None].to(tl.int64) * (end - start) + local[None, :]
     if ROPE:
@@ -150,33 +179,43 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
     ``norm``: ``(float32 weight [K], eps)``, the products of ``x`` RMS-normalised and rounded to bf16
     (the HAL ``stacked_linear``'s ``norm_weight``), computed in the kernel (:data:`NORM_MAX_K`).
     ``mxfp4``: the products (indices after the SwiGLU) cast through MXFP4 in the epilogue (the HAL
-    ``stacked_linear``'s ``mxfp4_products``; 32-column tiles)."""
+    ``stacked_linear``'s ``mxfp4_products``; 32-column tiles).
+    ``weights`` may instead all be :class:`~deepinfer.hal.formats.Quantized` ``"fp8"`` (e4m3
+    ``[N_i, K]``, UE8M0 per 32, contiguous), decoded to bf16 in the kernel; the products are then
+    float32 unless ``out_dtype`` says otherwise (``linear``'s dtype for quantized operands)."""
     rows, k = x.shape
-    w_up = weights[-1] if gated else None
+    fp8 = isinstance(weights[0], Quantized)
+    scales = [w.scale for w in weights] if fp8 else None
+    weights = [w.data.view(torch.uint8) for w in weights] if fp8 else weights
+    w_up, s_up = (weights[-1], scales[-1] if fp8 else x) if gated else (x, x)
     weights = weights[:-1] if gated else weights
+    scales = (scales[:-1] if gated else scales) if fp8 else [x] * len(weights)
     if gated and len(weights) > MAX_WEIGHTS:
         raise ValueError(f"a gated call takes at most {MAX_WEIGHTS} weights besides the up projection")
     widths = [w.shape[0] for w in weights]
     tiles = tiles or tiles_for(widths)
     if mxfp4 and tiles["block_n"] % 32:
         raise ValueError(f"the MXFP4 cast takes 32-column tiles, got {tiles['block_n']}")
-    y = torch.empty(rows * sum(widths), dtype=out_dtype or weights[0].dtype, device=x.device)
+    y = torch.empty(rows * sum(widths), dtype=out_dtype or (torch.float32 if fp8 else weights[0].dtype),
+                    device=x.device)
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     positions, table, heads = rope if rope is not None else (y, y, [0] * len(weights))
     rotated = table.shape[1] if rope is not None else 0
     for first in range(0, len(weights) if rows else 0, MAX_WEIGHTS):
         chunk = weights[first:first + MAX_WEIGHTS]
+        chunk_scales = scales[first:first + MAX_WEIGHTS]
         ends = list(itertools.accumulate(w.shape[0] for w in chunk))
         base = rows * sum(widths[:first])
         pad = MAX_WEIGHTS - len(chunk)
         linear_skinny_kernel[(ends[-1] // tiles["block_n"], -(-rows // BLOCK_T))](
             x, *chunk, *[chunk[0]] * pad, y[base:], rows, k, x.stride(0), *ends, *[ends[-1]] * pad, positions, table,
-            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, w_up if gated else x,
+            table.stride(0), *heads[first:first + MAX_WEIGHTS], *[0] * pad, w_up,
             ends[-2] if gated and len(chunk) > 1 else (0 if gated else ends[-1]), float(limit or 0.0), norm_weight,
-            float(eps), sum(1 << (i - first) for i in mxfp4 if first <= i < first + len(chunk)), WEIGHTS=len(chunk),
+            float(eps), sum(1 << (i - first) for i in mxfp4 if first <= i < first + len(chunk)),
+            *chunk_scales, *[chunk_scales[0]] * pad, s_up, WEIGHTS=len(chunk),
             BLOCK_T=BLOCK_T, BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], NUM_STAGES=tiles["stages"],
             ROPE=rotated, GATED=gated, CLAMP=gated and limit is not None, NORM=norm is not None,
-            MXFP4=any(first <= i < first + len(chunk) for i in mxfp4), num_warps=tiles["warps"])
+            MXFP4=any(first <= i < first + len(chunk) for i in mxfp4), FP8=fp8, num_warps=tiles["warps"])
     outs, offset = [], 0
     for width in widths:
         outs.append(y[offset:offset + rows * width].view(rows, width))
@@ -185,8 +224,8 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
 
 
 def main() -> None:
-    """Check the kernel against the float64 products on this GPU (one weight and several), then
-    the HAL ``stacked_linear`` (its RoPE and SwiGLU epilogues among the cases) against its OpSpec
+    """Check the kernel against the float64 products on this GPU (one weight and several, bf16 and
+    FP8 weights), then the HAL ``stacked_linear`` (its RoPE and SwiGLU epilogues among the cases) against its OpSpec
     reference and tolerance (:mod:`deepinfer_backends.sm100.selfcheck`)."""
     gen = torch.Generator().manual_seed(0)
     for widths, k, rows in (((1280, 512, 64, 512, 512), 4096, 1), ((4096,), 2048, 3), ((32768, 8192), 1280, 16),
@@ -199,6 +238,17 @@ def main() -> None:
             error = (g.cpu().double() - want).abs().max().item()
             assert g.is_contiguous() and error <= 2 ** -7 * want.abs().max().item(), f"{widths}, {rows} rows: {error}"
         print(f"linear_skinny: widths {widths}, K={k}, {rows} rows: ok")
+    from deepinfer.hal.formats import quantize
+
+    for widths, k, rows in (((1280, 512), 4096, 1), ((4096,), 2048, 3), ((512, 64, 32), 1280, 16)):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        ws = [quantize(torch.randn(n, k, generator=gen) / k ** 0.5, "fp8", 32) for n in widths]
+        got = linear_skinny(x.cuda(), [Quantized(w.data.cuda(), w.scale.cuda(), w.fmt, w.block) for w in ws])
+        for g, w in zip(got, ws):
+            want = x.double() @ w.dequantize().double().T
+            error = (g.cpu().double() - want).abs().max().item()
+            assert g.dtype == torch.float32 and error <= 1e-5 * want.abs().max().item(), f"fp8 {widths}: {error}"
+        print(f"linear_skinny: fp8 weights, widths {widths}, K={k}, {rows} rows: ok")
     from deepinfer_backends.sm100.selfcheck import run
 
     run("stacked_linear")
