@@ -288,6 +288,42 @@ def test_stacked_linear_kernel_stores_each_product_apart_in_the_interpreter():
     assert interpreted(STACKED).split("\n")[0] == "stacked ok"
 
 
+E4M3_DECODE = """
+import torch
+import triton
+import triton.language as tl
+from deepinfer.hal.formats import Quantized
+from deepinfer_backends.sm100.fused.linear_skinny import e4m3_to_bf16
+
+
+@triton.jit
+def decode(codes, scales, out, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    step = tl.program_id(1) * BLOCK_K
+    at = local[:, None] * k + step + tl.arange(0, BLOCK_K)[None, :]
+    values = e4m3_to_bf16(tl.load(codes + at), scales + local[:, None] * (k // 32), step, k, local >= 0,
+                          BLOCK_N, BLOCK_K)
+    tl.store(out + at, values)
+
+
+# every e4m3 code (NaN aside) under every scale byte whose products are bf16 normals and finite
+codes = torch.arange(256, dtype=torch.uint8).repeat(240, 1)
+codes[(codes & 0x7F) == 0x7F] = 0
+scales = (10 + torch.arange(240 * 8) % 237).to(torch.uint8).view(240, 8)
+out = torch.empty(240, 256, dtype=torch.bfloat16)
+decode[(240 // 16, 256 // 64)](codes, scales, out, 256, BLOCK_N=16, BLOCK_K=64)
+want = Quantized(codes.view(torch.float8_e4m3fn), scales, "fp8", 32).dequantize().float()
+assert set(scales.unique().tolist()) == set(range(10, 247))
+assert torch.equal(out.float(), want), (out.float() - want).abs().max()
+print("e4m3 decode ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_fp8_weight_decode_of_the_kernel_for_few_rows_is_exact_in_the_interpreter():
+    assert interpreted(E4M3_DECODE).split("\n")[0] == "e4m3 decode ok"
+
+
 PARTIALS = """
 import torch
 from deepinfer_backends.sm100.fused.mhc_mixes import bf16_parts

@@ -47,8 +47,9 @@ def tiles_for(widths: list[int]) -> dict[str, int] | None:
 def e4m3_to_bf16(codes, scale_rows, step, k, rows_read, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``[BLOCK_N, BLOCK_K]`` e4m3 ``codes`` (uint8; values ``step ..`` of K) times their UE8M0
     scales (one byte per 32 values, at ``scale_rows + K index // 32``; read where ``rows_read``
-    ``[BLOCK_N]``), as bf16: exact for every scale byte but 0, which reads as zero (``2 ** -127``
-    is a float32 subnormal; no weight encoder writes it)."""
+    ``[BLOCK_N]``), as bf16: exact wherever the values are finite bf16 normals (every code under
+    scale bytes 10 to 246); byte 0 reads as zero (``2 ** -127`` is a float32 subnormal; no weight
+    encoder writes it)."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     group = step // 32 + tl.arange(0, GROUPS)
     byte = tl.load(scale_rows + group[None, :], mask=rows_read[:, None] & (group * 32 < k)[None, :],
