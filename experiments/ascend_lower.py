@@ -55,7 +55,7 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
     index, for the row kernels)."""
     import torch
 
-    from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR
+    from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR
     from deepinfer_backends.ascend950.buffers import AI_CORES, layout
     from deepinfer_backends.ascend950.emulate import apply_rope as ar
     from deepinfer_backends.ascend950.emulate import grouped_gemm as gg
@@ -132,27 +132,32 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
         blocks=cores, rounds=2, plan=plan, names={"gather_scratch": "tmp_ub_1"},
         shapes={"rope_in": (2 * rows, rope_dim), **{name: (rows, rope_dim) for name in rope_names}},
         gm_strides={"step": vector_cores * rows * dim, "block": 2 * rows * dim, "sub": rows * dim}))
-    for fmt in ("bf16", "fp8", "index_fp4"):
+    for fmt in ("bf16", "fp8", "index_fp4", "fp4"):
         dim = 128 if fmt == "index_fp4" else 512
         rows = kv.row_tile(dim, rope_dim, 2, fmt, platform)
         plan = kv.plan_buffers(rows, dim, rope_dim, 2, fmt)
-        blocks = rows * dim // kv.SCALE_BLOCK.get(fmt, 1)
+        group = kv.SCALE_BLOCK.get(fmt, 1)
+        blocks = rows * dim // group
         scales = dict(aliases={"magnitudes": "squares", "work_blocks": "work", "max_bits": "block_max",
                                "recip_bits": "recip"},
-                      shapes={"magnitudes": (blocks, 32), "work_blocks": (blocks, 32), "block_max": (1, blocks),
+                      shapes={"magnitudes": (blocks, group), "work_blocks": (blocks, group), "block_max": (1, blocks),
                               "recip": (1, blocks), "max_bits": (1, blocks), "recip_bits": (1, blocks)})
         half = dim // 2
+        fp4 = dict(aliases={**scales["aliases"], "steps": "squares", "byte_half": "squares", "decoded_blocks": "codes",
+                            "pairs": "work", "low_codes": "work", "high_codes": ("work", rows * half * 4),
+                            "code_bytes": "packed"},
+                   shapes={**scales["shapes"], "steps": (rows, dim), "codes": (rows, dim),
+                           "decoded_blocks": (blocks, group), "pairs": (2 * rows, half), "low_codes": (rows, half),
+                           "high_codes": (rows, half), "pair_offsets": (2 * rows, half), "byte_half": (rows, half),
+                           "packed": (2 * rows, half), "code_bytes": (rows, half)})
         views = {"bf16": {},
                  "fp8": dict(aliases={**scales["aliases"], "code_bytes": "squares", "codes": "squares"},
                              shapes={**scales["shapes"], "code_bytes": (4 * rows, dim), "codes": (rows, dim)}),
-                 "index_fp4": dict(
-                     aliases={**scales["aliases"], "decoded_blocks": "decoded", "low_codes": "pairs",
-                              "high_codes": ("pairs", rows * half * 4), "code_bytes": "packed"},
-                     shapes={**scales["shapes"], "steps": (rows, dim), "codes": (rows, dim), "decoded": (rows, dim),
-                             "decoded_blocks": (blocks, 32), "pairs": (2 * rows, half), "low_codes": (rows, half),
-                             "high_codes": (rows, half), "pair_offsets": (2 * rows, half), "byte_half": (rows, half),
-                             "packed": (2 * rows, half), "code_bytes": (rows, half)})}[fmt]
-        floor = {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR}.get(fmt)
+                 "index_fp4": fp4,
+                 "fp4": dict(aliases={**fp4["aliases"], "scale_codes": ("packed", rows * half),
+                                      "scale_rows": ("packed", rows * half)},
+                             shapes={**fp4["shapes"], "scale_codes": (1, blocks), "scale_rows": (rows, dim // group)})}[fmt]
+        floor = {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR, "fp4": NVFP4_AMAX_FLOOR}.get(fmt)
         found.append(dict(
             name=f"kv_norm_rope_store_{fmt}", module="kv_norm_rope_store", builder="kv_norm_rope_store_kernel",
             kwargs=dict(rows=2 * vector_cores * rows, dim=dim, rope_dim=rope_dim, table_rows=4096, cache_rows=8192,

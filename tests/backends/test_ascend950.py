@@ -123,13 +123,12 @@ def test_the_kv_store_kernel_refuses_what_it_cannot_store_with_the_reason():
 
     args = dict(rows=16, dim=512, rope_dim=64, table_rows=256, cache_rows=32, tile_rows=8, vector_cores=2, eps=1e-6,
                 offsets={})
-    with pytest.raises(NotImplementedError, match="'fp4' yet .*e4m3 scales per 16"):
-        kv_norm_rope_store_kernel(fmt="fp4", **args)
-    with pytest.raises(ValueError, match="512 values, not dim=128"):
-        kv_norm_rope_store_kernel(fmt="fp8", amax_floor=1e-4, **{**args, "dim": 128})
-    with pytest.raises(ValueError, match="128 values, not dim=512"):
-        kv_norm_rope_store_kernel(fmt="index_fp4", amax_floor=1e-4, **args)
-    for fmt, dim in (("fp8", 512), ("index_fp4", 128)):
+    with pytest.raises(ValueError, match="stores formats .*'fp4'.*, got 'nvfp4'"):
+        kv_norm_rope_store_kernel(fmt="nvfp4", **args)
+    for fmt, values, dim in (("fp8", 512, 128), ("fp4", 512, 128), ("index_fp4", 128, 512)):
+        with pytest.raises(ValueError, match=f"an {fmt} cache row holds {values} values, not dim={dim}"):
+            kv_norm_rope_store_kernel(fmt=fmt, amax_floor=1e-4, **{**args, "dim": dim})
+    for fmt, dim in (("fp8", 512), ("fp4", 512), ("index_fp4", 128)):
         with pytest.raises(ValueError, match="takes amax_floor"):
             kv_norm_rope_store_kernel(fmt=fmt, **{**args, "dim": dim})
 
@@ -157,28 +156,72 @@ def test_the_stores_integer_scale_rules_are_the_formats_scales(fmt, boundary, fl
     assert torch.equal(got, want), (amax[got != want][:5], got[got != want][:5], want[got != want][:5])
 
 
-def test_the_index_fp4_stores_e2m1_steps_are_the_formats_rounding():
-    """The kernel's e2m1 rounding, emulated op for op in float32: per step of ``E2M1_STEPS``
-    ``clamp((a - t) * 2^30 [+ 1], 0, 1)`` summed into the code and, by value, into the decoded
-    magnitude; the sign from ``clamp(-v * 2^100 * 2^100, 0, 1)``. Against ``e2m1_codes`` and
-    ``e2m1_values`` over every finite bf16 value scaled by powers of two from 2^-20 to 2^20
-    (the ties at every threshold among them), ``-0.0`` aside (the kernel gives it code 0, the
-    format 8: both decode to zero)."""
+def test_the_fp4_stores_e4m3_scales_and_reciprocals_are_the_formats():
+    """The ``fp4`` store's scale, emulated op for op in float32 (the hardware's cast to e4m3 by
+    torch's, both round to nearest even): the block max at least the floor, times the float32
+    whose bits are :data:`SIXTH_BITS`, at most 448, to e4m3; against ``nvfp4_scale`` over every
+    exponent a floored max can have, with the mantissas at the e4m3 rounding ties and random ones.
+    The reciprocal from the scale's bits against ``1 / scale`` (a float32 division) over every
+    positive e4m3 value."""
+    from deepinfer.hal.formats import NVFP4_AMAX_FLOOR, nvfp4_scale
+    from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import SIXTH_BITS, e4m3_reciprocal_bits
+
+    sixth = torch.tensor([SIXTH_BITS], dtype=torch.int32).view(torch.float32)
+    assert sixth.item() == torch.tensor(1 / 6, dtype=torch.float32).item()
+    exponents = torch.arange(100, 140, dtype=torch.int32)
+    ties = torch.tensor([(2 * i + 1) << 19 for i in range(8)], dtype=torch.int32)  # halfway between e4m3 mantissas
+    edges = torch.cat((ties - 1, ties, ties + 1, torch.tensor([0, 1, 0x7FFFFF], dtype=torch.int32)))
+    mantissas = torch.cat((edges, torch.randint(0, 1 << 23, (64,), generator=torch.Generator().manual_seed(0),
+                                                dtype=torch.int32)))
+    amax = ((exponents[:, None] << 23) | mantissas[None, :]).flatten().view(torch.float32) * 6
+    amax = torch.cat((amax, torch.tensor([0.0, NVFP4_AMAX_FLOOR, 2688.0, 3000.0, 1e6])))
+    scaled = (amax.clamp_min(NVFP4_AMAX_FLOOR) * sixth).clamp_max(448.0)
+    got = scaled.to(torch.float8_e4m3fn)
+    want = nvfp4_scale(amax)
+    assert amax.numel() > 3000 and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    scales = codes[torch.isfinite(codes) & (codes > 0)]
+    recip = e4m3_reciprocal_bits(scales.view(torch.int32), lambda value, shift: value >> shift,
+                                 lambda condition: condition.to(torch.int32))
+    assert scales.numel() == 126 and torch.equal(recip.to(torch.int32).view(torch.float32), 1.0 / scales)
+
+
+@pytest.mark.parametrize("fmt", ["index_fp4", "fp4"])
+def test_the_fp4_stores_e2m1_rounding_and_decoding_are_the_formats(fmt):
+    """The FP4 stores' e2m1 rounding and decoding, emulated op for op in float32 (``2^30`` as the
+    lowering prints it): the sign ``8 * clamp(-v * 2^100 * 2^100, 0, 1)`` into the codes, each step
+    of ``E2M1_STEPS`` ``clamp((|v| - t) * 2^30 [+ 1], 0, 1)`` added to them, then the decoded value
+    ``max(2m - 8, m - 2, m / 2) * (1 - 2n)`` of ``n = clamp(code - 7, 0, 1)``, ``m = code - 8n``.
+    Against ``e2m1_codes`` and ``e2m1_values``: for ``index_fp4`` over every finite bf16 value
+    scaled by powers of two from 2^-20 to 2^20 (its keys times an exact reciprocal), for ``fp4``
+    over bf16 keys times every e4m3 scale's reciprocal (rounded products) and the float32 values
+    next to every threshold; ``-0.0`` aside (code 0 here, 8 in the format: both decode to zero)."""
     from deepinfer.hal.formats import e2m1_codes, e2m1_values
     from deepinfer_backends.ascend950.kernels.kv_norm_rope_store import E2M1_STEPS
 
     values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     values = values[torch.isfinite(values)]
-    scaled = torch.cat([values * 2.0 ** e for e in range(-20, 21, 4)])
-    scaled = scaled[(scaled.abs() <= 6.0) & ~((scaled == 0) & torch.signbit(scaled))]
-    a = scaled.abs()
-    code, decoded = torch.zeros_like(a), torch.zeros_like(a)
-    for threshold, inclusive, value in E2M1_STEPS:
-        step = ((a - threshold) * 2.0 ** 30 + (1.0 if inclusive else 0.0)).clamp(0.0, 1.0)
+    if fmt == "index_fp4":
+        scaled = torch.cat([values * 2.0 ** e for e in range(-20, 21, 4)])
+        limit = 6.0
+    else:
+        codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        reciprocals = 1.0 / codes[torch.isfinite(codes) & (codes > 0)]
+        keys = values[(values.abs() > 2.0 ** -12) & (values.abs() < 2.0 ** 12)][::3]
+        thresholds = torch.tensor([t for t, _ in E2M1_STEPS])
+        near = torch.cat([torch.nextafter(thresholds, torch.tensor(inf)) for inf in (0.0, 100.0)] + [thresholds])
+        scaled = torch.cat([(keys[:, None] * reciprocals[None, :]).flatten(), near, -near])
+        limit = 6.0 * 17 / 16  # a block max over its scale, rounded down to e4m3, stays below
+    scaled = scaled[(scaled.abs() <= limit) & ~((scaled == 0) & torch.signbit(scaled))]
+    large = torch.tensor(2.0 ** 30 + 128, dtype=torch.float32)  # "1.073742e+09f"
+    code = (scaled * -(2.0 ** 100) * 2.0 ** 100).clamp(0.0, 1.0) * 8
+    for threshold, inclusive in E2M1_STEPS:
+        step = ((scaled.abs() - threshold) * large + (1.0 if inclusive else 0.0)).clamp(0.0, 1.0)
         assert torch.all((step == 0) | (step == 1)), threshold
-        code, decoded = code + step, decoded + step * value
-    negative = (scaled * -(2.0 ** 100) * 2.0 ** 100).clamp(0.0, 1.0)
-    code, decoded = code + 8 * negative, decoded * (1 - 2 * negative)
+        code = code + step
+    negative = (code - 7).clamp(0.0, 1.0)
+    m = code - 8 * negative
+    decoded = torch.maximum(torch.maximum(2 * m - 8, m - 2), (m - 2) * 0.5 + 1) * (1 - 2 * negative)
     want = e2m1_codes(scaled)
     assert scaled.numel() > 100000 and torch.equal(code.to(torch.uint8), want)
     assert torch.equal(decoded, e2m1_values(want))

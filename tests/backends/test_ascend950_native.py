@@ -16,12 +16,13 @@ import torch
 
 import deepinfer.hal.ops  # noqa: F401  (registers the op specs)
 from deepinfer.hal import OpTable, UnsupportedInput
-from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, Quantized, decode_tokens, encode_tokens, quantize
+from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR, Quantized, decode_tokens, encode_tokens, quantize
 from deepinfer.hal.spec import SPECS, compare
 from deepinfer_backends.ascend950 import Ascend950Backend
 from deepinfer_backends.ascend950.buffers import AI_CORES, layout
 from deepinfer_backends.ascend950.emulate import apply_rope as ar
 from deepinfer_backends.ascend950.emulate import grouped_gemm as gg
+from deepinfer_backends.ascend950.emulate import kv_norm_rope_store as kv
 from deepinfer_backends.ascend950.emulate import mla
 from deepinfer_backends.ascend950.emulate import rms_norm as rn
 from deepinfer_backends.ascend950.native import launch
@@ -58,7 +59,7 @@ def _parameters(name: str, a: dict) -> list[tuple[str, tuple, torch.dtype]]:
         return [("in", (a["tokens"] * a["heads"], a["dim"]), BF16), ("in", (a["tokens"],), I32),
                 ("in", (a["table_rows"], a["rope_dim"]), F32)]
     rows, dim = a["rows"], a["dim"]
-    row_bytes = {"fp8": 528, "index_fp4": 68}
+    row_bytes = {"fp8": 528, "index_fp4": 68, "fp4": 288}
     cache = ((a["cache_rows"], row_bytes[a["fmt"]]), torch.uint8) if a["fmt"] in row_bytes \
         else ((a["cache_rows"], dim), BF16)
     return [("in", (rows, dim), BF16), ("in", (1, dim), F32), ("in", (rows,), I32),
@@ -108,8 +109,8 @@ def _emulate(name: str, a: dict, *inputs):
     x, weight, positions, table, slots, cache = inputs
     keys = ar.apply_rope(rn.rms_norm(x, weight[0], a["eps"]), positions.long(), table)
     stored = slots >= 0
-    if a["fmt"] in ("fp8", "index_fp4"):
-        assert a["amax_floor"] == (FP8_AMAX_FLOOR if a["fmt"] == "fp8" else MXFP4_AMAX_FLOOR)
+    if a["fmt"] in ("fp8", "index_fp4", "fp4"):
+        assert a["amax_floor"] == {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR, "fp4": NVFP4_AMAX_FLOOR}[a["fmt"]]
         rows = encode_tokens(keys, a["fmt"])
         cache[slots[stored].long()] = rows[stored]
         return [decode_tokens(rows, a["fmt"]).to(keys.dtype)]
@@ -165,7 +166,8 @@ RUNS_NATIVELY = {"rms_norm": {"tiny_bf16_residual", "v41_hidden_bf16", "v41_late
                  "mla_sparse_prefill": {"tiny_bf16", "tiny_bf16_empty_rows"},
                  "apply_rope": {"tiny_bf16", "v41_query_tail_bf16"},
                  "kv_norm_rope_store": {"tiny_bf16_cache_bf16", "tiny_fp8_bf16", "v41_decode_fp8_bf16",
-                                        "v41_prefill_fp8_bf16", "tiny_index_fp4_bf16", "v41_index_fp4_bf16"}}
+                                        "v41_prefill_fp8_bf16", "tiny_index_fp4_bf16", "v41_index_fp4_bf16",
+                                        "tiny_fp4_bf16", "v41_compressed_fp4_bf16"}}
 GRID = [(op, case.name) for op in RUNS_NATIVELY for case in SPECS[op].cases
         if case.size == "tiny" or case.name in RUNS_NATIVELY[op]]
 
@@ -260,12 +262,14 @@ def test_rope_pads_whole_tokens_so_a_tiles_rows_are_whole(fake):
     assert torch.equal(got, apply_rope(x, positions, table, True))
 
 
-def test_the_fp4_kv_store_is_refused_with_the_reason(fake):
-    case = next(c for c in SPECS["kv_norm_rope_store"].cases if c.name == "tiny_fp4_bf16")
+def test_the_fp4_kv_store_runs_on_the_plans_eight_row_tiles(fake):
+    case = SPECS["kv_norm_rope_store"].case("v41_compressed_fp4_bf16")
     args = case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))
-    with pytest.raises(UnsupportedInput, match=r"not 'fp4' \(e2m1 codes under e4m3 scales per 16"):
-        Ascend950Backend(NATIVE).implementations()["kv_norm_rope_store"](**args)
-    assert not fake.compiles
+    Ascend950Backend(NATIVE).implementations()["kv_norm_rope_store"](**args)
+    (compile_,) = fake.compiles
+    arguments = compile_["arguments"]
+    assert arguments["fmt"] == "fp4" and arguments["tile_rows"] == 8 and arguments["amax_floor"] == NVFP4_AMAX_FLOOR
+    assert arguments["offsets"] == layout(kv.plan_buffers(8, 512, 64, 2, "fp4"))
 
 
 def test_cpu_tensors_are_refused_by_the_npu_wrappers(fake, monkeypatch):

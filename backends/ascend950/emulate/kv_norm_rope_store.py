@@ -3,7 +3,7 @@
 rows' dtype as the unfused ops round), rotated in float32 (rounded again), quantized to the cache
 format (FP8 with UE8M0 scales, FP4 with e4m3 scales, as the A5 formats hold them) and written to
 its cache rows. The native kernel, :mod:`~deepinfer_backends.ascend950.kernels.kv_norm_rope_store`,
-runs this plan for the bf16, fp8 and index_fp4 formats."""
+runs this plan."""
 from __future__ import annotations
 
 import torch
@@ -24,21 +24,21 @@ def plan_buffers(rows: int, dim: int, rope_dim: int, element: int, fmt: str) -> 
     """A vector core's UB buffers for tiles of ``rows`` rows in cache format ``fmt``, in layout
     order: the input rows (double-buffered; the keys, then what a reader of the cache sees, are
     rounded into the same slot), the float32 working tile, the squares tile (then the block
-    magnitudes, then the quantized values in its first ``rows * dim`` bytes and each row's scale
-    bytes at row ``rows + r`` of its ``[4 * rows, dim]`` byte view), the float32 weight row, each
-    row's norm scale, the tile's slots, for a quantized format each scale block's max (then its
-    scale) and its scale's reciprocal, for ``index_fp4`` the rounding's steps, the codes, the
-    decoded values, the codes gathered into pairs (evens, then odds), the gather's offsets, the
-    packed bytes in half precision and as bytes (each row's scale bytes at row ``rows + r``),
-    the rotation's buffers
+    magnitudes; for ``fp8`` the quantized values in its first ``rows * dim`` bytes and each row's
+    scale bytes at row ``rows + r`` of its ``[4 * rows, dim]`` byte view; for the FP4 formats the
+    rounding's steps, then the packed codes in half precision, then the decoded magnitudes), the
+    float32 weight row, each row's norm scale, the tile's slots, for a quantized format each scale
+    block's max (then its scale) and its scale's reciprocal, for the FP4 formats the codes (then
+    the decoded values), the gather's offsets that pair them (the pairs land in the working tile)
+    and the packed bytes (each row's scale bytes at row ``rows + r``, or for ``fp4`` from byte
+    ``rows * dim / 2`` on), the rotation's buffers
     (:func:`~deepinfer_backends.ascend950.emulate.apply_rope.rope_buffers`); then the scratch the
     lowering takes for the row reductions and the gathers."""
     tile = rows * dim
     scales = (Buffer("block_max", "UB", tile // SCALE_BLOCK[fmt] * 4),
               Buffer("recip", "UB", tile // SCALE_BLOCK[fmt] * 4)) if fmt in SCALE_BLOCK else ()
-    fp4 = (Buffer("steps", "UB", tile * 4), Buffer("codes", "UB", tile * 4), Buffer("decoded", "UB", tile * 4),
-           Buffer("pairs", "UB", tile * 4), Buffer("pair_offsets", "UB", tile * 4), Buffer("byte_half", "UB", tile),
-           Buffer("packed", "UB", tile)) if fmt == "index_fp4" else ()
+    fp4 = (Buffer("codes", "UB", tile * 4), Buffer("pair_offsets", "UB", tile * 4),
+           Buffer("packed", "UB", tile)) if fmt in ("fp4", "index_fp4") else ()
     return (Buffer("rows_in", "UB", tile * element, copies=2), Buffer("work", "UB", tile * 4),
             Buffer("squares", "UB", tile * 4), Buffer("weight", "UB", dim * 4), Buffer("scale", "UB", rows * 4),
             Buffer("slots", "UB", rows * 4), *scales, *fp4, *rope_buffers(rows, rope_dim),

@@ -2,7 +2,7 @@
 turns bf16 rows in place (on a copy padded with whole tokens to whole tiles of the emulation's
 :func:`~deepinfer_backends.ascend950.emulate.apply_rope.row_tile`, the padding at position 0);
 :mod:`~deepinfer_backends.ascend950.kernels.kv_norm_rope_store` normalises, turns and stores bf16
-keys in a ``bf16``, ``index_bf16``, ``fp8`` or ``index_fp4`` cache (rows padded to whole tiles of
+keys in a cache of every token format (rows padded to whole tiles of
 :func:`~deepinfer_backends.ascend950.emulate.kv_norm_rope_store.row_tile`, the padding at slot
 ``-1``, never stored)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, token_format
+from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR, token_format
 from deepinfer.hal.ops.kv_cache import cache_rows, check_slots
 from deepinfer.hal.ops.rope import check_rope_args
 from deepinfer_backends.ascend950.buffers import AI_CORES
@@ -22,9 +22,7 @@ from deepinfer_backends.ascend950.native.launch import (Kernels, check_device, p
                                                        whole)
 
 ROPE, STORE = "apply_rope", "kv_norm_rope_store"
-STORED_FORMATS = (*BF16_FORMATS, "fp8", "index_fp4")
-"""Cache formats the store kernel writes."""
-AMAX_FLOORS = {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR}
+AMAX_FLOORS = {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR, "fp4": NVFP4_AMAX_FLOOR}
 """The least block max each quantized format's scale is taken from."""
 
 
@@ -59,11 +57,8 @@ def apply_rope(kernels: Kernels, x: torch.Tensor, positions: torch.Tensor, cos_s
 def kv_norm_rope_store(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                        cos_sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, fmt: str) -> torch.Tensor:
     """:func:`deepinfer.hal.ops.kv_norm_rope_store.kv_norm_rope_store` on the NPU for bf16 rows
-    stored in a ``bf16``, ``index_bf16``, ``fp8`` or ``index_fp4`` cache."""
+    stored in a cache of any token format (:data:`deepinfer.hal.formats.TOKEN_FORMATS`)."""
     spec = token_format(fmt)
-    if fmt not in STORED_FORMATS:
-        raise refuse(STORE, f"the kernel stores {list(STORED_FORMATS)} caches, not {fmt!r} (e2m1 codes under e4m3 "
-                            f"scales per 16 are not written natively yet)")
     if x.dim() != 2 or x.shape[1] != spec.dim or not x.is_floating_point():
         raise ValueError(f"x must be a float tensor [T, {spec.dim}] for format {fmt!r}, got {x.dtype} "
                          f"{tuple(x.shape)}")
