@@ -3,8 +3,8 @@ emulation's plan: the launch's block count (one block an AI core), the tile roun
 runs, every planned on-chip buffer's byte offset and size (32-byte rounded) and tile shape, and,
 for the row kernels, how a tile's GM offset follows the core and round indices; and that no
 scalar declaration landed inside a call's arguments (source that cannot compile). Buffers the
-lowering folds into another's storage are listed as ``merged``; the reduction's scratch, which
-the lowering sizes itself, need only fit the plan's reservation. The lowering runs in
+lowering folds into another's storage are listed as ``merged``; the scratch the lowering sizes
+and places itself (the row reductions', the gathers') need only lie in the plan's reservation. The lowering runs in
 ``study.python`` (an interpreter with tilelang-ascend; on x86 an aarch64 CPython under
 qemu-user-static made by ``experiments/ascend_lower_setup.sh``); the fast mode only states the
 plan's expectations, starting no interpreter. Results: ``experiments/results/ascend_lower*.csv``."""
@@ -177,7 +177,8 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
 
 def mla_cases(cores: int, platform: str) -> list[dict]:
     """The sparse MLA kernels over quantized caches and over a latent buffer with padding: decode
-    from an ``fp8`` cache, and prefill whose two index lists are padded to whole key tiles."""
+    from an ``fp8`` cache, decode from an ``fp8`` main list and an ``fp4`` extra list, and prefill,
+    their two index lists padded to whole key tiles."""
     from deepinfer_backends.ascend950.buffers import layout
     from deepinfer_backends.ascend950.emulate import mla
 
@@ -203,6 +204,25 @@ def mla_cases(cores: int, platform: str) -> list[dict]:
         shapes={**common["shapes"], "fp8_row": (1, 544), "fp8_e4m3": (groups, 32), "fp8_packed": (1, 16),
                 "fp8_values": (groups, 32), "fp8_scales": (1, groups)}))
     main, total = mla.padded_lists(128 + 20, 128 + 20 + 100)
+    plan = mla.buffers(dim, 2, ("fp8", "fp4"), masked=True)
+    fp4_groups = dim // mla.SCALE_GROUP["fp4"]
+    found.append(dict(
+        common, name="mla_sparse_decode_fp8_fp4", module="mla_sparse_decode", builder="mla_sparse_decode_kernel",
+        kwargs=dict(tokens=cores, heads=heads, dim=dim, topk=total, kv_rows=4096, head_group=g, key_tile=k,
+                    d_split=d, cores=cores, scale=dim ** -0.5, offsets=layout(plan, platform), cache_format="fp8",
+                    masked=True, extra_format="fp4", extra_rows=8192, main_keys=main),
+        blocks=cores, rounds=rounds, plan=plan,
+        names={**common["names"], "gather_scratch": "tmp_ub_1"},
+        aliases={**common["aliases"], "fp8_e4m3": "fp8_row", "fp8_packed": ("fp8_row", dim),
+                 "fp8_bits": "fp8_scales", "fp4_code_bytes": "fp4_row", "fp4_scale_e4m3": ("fp4_row", dim // 2),
+                 "fp4_flat": "fp4_values", "fp4_low": "fp4_pairs",
+                 "fp4_high": ("fp4_pairs", dim * 2), "fp4_floors": "fp4_signs"},
+        shapes={**common["shapes"], "fp8_row": (1, 544), "fp8_e4m3": (groups, 32), "fp8_packed": (1, 16),
+                "fp8_values": (groups, 32), "fp8_scales": (1, groups), "fp4_row": (1, 288),
+                "fp4_code_bytes": (1, dim // 2), "fp4_scale_e4m3": (1, fp4_groups), "fp4_values": (fp4_groups, 16),
+                "fp4_flat": (1, dim), "fp4_scales": (1, fp4_groups), "fp4_half": (1, dim // 2),
+                "fp4_pairs": (1, dim), "fp4_low": (1, dim // 2), "fp4_high": (1, dim // 2), "fp4_signs": (1, dim),
+                "fp4_floors": (1, dim // 2), "fp4_offsets": (1, dim)}))
     plan = mla.buffers(dim, 2, masked=True)
     found.append(dict(
         common, name="mla_sparse_prefill_bf16", module="mla_sparse_prefill", builder="mla_sparse_prefill_kernel",
@@ -243,17 +263,23 @@ def compare(case: dict, lowered: Optional[dict]) -> list[dict]:
     row("declarations inside calls", 0, len(DECLARATION_IN_CALL.findall(source)) if source else None)
     loop = re.search(r"for \(int32_t step = 0; step < (\d+);", source)
     row("rounds per core", case["rounds"], int(loop.group(1)) if loop else (1 if source else None))
+    scratch = [(offsets[b.name], offsets[b.name] + b.bytes * b.copies) for b in case["plan"]
+               if b.name in COMPILER_SCRATCH]
+    reserved = (min(start for start, _ in scratch), max(end for _, end in scratch)) if scratch else (0, 0)
     for buffer in case["plan"]:
         name = case["names"].get(buffer.name, buffer.name)
         size = -(-buffer.bytes * buffer.copies // ALIGN) * ALIGN
         tile = tiles.get(name)
         merged = "merged" if source and tile is None else None
-        row(f"{buffer.scope} {buffer.name} offset", offsets[buffer.name], tile and tile["offset"], merged)
         got = tile and -(-tile["bytes"] // ALIGN) * ALIGN
-        if buffer.name in COMPILER_SCRATCH:  # the lowering sizes it; the plan reserves an upper bound
+        if buffer.name in COMPILER_SCRATCH:  # the lowering sizes and places it, in the plan's reservation
+            within = tile is not None and reserved[0] <= tile["offset"] and tile["offset"] + got <= reserved[1]
+            row(f"{buffer.scope} {buffer.name} offset (within the scratch reserved at {reserved[0]}..{reserved[1]})",
+                offsets[buffer.name], tile and tile["offset"], merged or ("agrees" if within else "differs"))
             row(f"{buffer.scope} {buffer.name} bytes (at most)", size, got,
                 merged or ("agrees" if got is not None and got <= size else "differs"))
         else:
+            row(f"{buffer.scope} {buffer.name} offset", offsets[buffer.name], tile and tile["offset"], merged)
             row(f"{buffer.scope} {buffer.name} bytes", size, got, merged)
     for name, planned in case.get("aliases", {}).items():
         planned, delta = planned if isinstance(planned, tuple) else (planned, 0)

@@ -227,6 +227,39 @@ def test_the_fp4_stores_e2m1_rounding_and_decoding_are_the_formats(fmt):
     assert torch.equal(decoded, e2m1_values(want))
 
 
+def test_the_decodes_fp4_row_arithmetic_is_the_formats_decoding():
+    """The MLA decode's ``fp4`` row decode, emulated op for op in float32: the code bytes widened,
+    the high nibbles ``floor(byte / 16)``, the low ones ``byte - 16 * high``, each code's value
+    ``max(2m - 8, m - 2, m / 2) * (1 - 2n)``, the values put in row order by the kernel's gather
+    offsets, times the e4m3 scales and rounded to bf16; against ``decode_tokens`` on rows holding
+    every code byte under every positive e4m3 scale."""
+    from deepinfer.hal.formats import decode_tokens
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    scale_bytes = torch.arange(256, dtype=torch.uint8)
+    scale_bytes = scale_bytes[torch.isfinite(scale_bytes.view(torch.float8_e4m3fn).float())
+                              & (scale_bytes.view(torch.float8_e4m3fn).float() > 0)]
+    rows = torch.stack([codes.roll(r) for r in range(scale_bytes.numel())])
+    scales = scale_bytes[(torch.arange(32)[None, :] + torch.arange(rows.shape[0])[:, None]) % scale_bytes.numel()]
+    cache = torch.cat((rows, scales.to(torch.uint8)), dim=1)
+    nibbles = 256
+    v = cache[:, :nibbles].to(torch.float16).float()
+    high = torch.floor(v * 0.0625)
+    low = v - 16 * high
+    pairs = torch.cat((low, high), dim=1)
+    negative = (pairs - 7).clamp(0.0, 1.0)
+    pairs = pairs - 8 * negative
+    signs = 1 - 2 * negative
+    flat = torch.maximum(torch.maximum(2 * pairs - 8, pairs - 2), (pairs - 2) * 0.5 + 1)
+    pairs = flat * signs
+    offsets = torch.tensor([(i % 2 * nibbles + i // 2) * 4 for i in range(512)])
+    values = pairs[:, offsets // 4]
+    widened = cache[:, nibbles:].contiguous().view(torch.float8_e4m3fn).float()
+    got = (values.reshape(-1, 32, 16) * widened[:, :, None]).reshape(-1, 512).to(torch.bfloat16)
+    want = decode_tokens(cache, "fp4")
+    assert scale_bytes.numel() == 126 and torch.equal(got.float(), want)
+
+
 def test_an_oversized_plan_is_refused():
     with pytest.raises(TileBudgetError, match=r"UB holds 256 KiB per AI core on A5, but \['big'\] need 768 KiB"):
         layout((Buffer("big", "UB", 768 * KIB),), "A5")

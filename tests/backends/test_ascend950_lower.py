@@ -43,7 +43,8 @@ def test_the_plan_expectations_build_without_tilelang():
     assert {r["kernel"] for r in rows} >= {"rms_norm_bf16_d1024", "grouped_gemm_bfloat16", "mla_sparse_decode_bf16",
                                            "apply_rope_bf16_h64", "kv_norm_rope_store_bf16", "kv_norm_rope_store_fp8",
                                            "kv_norm_rope_store_index_fp4", "kv_norm_rope_store_fp4",
-                                           "mla_sparse_decode_fp8", "mla_sparse_prefill_bf16"}
+                                           "mla_sparse_decode_fp8", "mla_sparse_decode_fp8_fp4",
+                                           "mla_sparse_prefill_bf16"}
     assert all(r["status"] == "not lowered" for r in rows)
 
 

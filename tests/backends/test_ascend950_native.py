@@ -51,7 +51,9 @@ def _parameters(name: str, a: dict) -> list[tuple[str, tuple, torch.dtype]]:
     if name.startswith("mla"):
         t, h, d, g, c = a["tokens"], a["heads"], a["dim"], a["head_group"], a["cores"]
         kv_param = ((a["kv_rows"], 528), torch.uint8) if a.get("cache_format") == "fp8" else ((a["kv_rows"], d), BF16)
-        return [("in", (t, h, d), BF16), ("in", *kv_param), ("in", (t, a["topk"]), I32), ("in", (h,), F32),
+        extra = [("in", (a["extra_rows"], {"fp8": 528, "fp4": 288}[a["extra_format"]]), torch.uint8)] \
+            if a.get("extra_format") else []
+        return [("in", (t, h, d), BF16), ("in", *kv_param), *extra, ("in", (t, a["topk"]), I32), ("in", (h,), F32),
                 ("ws", (c, a["key_tile"], d), BF16), ("ws", (c, g, a["key_tile"]), F32),
                 ("ws", (c, g, a["key_tile"]), BF16), ("ws", (c, g, d), F32), ("out", (t, h, d), BF16),
                 ("out", (t, h), F32)]
@@ -94,13 +96,20 @@ def _emulate(name: str, a: dict, *inputs):
                                 Quantized(w, gg.unpack_scales(w_scale, blocks), "fp8"),
                                 torch.full((a["experts"],), a["segment_rows"]))]
     if name.startswith("mla"):
-        q, kv_rows, indices, sink = inputs
-        rows = kv_rows[indices.clamp(min=0).long()]
-        keys = decode_tokens(rows.reshape(-1, 528), "fp8").reshape(*indices.shape, -1) \
-            if a.get("cache_format") == "fp8" else rows.float()
-        formats = ("fp8",) if a.get("cache_format") == "fp8" else ()
-        return list(mla.attend(q, keys, indices >= 0, sink, a["scale"], a.get("main_keys", a["topk"]),
-                               cache_formats=formats))
+        q, kv_rows, *extra, indices, sink = inputs
+        main = a.get("main_keys", a["topk"])
+
+        def keys_of(rows, fmt, at):
+            picked = rows[at.clamp(min=0).long()]
+            return decode_tokens(picked.reshape(-1, picked.shape[-1]), fmt).reshape(*at.shape, -1) \
+                if fmt != "bf16" else picked.float()
+        keys = keys_of(kv_rows, a.get("cache_format", "bf16"), indices if not extra else indices[:, :main])
+        formats = [a.get("cache_format", "bf16")]
+        if extra:
+            keys = torch.cat((keys, keys_of(extra[0], a["extra_format"], indices[:, main:])), dim=1)
+            formats.append(a["extra_format"])
+        return list(mla.attend(q, keys, indices >= 0, sink, a["scale"], main,
+                               cache_formats=tuple(dict.fromkeys(f for f in formats if f != "bf16"))))
     if name == "apply_rope":
         x, positions, table = inputs
         turned = ar.apply_rope(x.view(a["tokens"], a["heads"], a["dim"]), positions.long(), table, a["conjugate"])
@@ -162,7 +171,7 @@ def fake(monkeypatch):
 RUNS_NATIVELY = {"rms_norm": {"tiny_bf16_residual", "v41_hidden_bf16", "v41_latent_bf16"},
                  "grouped_gemm": {"tiny", "tiny_bf16", "tiny_fp8_fp8", "fp8_fp8_bf16", "no_rows",
                                   "empty_experts_bf16"},
-                 "mla_sparse_decode": {"tiny_bf16_bf16_cache"},
+                 "mla_sparse_decode": {"tiny_bf16_bf16_cache", "tiny_bf16_fp8_fp4", "v41_bf16"},
                  "mla_sparse_prefill": {"tiny_bf16", "tiny_bf16_empty_rows"},
                  "apply_rope": {"tiny_bf16", "v41_query_tail_bf16"},
                  "kv_norm_rope_store": {"tiny_bf16_cache_bf16", "tiny_fp8_bf16", "v41_decode_fp8_bf16",
@@ -248,6 +257,29 @@ def test_mla_pads_heads_dim_and_each_list_to_whole_tiles(fake):
     want = mla.mla_sparse_prefill(q, kv, indices, sink, 0.1, 30)
     torch.testing.assert_close(lse, want[1], rtol=1e-5, atol=1e-5)
     assert compare(out, want[0], SPECS["mla_sparse_prefill"].tolerance(BF16)) == []
+
+
+def test_mla_decode_reads_an_extra_fp4_list_from_its_own_cache(fake):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 3, 512, generator=gen).to(BF16)
+    cache = encode_tokens(torch.randn(200, 512, generator=gen), "fp8")
+    extra_cache = encode_tokens(torch.randn(300, 512, generator=gen), "fp4")
+    indices = torch.randint(0, 200, (2, 1, 70), generator=gen, dtype=I32)
+    extra_indices = torch.randint(-1, 300, (2, 1, 40), generator=gen, dtype=I32)
+    sink = torch.randn(3, generator=gen)
+    args = dict(q=q, cache=cache, indices=indices, sink=sink, scale=0.05, cache_format="fp8",
+                extra_cache=extra_cache, extra_indices=extra_indices, extra_format="fp4")
+    out, lse = Ascend950Backend(NATIVE).implementations()["mla_sparse_decode"](**args)
+    (compiled,) = fake.compiles
+    arguments = compiled["arguments"]
+    assert (arguments["main_keys"], arguments["topk"], arguments["extra_rows"]) == (128, 192, 300)
+    assert arguments["extra_format"] == "fp4" and arguments["cache_format"] == "fp8"
+    assert arguments["offsets"] == layout(mla.buffers(512, 2, ("fp8", "fp4"), masked=True))
+    want = SPECS["mla_sparse_decode"].reference(**args)
+    torch.testing.assert_close(lse, want[1], rtol=1e-4, atol=1e-4)
+    assert compare(out, want[0], SPECS["mla_sparse_decode"].tolerance(BF16)) == []
+    with pytest.raises(UnsupportedInput, match=r"reads \['fp8', 'fp4'\] caches for the extra list, not 'index_fp4'"):
+        Ascend950Backend(NATIVE).implementations()["mla_sparse_decode"](**{**args, "extra_format": "index_fp4"})
 
 
 def test_rope_pads_whole_tokens_so_a_tiles_rows_are_whole(fake):

@@ -12,6 +12,7 @@ import torch
 
 from deepinfer.hal.ops.mla import check_prefill_args, decode_keys, gather_keys
 from deepinfer_backends.ascend950.buffers import AI_CORES, Buffer, layout
+from deepinfer_backends.ascend950.emulate.apply_rope import GATHER_SCRATCH
 from deepinfer_backends.ascend950.emulate.plan import BlockPlan, WriteRecord
 
 HEAD_GROUP = 64
@@ -38,8 +39,10 @@ def buffers(dim: int, element: int, cache_formats: tuple[str, ...] = (), masked:
     the tile's sum, the sink logits, the tile's key indices, one gathered key row, a rounded
     output slice and the row reduction's scratch. Each quantized format in ``cache_formats``
     (``fp8``, ``fp4``) the vector cores decode adds, before the scratch, the raw cache row
-    (32-byte rounded), the row's values in float32 and its scales in float32; ``masked``
-    (padding indices allowed) adds the tile's logit bias. The native kernels,
+    (32-byte rounded), the row's values in float32 and its scales in float32; ``fp4`` also the
+    row's codes in half, its nibble codes (then their values) and their signs in float32, the
+    offsets of the gather that puts the values in order, and after the reduction's scratch the
+    gather's; ``masked`` (padding indices allowed) adds the tile's logit bias. The native kernels,
     :mod:`~deepinfer_backends.ascend950.kernels.mla_sparse_decode` and
     :mod:`~deepinfer_backends.ascend950.kernels.mla_sparse_prefill`, place their buffers here."""
     g, k, d, half = HEAD_GROUP, KEY_TILE, D_SPLIT, HEAD_GROUP // 2
@@ -48,7 +51,9 @@ def buffers(dim: int, element: int, cache_formats: tuple[str, ...] = (), masked:
         raise ValueError(f"cache formats {unknown}: the ascend950 MLA kernels decode {sorted(CACHE_ROW_BYTES)} rows")
     decode = tuple(buffer for fmt in cache_formats for buffer in (
         Buffer(f"{fmt}_row", "UB", -(-CACHE_ROW_BYTES[fmt] // 32) * 32),
-        Buffer(f"{fmt}_values", "UB", dim * 4), Buffer(f"{fmt}_scales", "UB", dim // SCALE_GROUP[fmt] * 4)))
+        Buffer(f"{fmt}_values", "UB", dim * 4), Buffer(f"{fmt}_scales", "UB", dim // SCALE_GROUP[fmt] * 4),
+        *((Buffer("fp4_half", "UB", dim), Buffer("fp4_pairs", "UB", dim * 4), Buffer("fp4_signs", "UB", dim * 4),
+           Buffer("fp4_offsets", "UB", dim * 4)) if fmt == "fp4" else ())))
     return (Buffer("q_l1", "L1", g * dim * element), Buffer("k_l1", "L1", k * dim * element, copies=2),
             Buffer("p_l1", "L1", g * k * element),
             Buffer("q_l0", "L0A", g * d * element, copies=2), Buffer("k_l0", "L0B", k * d * element, copies=2),
@@ -59,7 +64,8 @@ def buffers(dim: int, element: int, cache_formats: tuple[str, ...] = (), masked:
             Buffer("tile_sum", "UB", half * 4), Buffer("sink", "UB", half * 4), Buffer("indices", "UB", k * 4),
             Buffer("key_row", "UB", dim * element), Buffer("out_low", "UB", half * d * element),
             *decode, *((Buffer("mask_bias", "UB", k * 4),) if masked else ()),
-            Buffer("reduce_scratch", "UB", half * k * 2))
+            Buffer("reduce_scratch", "UB", half * k * 2),
+            *((Buffer("gather_scratch", "UB", GATHER_SCRATCH),) if "fp4" in cache_formats else ()))
 
 
 def blocks(tokens: int, heads: int) -> int:
