@@ -95,3 +95,22 @@ def test_decode_over_fp8_and_fp4_caches_matches_the_reference(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want_out.float(), rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_the_decode_kernel_refuses_what_it_cannot_read_with_the_reason():
+    from deepinfer_backends.ascend950.kernels.mla_sparse_decode import mla_sparse_decode_kernel
+
+    args = dict(tokens=2, heads=64, dim=512, topk=192, kv_rows=100, head_group=64, key_tile=64, d_split=128, cores=2,
+                scale=0.1, offsets={}, cache_format="fp8", masked=True, extra_rows=100)
+    with pytest.raises(ValueError, match=r"reads \['fp4', 'fp8'\] extra rows, not 'bf16'"):
+        mla_sparse_decode_kernel(**args, extra_format="bf16", main_keys=128)
+    with pytest.raises(ValueError, match=r"reads bf16 or \['fp4', 'fp8'\] cache rows, not 'index_fp4'"):
+        mla_sparse_decode_kernel(**{**args, "cache_format": "index_fp4"})
+    with pytest.raises(ValueError, match="main_keys=100 must be a multiple of key_tile=64 within topk=192"):
+        mla_sparse_decode_kernel(**args, extra_format="fp4", main_keys=100)
+    with pytest.raises(ValueError, match="main_keys=None"):
+        mla_sparse_decode_kernel(**args, extra_format="fp4")
+    with pytest.raises(ValueError, match="masked must be set"):
+        mla_sparse_decode_kernel(**{**args, "masked": False}, extra_format="fp4", main_keys=128)
+    with pytest.raises(ValueError, match="holds 512 values, not dim=256"):
+        mla_sparse_decode_kernel(**{**args, "dim": 256, "cache_format": "bf16"}, extra_format="fp4", main_keys=128)

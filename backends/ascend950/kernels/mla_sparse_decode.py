@@ -53,9 +53,6 @@ def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_ro
     offset in its scope by plan name. With ``extra_format`` (``fp8`` or ``fp4``) a parameter
     ``extra uint8 [extra_rows, row bytes]`` follows ``kv``, and the indices from ``main_keys`` on (a
     multiple of ``key_tile``) are its rows."""
-    import tilelang.language as T
-    from tvm.script.ir_builder import IRBuilder
-
     for role, fmt in (("cache", cache_format), ("extra", extra_format)):
         if fmt is not None and fmt not in ("bf16", *CACHE_ROW_BYTES) or role == "extra" and fmt == "bf16":
             raise ValueError(f"mla_sparse_decode_kernel reads {'bf16 or ' if role == 'cache' else ''}"
@@ -70,6 +67,9 @@ def mla_sparse_decode_kernel(tokens: int, heads: int, dim: int, topk: int, kv_ro
     for name, size, tile in (("heads", heads, head_group), ("topk", topk, key_tile), ("dim", dim, d_split)):
         if size % tile:
             raise ValueError(f"mla_sparse_decode_kernel takes whole tiles: {name}={size} is not a multiple of {tile}")
+    import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
+
     groups = heads // head_group
     blocks = tokens * groups
     rounds = -(-blocks // cores)

@@ -129,7 +129,8 @@ def linear_skinny_kernel(x, w0, w1, w2, w3, w4, y, rows, k, x_stride, end0, end1
         a = tl.load(x_rows + kk[None, :], mask=live[:, None] & within[None, :], other=0.0)
         if NORM:
             gain = tl.load(norm_weight + kk, mask=within, other=0.0)
-            a = (a.to(tl.float32) * inverse_rms[:, None] * gain[None, :]).to(tl.bfloat16)
+            a = (a.to(tl.float32) * inverse_rms[:, None] * gain[None, :]).to(tl.bfloat16 if FP8
+                                                                            else w0.dtype.element_ty)
         b = tl.load(w_rows + kk[None, :], mask=within[None, :], other=0)
         if FP8:
             b = e4m3_to_bf16(b, scale_rows, step, k, local >= 0, BLOCK_N, BLOCK_K)
