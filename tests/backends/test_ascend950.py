@@ -159,8 +159,9 @@ def test_the_stores_integer_scale_rules_are_the_formats_scales(fmt, boundary, fl
 def test_the_fp4_stores_e4m3_scales_and_reciprocals_are_the_formats():
     """The ``fp4`` store's scale, emulated op for op in float32 (the hardware's cast to e4m3 by
     torch's, both round to nearest even): the block max at least the floor, times the float32
-    whose bits are :data:`SIXTH_BITS`, at most 448, to e4m3; against ``nvfp4_scale`` over every
-    exponent a floored max can have, with the mantissas at the e4m3 rounding ties and random ones.
+    whose bits are :data:`SIXTH_BITS`, at most 448, to e4m3; against ``nvfp4_scale`` over 40
+    binades (from below the floor to past the saturation at 448), with the mantissas at the e4m3
+    rounding ties, next to them and random.
     The reciprocal from the scale's bits against ``1 / scale`` (a float32 division) over every
     positive e4m3 value."""
     from deepinfer.hal.formats import NVFP4_AMAX_FLOOR, nvfp4_scale
