@@ -1,5 +1,5 @@
 """sm100 ``stacked_linear``: bf16 weights read by a few rows in one Triton launch
-(:func:`.gemm.few_rows_linears`: each product its own contiguous block of one buffer, RoPE or
+(:func:`.linear.few_rows_linears`: each product its own contiguous block of one buffer, RoPE or
 SwiGLU in its epilogue, the input's RMSNorm in the kernel for short rows, else by ``rms_norm``
 ahead of it); otherwise one ``linear`` per weight with the same kernel choice, ``apply_rope`` on
 the products that ``rope_heads`` names and ``swiglu``."""
@@ -10,7 +10,7 @@ import torch
 from deepinfer.hal.ops.grouped_gemm import check_out_dtype
 from deepinfer.hal.ops.stacked_linear import check_stacked_linear, rope_products
 from deepinfer_backends.sm100.activation import swiglu as swiglu_op
-from deepinfer_backends.sm100.gemm import few_rows_linears, linear
+from deepinfer_backends.sm100.linear import few_rows_linears, linear
 from deepinfer_backends.sm100.norm import rms_norm
 from deepinfer_backends.sm100.options import DEFAULT, KernelOptions
 from deepinfer_backends.sm100.rope import apply_rope
@@ -20,10 +20,10 @@ def stacked_linear(x, weights, positions=None, cos_sin=None, rope_heads=None, no
                    norm_eps: float = 1e-6, keep_normed: bool = False, norm_dtype=None, swiglu: bool = False,
                    swiglu_limit: float | None = None, out_dtype=None, mxfp4_products=(), batch_invariant: bool = False,
                    options: KernelOptions = DEFAULT):
-    """HAL ``stacked_linear``: :func:`~.gemm.few_rows_linears` where it serves (with the products'
+    """HAL ``stacked_linear``: :func:`~.linear.few_rows_linears` where it serves (with the products'
     RoPE or SwiGLU, and the input's RMSNorm for rows of at most
     :data:`~.fused.linear_skinny.NORM_MAX_K`, and the MXFP4 casts), else :func:`~.norm.rms_norm`
-    for ``norm_weight`` and :func:`~.gemm.linear` once per weight, :func:`~.rope.apply_rope`,
+    for ``norm_weight`` and :func:`~.linear.linear` once per weight, :func:`~.rope.apply_rope`,
     :func:`~.activation.swiglu` and :func:`mxfp4_cast`."""
     check_stacked_linear(x, weights, positions, cos_sin, rope_heads, norm_weight, keep_normed, norm_dtype, swiglu,
                          mxfp4_products)

@@ -12,7 +12,8 @@ from deepinfer_backends.sm100.attention import (
 from deepinfer_backends.sm100.compress import compress_tokens
 from deepinfer_backends.sm100.compressed_layout import compressed_decode_layout
 from deepinfer_backends.sm100.ep_combine import ep_combine
-from deepinfer_backends.sm100.gemm import INVARIANT_TILES, gemm_tiles, grouped_gemm, linear
+from deepinfer_backends.sm100.gemm import INVARIANT_TILES, gemm_tiles, grouped_gemm
+from deepinfer_backends.sm100.linear import linear
 from deepinfer_backends.sm100.grouped_linear import grouped_linear
 from deepinfer_backends.sm100.grouped_swiglu import grouped_swiglu
 from deepinfer_backends.sm100.kv_load import kv_load

@@ -13,7 +13,7 @@ import torch
 
 from deepinfer.hal import SPECS, get_backend
 from deepinfer.hal.formats import quantize
-from deepinfer_backends.sm100 import gemm, toolchain
+from deepinfer_backends.sm100 import gemm, linear, toolchain
 from deepinfer_backends.sm100.attention import mla_kernel
 from tests.backends import cubin_checks
 
@@ -133,13 +133,13 @@ def test_linear_kernel_is_chosen_by_rows_options_and_batch_invariance():
     from deepinfer_backends.sm100.options import KernelOptions
 
     auto = KernelOptions()
-    assert gemm.linear_kernel(auto) == "cublas"
-    assert gemm.linear_kernel(auto, batch_invariant=True) == "tilelang"
+    assert linear.linear_kernel(auto) == "cublas"
+    assert linear.linear_kernel(auto, batch_invariant=True) == "tilelang"
     for fixed in ("tilelang", "cublas"):
-        assert gemm.linear_kernel(KernelOptions(linear_kernel=fixed)) == fixed
-    assert gemm.linear_kernel(KernelOptions(linear_kernel="tilelang"), batch_invariant=True) == "tilelang"
+        assert linear.linear_kernel(KernelOptions(linear_kernel=fixed)) == fixed
+    assert linear.linear_kernel(KernelOptions(linear_kernel="tilelang"), batch_invariant=True) == "tilelang"
     with pytest.raises(RuntimeError, match="cannot serve batch-invariant mode"):
-        gemm.linear_kernel(KernelOptions(linear_kernel="cublas"), batch_invariant=True)
+        linear.linear_kernel(KernelOptions(linear_kernel="cublas"), batch_invariant=True)
     with pytest.raises(ValueError, match="linear_kernel=cublas cannot serve engine.batch_invariant=true"):
         get_backend("sm100", options={"linear_kernel": "cublas"}).implementations(batch_invariant=True)
     with pytest.raises(ValueError, match=r"linear_kernel='fast'"):
