@@ -9,9 +9,10 @@ from deepinfer.hal.ops.all_to_all import check_combine_add, check_combine_rows
 from deepinfer_backends.sm100.launch import on_device, require
 
 
-def ep_combine(y, handle, add=None):
+def ep_combine(y, handle, add=None, weighted=True):
     """HAL ``ep_combine`` for a CUDA ``y [M, H]`` of a one-rank dispatch; ``[T, H]`` in ``y.dtype``
-    (in ``add.dtype`` with ``add``, added in the same kernel)."""
+    (in ``add.dtype`` with ``add``, added in the same kernel); ``weighted=False`` sums the rows as
+    they are."""
     op = "ep_combine"
     require(on_device(y), op, "y must be a CUDA tensor")
     check_combine_rows(y, handle)
@@ -34,5 +35,6 @@ def ep_combine(y, handle, add=None):
     ep_combine_kernel[(tokens, -(-hidden // BLOCK_HIDDEN))](
         y.contiguous(), row_of_pair, handle.pair_weights.float().contiguous(), routed,
         out if add is None else add.contiguous(), out, hidden, TOP_K=handle.top_k,
-        HAS_ROUTED=handle.routed is not None, HAS_ADD=add is not None, BLOCK=BLOCK_HIDDEN, num_warps=4)
+        HAS_ROUTED=handle.routed is not None, HAS_ADD=add is not None, WEIGHTED=weighted, BLOCK=BLOCK_HIDDEN,
+        num_warps=4)
     return out

@@ -166,7 +166,8 @@ def _dispatch_outputs(x, tokens: int, top_k: int, num_experts: int, group):
     routed = torch.empty(pairs, dtype=torch.int8, device=device)
     expert_order = torch.empty(pairs, dtype=torch.int64, device=device)
     handle = OneRankDispatch(pair_index, pair_weights, None, None, expert_order, tokens, top_k, group,
-                             routed=routed.view(torch.bool), row_of_pair=torch.empty_like(expert_order))
+                             routed=routed.view(torch.bool), row_weights=pair_weights,  # row r is pair r
+                             row_of_pair=torch.empty_like(expert_order))
     return expanded, group_sizes, handle
 
 

@@ -19,8 +19,9 @@ from deepinfer.hal.spec import SPECS
 from deepinfer_backends.sm100.quantize_activations import quantize_activations
 
 
-def same_bytes(x, label):
-    got, want = quantize_activations(x), quantize(x, "fp8", 32)
+def same_bytes(x, label, row_scale=None):
+    got = quantize_activations(x, row_scale=row_scale)
+    want = quantize(x if row_scale is None else x.float() * row_scale[..., None], "fp8", 32)
     codes = got.data.view(torch.uint8) != want.data.view(torch.uint8)
     assert not codes.any(), (label, x[codes][:4].tolist(), got.data[codes][:4].view(torch.uint8).tolist(),
                              want.data[codes][:4].view(torch.uint8).tolist())
@@ -31,7 +32,7 @@ def same_bytes(x, label):
 
 spec = SPECS["quantize_activations"]
 for case in (c for c in spec.cases if c.size != "real"):
-    same_bytes(case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu"))["x"], case.name)
+    same_bytes(label=case.name, **case.make_inputs(torch.Generator().manual_seed(0), torch.device("cpu")))
 
 # block maxima within 2048 ulps of 1.75 * 2^E and of 2^E, over binades from the floor's to 2^100
 mantissas = torch.cat((torch.arange(0x600000 - 2048, 0x600000 + 2048), torch.arange(0, 2048),
@@ -49,6 +50,7 @@ x = x * torch.exp2(torch.randint(-75, 76, (64, 32), generator=gen).float()).repe
 same_bytes(x, "150 binades")
 same_bytes(x.bfloat16(), "150 binades, bf16")
 same_bytes(x[:, 96:608], "a strided view")
+same_bytes(x.bfloat16(), "150 binades, bf16, router weights", torch.rand(64, generator=gen))
 """
 
 
@@ -57,5 +59,6 @@ def test_the_kernel_writes_the_references_codes_and_scales_in_the_interpreter():
     import deepinfer.hal.ops  # noqa: F401
 
     cases = [case.name for case in SPECS["quantize_activations"].cases if case.size != "real"]
-    extra = ["maxima at the scale boundaries", "150 binades", "150 binades, bf16", "a strided view"]
+    extra = ["maxima at the scale boundaries", "150 binades", "150 binades, bf16", "a strided view",
+             "150 binades, bf16, router weights"]
     assert interpreted(CHECK).splitlines() == [f"{name} ok" for name in cases + extra]

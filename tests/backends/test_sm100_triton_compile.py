@@ -48,10 +48,10 @@ def _kernels():
             x="*bf16", positions="*i64", cos_sin="*fp32", out="*bf16", rows="i32", heads="i32", x_row_stride="i32",
             out_row_stride="i32", table_stride="i32", sign="fp32"), \
             dict(HEAD=head, ROPE=64, HALF_BLOCK=32, COPY_HEAD=head > 0, BLOCK_ROWS=32, HEAD_CHUNK=rope.HEAD_CHUNK)
-    for y, add in (("*fp32", False), ("*bf16", True)):
-        yield f"ep_combine_kernel[{y} add={add}]", ep_combine.ep_combine_kernel, dict(
+    for y, add, weighted in (("*fp32", False, True), ("*bf16", True, True), ("*fp32", True, False)):
+        yield f"ep_combine_kernel[{y} add={add} weighted={weighted}]", ep_combine.ep_combine_kernel, dict(
             y=y, row_of_pair="*i64", weights="*fp32", routed="*i8", add="*bf16", out="*bf16" if add else y,
-            hidden="i32"), dict(TOP_K=6, HAS_ROUTED=True, HAS_ADD=add, BLOCK=ep_combine.BLOCK_HIDDEN)
+            hidden="i32"), dict(TOP_K=6, HAS_ROUTED=True, HAS_ADD=add, WEIGHTED=weighted, BLOCK=ep_combine.BLOCK_HIDDEN)
     for fmt, kind in sorted(__import__("deepinfer_backends.sm100.kv_load", fromlist=["KINDS"]).KINDS.items()):
         from deepinfer.hal.formats import token_format
 
@@ -96,10 +96,11 @@ def _kernels():
         x="*u8", x_scale="*u8", schedule="*i32", out="*u8", out_scale="*fp32", k="i32", tiles="i32"), \
         dict(TILE_ROWS=align_fp8.BLOCK_M, GROUP=align_fp8.GROUP, BLOCK=align_fp8.BLOCK,
              ROUNDER=align_fp8.SUBNORMAL_ROUNDER)
-    for x in ("*bf16", "*fp32"):
-        yield f"quantize_activations_kernel[{x}]", quantize_activations.quantize_activations_kernel, dict(
-            x=x, data="*u8", scale="*u8", rows="i32", k="i32", x_stride="i32"), \
-            dict(BLOCK_ROWS=quantize_activations.BLOCK_ROWS, BLOCK_K=quantize_activations.BLOCK_K,
+    for x, scaled in (("*bf16", False), ("*fp32", False), ("*fp32", True)):
+        yield f"quantize_activations_kernel[{x} row_scale={scaled}]", quantize_activations.quantize_activations_kernel, \
+            dict(x=x, row_scale="*fp32" if scaled else x, data="*u8", scale="*u8", rows="i32", k="i32",
+                 x_stride="i32"), \
+            dict(HAS_ROW_SCALE=scaled, BLOCK_ROWS=quantize_activations.BLOCK_ROWS, BLOCK_K=quantize_activations.BLOCK_K,
                  BLOCK=quantize_activations.BLOCK)
     for experts in (16, 384):
         yield f"tile_schedule_kernel[{experts} experts]", tile_schedule.tile_schedule_kernel, dict(

@@ -24,14 +24,15 @@ def dispatch_float64(x, topk_ids, topk_weights, num_experts):
     return expanded, group_sizes
 
 
-def combine_float64(y, handle, add=None):
-    """Walk the expanded rows back through the handle's documented maps; sum per token (plus ``add``)."""
+def combine_float64(y, handle, add=None, weighted=True):
+    """Walk the expanded rows back through the handle's documented maps; sum per token, weighted
+    unless told (plus ``add``)."""
     out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float64)
     for row, received in enumerate(handle.expert_order.tolist()):
         if handle.routed is not None and not handle.routed[received]:
             continue
         token = handle.pair_index[received].item() // handle.top_k
-        out[token] += handle.pair_weights[received].item() * y[row]
+        out[token] += (handle.pair_weights[received].item() if weighted else 1.0) * y[row]
     return out if add is None else out + add
 
 
@@ -61,6 +62,19 @@ def test_ep_dispatch_matches_float64(case):
 @pytest.mark.parametrize("case", [c.name for c in SPECS["ep_combine"].cases])
 def test_ep_combine_matches_float64(case):
     check_against_oracle("ep_combine", case, combine_float64)
+
+
+def test_row_weights_are_each_expanded_rows_router_weight_and_unweighted_combine_sums_rows_as_they_are():
+    # the by-hand routing below: rows (expert, token, slot) = (0,0,1) (0,1,0) (1,2,0) (2,0,0) (2,2,1), then (1,1)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    ids = torch.tensor([[2, 0], [0, -1], [1, 2]])
+    weights = torch.tensor([[0.75, 0.25], [1.0, 0.0], [0.5, 0.5]])
+    expanded, _, handle = ep_dispatch(x, ids, weights, num_experts=3)
+    assert handle.row_weights[:5].tolist() == [0.25, 1.0, 0.5, 0.75, 0.5]
+    weighted_rows = expanded * handle.row_weights[:, None]
+    out = ep_combine(weighted_rows, handle, weighted=False)
+    assert torch.equal(out, ep_combine(expanded, handle))
+    assert torch.equal(out, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
 
 
 def test_round_trip_by_hand():
@@ -133,8 +147,11 @@ def dispatch_experts_combine(rank: int, init_file: str, out_dir: str) -> None:
     try:
         x, ids, weights = rank_inputs(rank)
         expanded, sizes, handle = ep_dispatch(x, ids, weights, NUM_EXPERTS, group=dist.group.WORLD)
-        out = ep_combine(fake_experts(expanded, sizes, rank * len(sizes)), handle)
-        torch.save({"expanded": expanded, "sizes": sizes, "out": out}, Path(out_dir) / f"rank{rank}.pt")
+        y = fake_experts(expanded, sizes, rank * len(sizes))
+        out = ep_combine(y, handle)
+        out_unweighted = ep_combine(y * handle.row_weights[:, None], handle, weighted=False)
+        torch.save({"expanded": expanded, "sizes": sizes, "out": out, "out_unweighted": out_unweighted,
+                    "row_weights": handle.row_weights}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -147,9 +164,14 @@ def test_two_ranks_match_one_process(tmp_path):
     for result, (x, ids, weights) in zip(results, inputs):
         expanded, sizes, handle = ep_dispatch(x, ids, weights, NUM_EXPERTS)
         assert torch.equal(result["out"], ep_combine(fake_experts(expanded, sizes, 0), handle))
-    all_expanded, all_sizes, _ = ep_dispatch(*(torch.cat(parts) for parts in zip(*inputs)), NUM_EXPERTS)
+        # the router weights, applied on the experts' side, give the same products and sums
+        assert torch.equal(result["out_unweighted"], result["out"])
+    all_expanded, all_sizes, all_handle = ep_dispatch(*(torch.cat(parts) for parts in zip(*inputs)), NUM_EXPERTS)
     per_rank_rows = all_sizes.view(WORLD, -1).sum(dim=1).tolist()
     routed_rows = all_expanded[:sum(per_rank_rows)]
-    for result, rows, sizes in zip(results, routed_rows.split(per_rank_rows), all_sizes.view(WORLD, -1)):
+    routed_weights = all_handle.row_weights[:sum(per_rank_rows)].split(per_rank_rows)
+    for result, rows, sizes, weights in zip(results, routed_rows.split(per_rank_rows), all_sizes.view(WORLD, -1),
+                                            routed_weights):
         assert torch.equal(result["sizes"], sizes)
         assert torch.equal(result["expanded"], rows)
+        assert torch.equal(result["row_weights"], weights)

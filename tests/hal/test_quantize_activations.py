@@ -48,6 +48,29 @@ def test_leading_dims_are_kept():
     assert relative.max() <= 2 ** -4  # e4m3 keeps 3 mantissa bits: half a step is 2^-4 of the value
 
 
+def test_a_row_scale_multiplies_the_row_before_the_cast():
+    # 448 and 3 under the weight 1/3 (float32): 149.33 and exactly 1.0. Max 149.33 gives 2^-1 (byte 126);
+    # 298.67 rounds to 288 (e4m3 steps 32 in [256, 512)), 2 is exact: 144 and 1.0 back. Cast first and
+    # weighted after, the same row gives 149.33 and 1.0.
+    x = torch.zeros(2, 32)
+    x[:, 0], x[:, 1] = 448.0, 3.0
+    q = quantize_activations(x, row_scale=torch.tensor([1 / 3, 1.0]))
+    assert q.scale.tolist() == [[126], [127]]
+    assert dequantize(q)[:, :2].tolist() == [[144.0, 1.0], [448.0, 3.0]]
+    bf16 = quantize_activations(x.bfloat16(), row_scale=torch.tensor([1 / 3, 1.0]))
+    assert torch.equal(bf16.data.view(torch.uint8), q.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("row_scale, match", [
+    (torch.ones(3), r"row_scale must be a float32 tensor \(2,\).*float32 \(3,\)"),
+    (torch.ones(2, dtype=torch.float64), r"float32 tensor \(2,\).*torch.float64"),
+    ([1.0, 1.0], "got list"),
+])
+def test_a_bad_row_scale_is_refused_with_the_reason(row_scale, match):
+    with pytest.raises(ValueError, match=match):
+        quantize_activations(torch.ones(2, 32), row_scale=row_scale)
+
+
 @pytest.mark.parametrize("x, fmt, match", [
     (torch.randn(4, 48), "fp8", "multiple of 32"),
     (torch.randn(4, 64), "mxfp4", "casts to"),

@@ -1,8 +1,8 @@
 """``model.expert_activation_format=fp8``: the experts' GEMMs, routed and shared, take FP8
-activations (e4m3, UE8M0 per 32), the expert inputs and the SwiGLU's float32 products cast as
-DeepInfer's expert compute casts them, checked against a float64 computation of the recipe; the
-option reaches every MoE layer from the config (random weights and a checkpoint) and is refused
-where it cannot apply."""
+activations (e4m3, UE8M0 per 32), the expert inputs and the SwiGLU's float32 products (a routed
+expert's times its router weight) cast as DeepInfer's expert compute casts them, checked against
+a float64 computation of the recipe; the option reaches every MoE layer from the config (random
+weights and a checkpoint) and is refused where it cannot apply."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,14 +29,20 @@ def _routing(moe: MoE, tokens: int):
     return weights / weights.sum(-1, keepdim=True), ids
 
 
-def _swiglu_fp8(rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float):
+def _swiglu_fp8(rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
+                weight: float = 1.0, weight_first: bool = True):
     """One expert by the recipe, in float64 from FP8-cast ``rows``: the clamped SwiGLU (rounded to
-    float32, as the op hands it on) cast through FP8, then the down projection."""
+    float32, as the op hands it on) times the router ``weight`` in float32, cast through FP8, then
+    the down projection. ``weight_first=False``: the weight multiplies the projection instead."""
     hidden = F.silu((rows @ w1.T).clamp(max=limit)) * (rows @ w3.T).clamp(-limit, limit)
-    return cast_back(hidden.float(), "fp8").double() @ w2.T
+    if not weight_first:
+        return weight * (cast_back(hidden.float(), "fp8").double() @ w2.T)
+    weighted = hidden.float() * torch.tensor(weight, dtype=torch.float32)
+    return cast_back(weighted, "fp8").double() @ w2.T
 
 
-def _experts_fp8_float64(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _experts_fp8_float64(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         weight_first: bool = True) -> torch.Tensor:
     """The routed experts (weighted) plus the shared expert by the recipe, in float64."""
     w1, w3, w2 = (moe.experts.operand(name).dequantize().double() for name in ("w1", "w3", "w2"))
     shared = [getattr(moe.shared_experts, name).operand().dequantize().double() for name in ("w1", "w3", "w2")]
@@ -44,7 +50,7 @@ def _experts_fp8_float64(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: 
     out = _swiglu_fp8(rows, *shared, moe.limit)
     for t in range(x.shape[0]):
         for weight, e in zip(weights[t].tolist(), ids[t].tolist()):
-            out[t] += weight * _swiglu_fp8(rows[t], w1[e], w3[e], w2[e], moe.limit)
+            out[t] += _swiglu_fp8(rows[t], w1[e], w3[e], w2[e], moe.limit, weight, weight_first)
     return out
 
 
@@ -56,8 +62,11 @@ def test_fp8_expert_activations_follow_the_recipe():
     scale = want.abs().max().item()
     got_error = (fp8.apply_experts(x, weights, ids).double() - want).abs().max().item()
     plain_error = (plain.apply_experts(x, weights, ids).double() - want).abs().max().item()
+    weight_last = _experts_fp8_float64(fp8, x, weights, ids, weight_first=False)
     assert got_error <= 1e-5 * scale, f"fp8 expert activations are {got_error / scale:.1e} of max |y| off the recipe"
     assert plain_error > 100 * got_error, "the model-dtype activations should miss the FP8 recipe"
+    assert (weight_last - want).abs().max().item() > 100 * got_error, \
+        "weighting after the down projection should miss the recipe"
 
 
 def test_the_forward_casts_as_apply_experts_does():

@@ -30,16 +30,19 @@ SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0 ** 14)
 
 
 @triton.jit
-def quantize_activations_kernel(x, data, scale, rows, k, x_stride, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK: tl.constexpr):
+def quantize_activations_kernel(x, row_scale, data, scale, rows, k, x_stride, HAS_ROW_SCALE: tl.constexpr,
+                                BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
     """Rows ``[BLOCK_ROWS p, +BLOCK_ROWS)`` and columns ``[BLOCK_K q, +BLOCK_K)`` of ``x [rows, k]``
-    (row stride ``x_stride``) into ``data uint8 [rows, k]`` (e4m3 codes) and ``scale uint8
-    [rows, k / BLOCK]``; ``k`` a multiple of ``BLOCK``."""
+    (row stride ``x_stride``; with ``HAS_ROW_SCALE`` times float32 ``row_scale [rows]``, in
+    float32) into ``data uint8 [rows, k]`` (e4m3 codes) and ``scale uint8 [rows, k / BLOCK]``;
+    ``k`` a multiple of ``BLOCK``."""
     GROUPS: tl.constexpr = BLOCK_K // BLOCK
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     column = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = (row < rows)[:, None] & (column < k)[None, :]
     value = tl.load(x + row[:, None] * x_stride + column[None, :], mask=inside, other=0.0).to(tl.float32)
+    if HAS_ROW_SCALE:
+        value = value * tl.load(row_scale + row, mask=row < rows, other=0.0)[:, None]
     blocks = tl.reshape(value, (BLOCK_ROWS, GROUPS, BLOCK))
     amax = tl.maximum(tl.max(tl.abs(blocks), axis=2), AMAX_FLOOR)
     byte = ((amax.to(tl.int32, bitcast=True) + 0x1FFFFF) >> 23) - 8

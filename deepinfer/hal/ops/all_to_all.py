@@ -3,7 +3,9 @@
 Experts are owned in contiguous ranges of ``num_experts / world_size`` (rank ``r`` owns experts
 ``r * E_local .. (r + 1) * E_local - 1``). Dispatch produces the expanded, expert-contiguous rows
 the grouped GEMM consumes; combine sums the expert outputs, weighted by the router, back into
-the source tokens' order. Rows travel with ``torch.distributed.all_to_all_single``.
+the source tokens' order, or as they are where the experts' side has applied the router weights
+(``row_weights``; DeepInfer multiplies them into the SwiGLU's products ahead of the FP8 cast of
+the down projection's input). Rows travel with ``torch.distributed.all_to_all_single``.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ class DispatchHandle:
     row ``i`` is received row ``expert_order[i]``; ``num_tokens`` and ``top_k``: the source
     ``topk_ids`` shape; ``group``: the process group (None: one rank); ``routed`` (bool ``[P]``,
     None when every pair was routed): which pairs carry an expert's output (the others are
-    skipped by combine, whatever their rows hold)."""
+    skipped by combine, whatever their rows hold); ``row_weights`` (float32 ``[M]``): the router
+    weight of each expanded row, in expanded order (a row that carries no routed pair: any
+    value), travelled with the rows across ranks."""
 
     pair_index: torch.Tensor
     pair_weights: torch.Tensor
@@ -39,6 +43,7 @@ class DispatchHandle:
     top_k: int
     group: Any = None
     routed: torch.Tensor | None = None
+    row_weights: torch.Tensor | None = None
 
 
 def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -73,8 +78,10 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     rows = _exchange(x[pair_index // top_k], send_counts, recv_counts, group)
     local_ids = _exchange(pair_experts, send_counts, recv_counts, group) - rank * local_experts
     expert_order = torch.sort(local_ids, stable=True).indices
-    handle = DispatchHandle(pair_index, topk_weights.reshape(-1)[pair_index].float(), send_counts,
-                            recv_counts, expert_order, num_tokens, top_k, group)
+    pair_weights = topk_weights.reshape(-1)[pair_index].float()
+    row_weights = _exchange(pair_weights, send_counts, recv_counts, group)[expert_order]
+    handle = DispatchHandle(pair_index, pair_weights, send_counts, recv_counts, expert_order, num_tokens, top_k,
+                            group, row_weights=row_weights)
     return rows[expert_order], torch.bincount(local_ids, minlength=local_experts), handle
 
 
@@ -87,19 +94,23 @@ def _dispatch_local(x, topk_ids, topk_weights, num_experts, group):
     group_sizes = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
     group_sizes = group_sizes.scatter_add_(0, sort_key, torch.ones_like(sort_key))[:num_experts]
     expert_order = torch.arange(pair_index.numel(), device=x.device)
-    handle = DispatchHandle(pair_index, topk_weights.reshape(-1)[pair_index].float(), None, None, expert_order,
-                            num_tokens, top_k, group, routed=(flat_ids >= 0)[pair_index])
+    pair_weights = topk_weights.reshape(-1)[pair_index].float()  # expanded row i is pair i
+    handle = DispatchHandle(pair_index, pair_weights, None, None, expert_order, num_tokens, top_k, group,
+                            routed=(flat_ids >= 0)[pair_index], row_weights=pair_weights)
     return x[pair_index // top_k], group_sizes, handle
 
 
-def ep_combine(y: torch.Tensor, handle: DispatchHandle, add: torch.Tensor | None = None) -> torch.Tensor:
+def ep_combine(y: torch.Tensor, handle: DispatchHandle, add: torch.Tensor | None = None,
+               weighted: bool = True) -> torch.Tensor:
     """Send expert outputs back and reduce them per source token (plus ``add``, when given).
 
     ``y [M, H]`` is in :func:`ep_dispatch`'s expanded order (rows past the experts' segments are
     ignored). Returns ``out [T, H]`` in ``y.dtype`` with ``out[t] = sum over the token's routed
     slots j, in slot order, of topk_weights[t, j] * (its expert's output row)``, accumulated in
-    float32 starting from zero; tokens without routed slots get zeros. With ``add`` (``[T, H]``,
-    float; the MoE's shared expert) the result is ``out.to(add.dtype) + add``, in ``add.dtype``."""
+    float32 starting from zero; tokens without routed slots get zeros. ``weighted=False`` sums
+    the rows as they are (their router weights applied already, from ``handle.row_weights``).
+    With ``add`` (``[T, H]``, float; the MoE's shared expert) the result is
+    ``out.to(add.dtype) + add``, in ``add.dtype``."""
     check_combine_rows(y, handle)
     check_combine_add(add, handle.num_tokens, y.shape[1])
     if handle.send_counts is None:
@@ -109,11 +120,11 @@ def ep_combine(y: torch.Tensor, handle: DispatchHandle, add: torch.Tensor | None
         received[handle.expert_order] = y
         returned = _exchange(received, handle.recv_counts, handle.send_counts, handle.group)
     hidden = y.shape[1]
-    weighted = returned.float() * handle.pair_weights[:, None]
+    rows = returned.float() * handle.pair_weights[:, None] if weighted else returned.float()
     if handle.routed is not None:
-        weighted = torch.where(handle.routed[:, None], weighted, 0.0)
+        rows = torch.where(handle.routed[:, None], rows, 0.0)
     per_slot = torch.zeros(handle.num_tokens * handle.top_k, hidden, dtype=torch.float32, device=y.device)
-    per_slot = per_slot.index_copy(0, handle.pair_index, weighted).view(handle.num_tokens, handle.top_k, hidden)
+    per_slot = per_slot.index_copy(0, handle.pair_index, rows).view(handle.num_tokens, handle.top_k, hidden)
     out = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32, device=y.device)
     for slot in range(handle.top_k):
         out += per_slot[:, slot]
@@ -188,8 +199,10 @@ def _dispatch_case(tokens, hidden, top_k, num_experts, unrouted=0, dtype=torch.f
     return make
 
 
-def _combine_case(tokens, hidden, top_k, num_experts, unrouted=0, dtype=torch.float32, add_dtype=None):
-    """``add_dtype``: pass an ``add`` of that dtype (the shared expert's output)."""
+def _combine_case(tokens, hidden, top_k, num_experts, unrouted=0, dtype=torch.float32, add_dtype=None,
+                  weighted=True):
+    """``add_dtype``: pass an ``add`` of that dtype (the shared expert's output); ``weighted=False``:
+    the rows carry their router weights already."""
     dispatch_inputs = _dispatch_case(tokens, hidden, top_k, num_experts, unrouted, dtype)
 
     def make(gen: torch.Generator, device: torch.device):
@@ -198,6 +211,8 @@ def _combine_case(tokens, hidden, top_k, num_experts, unrouted=0, dtype=torch.fl
         args = {"y": y, "handle": handle}
         if add_dtype is not None:
             args["add"] = torch.randn(tokens, hidden, generator=gen).to(device, add_dtype)
+        if not weighted:
+            args["weighted"] = False
         return args
     return make
 
@@ -228,5 +243,8 @@ register(OpSpec(
         OpCase("tiny_float32_y_bf16_add", _combine_case(5, 40, 3, 6, add_dtype=torch.bfloat16), dtype=torch.bfloat16),
         OpCase("v41_routing_add", _combine_case(16, 4096, 6, 16, dtype=torch.bfloat16, add_dtype=torch.bfloat16),
                "real", dtype=torch.bfloat16),
+        OpCase("tiny_unweighted", _combine_case(6, 8, 3, 8, unrouted=2, weighted=False)),
+        OpCase("tiny_unweighted_bf16_add", _combine_case(5, 40, 3, 6, dtype=torch.bfloat16, add_dtype=torch.bfloat16,
+                                                         weighted=False), dtype=torch.bfloat16),
     ),
 ))

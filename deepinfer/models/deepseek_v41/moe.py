@@ -127,7 +127,10 @@ class MoE(nn.Module):
                 weights: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' output rounded to ``x.dtype``, plus ``shared`` (the shared expert's,
         in ``x.dtype``): the gate on ``logits`` with the dispatch (``moe_route``; or the dispatch of
-        the given ``weights`` and ``ids``), the grouped SwiGLU and down GEMMs, combine (which adds it)."""
+        the given ``weights`` and ``ids``), the grouped SwiGLU and down GEMMs, combine (which adds it).
+        With FP8 activations the router weights multiply the SwiGLU's float32 products ahead of
+        their cast, as DeepInfer's fused SwiGLU and cast does, and combine sums the rows as they
+        are; otherwise combine weights them."""
         ops, experts = self.ops, self.experts
         if logits is not None and self.eplb is None:
             _, _, rows, group_sizes, handle = ops.moe_route(x, logits, self.gate.bias, self.top_k, self.routed_scale,
@@ -145,9 +148,11 @@ class MoE(nn.Module):
             rows = ops.quantize_activations(rows, fmt)
         hidden = ops.grouped_swiglu(rows, experts.operand("w1"), experts.operand("w3"), group_sizes, self.limit,
                                     x.dtype if fmt is None else torch.float32)
+        weighted = fmt is None or handle.row_weights is None
         if fmt is not None:
-            hidden = ops.quantize_activations(hidden, fmt)
-        return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle, add=shared)
+            hidden = ops.quantize_activations(hidden, fmt, None if weighted else handle.row_weights)
+        return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle, add=shared,
+                              weighted=weighted)
 
 
 def cast_expert_activations(model: nn.Module, fmt: str | None) -> nn.Module:
