@@ -156,7 +156,8 @@ def cases(target: str = "pto", platform: str = "A5") -> list[dict]:
                  "index_fp4": fp4,
                  "fp4": dict(aliases={**fp4["aliases"], "scale_codes": ("packed", rows * half),
                                       "scale_rows": ("packed", rows * half)},
-                             shapes={**fp4["shapes"], "scale_codes": (1, blocks), "scale_rows": (rows, dim // group)})}[fmt]
+                             shapes={**fp4["shapes"], "scale_codes": (1, blocks),
+                                     "scale_rows": (rows, dim // group)})}[fmt]
         floor = {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR, "fp4": NVFP4_AMAX_FLOOR}.get(fmt)
         found.append(dict(
             name=f"kv_norm_rope_store_{fmt}", module="kv_norm_rope_store", builder="kv_norm_rope_store_kernel",

@@ -57,8 +57,9 @@ class Ascend950Backend(Backend):
         fp8=True,
         collectives=frozenset({"hccl"}),
         notes=("npu (backend.execution=native): rms_norm, grouped_gemm (bf16, float32, FP8), mla_sparse_decode "
-               "(bf16 or FP8 cache, an FP8 or FP4 extra list), mla_sparse_prefill, apply_rope and kv_norm_rope_store (every cache format), "
-               "tilelang-ascend kernels compiled for pto/A5 by shape; other inputs are refused with the reason",
+               "(bf16 or FP8 cache, an FP8 or FP4 extra list), mla_sparse_prefill, apply_rope and "
+               "kv_norm_rope_store (every cache format), tilelang-ascend kernels compiled for pto/A5 by shape; other "
+               "inputs are refused with the reason",
                "the native wrappers are tested on the CPU with a stand-in for tilelang; they have never compiled "
                "or run on a 950",
                "cpu: an emulation of the kernels' tile plans (backend.execution=emulate), not of the hardware",

@@ -69,12 +69,12 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
     blocks divide (ahead of cuBLAS on model=small's decode shapes but shared.w2 at 16 rows:
     ``experiments/results/linear_stacked_h200.csv``), or weights that are all FP8
     (:func:`_fp8_weight`; products float32 by default, ``linear``'s dtype for quantized operands);
-    None where it does not serve. ``rope``
-    (``(positions, cos_sin, head width per weight)``, the HAL ``stacked_linear``'s RoPE) is applied
-    in the kernel's epilogue where the column blocks divide the head widths and their rotated
-    parts; None where it cannot be. ``swiglu`` (``(limit,)``): the last two weights are a gate and
-    an up projection whose SwiGLU the kernel stores in place of both. ``out_dtype``: the products'
-    dtype (default bf16, float32 for FP8 weights). ``norm`` (``(weight [K], eps)``): the products of ``x`` (bf16 or float32)
+    None where it does not serve. ``rope`` (``(positions, cos_sin, head width per weight)``, the
+    HAL ``stacked_linear``'s RoPE) is applied in the kernel's epilogue where the column blocks
+    divide the head widths and their rotated parts; None where it cannot be. ``swiglu``
+    (``(limit,)``): the last two weights are a gate and an up projection whose SwiGLU the kernel
+    stores in place of both. ``out_dtype``: the products' dtype (default bf16, float32 for FP8
+    weights). ``norm`` (``(weight [K], eps)``): the products of ``x`` (bf16 or float32)
     RMS-normalised and rounded to bf16, where ``K`` is at most
     :data:`~.fused.linear_skinny.NORM_MAX_K` (None above it). ``mxfp4``: the products (indices)
     cast through MXFP4 in the epilogue, where the column tiles are 32 wide (None where not)."""
@@ -102,9 +102,10 @@ def few_rows_linears(x, weights, batch_invariant: bool = False, options: KernelO
         rope = (positions.contiguous(), cos_sin.float().contiguous(), list(heads))
     flat = x.reshape(rows, x.shape[-1])
     products = linear_skinny(flat if flat.stride(-1) == 1 else flat.contiguous(),
-                             weights if fp8 else [w.contiguous() for w in weights], tiles, rope=rope, gated=swiglu is not None,
-                             limit=swiglu[0] if swiglu is not None else None, out_dtype=out_dtype,
-                             norm=None if norm is None else (float32_param(norm[0]), norm[1]), mxfp4=tuple(mxfp4))
+                             weights if fp8 else [w.contiguous() for w in weights], tiles, rope=rope,
+                             gated=swiglu is not None, limit=swiglu[0] if swiglu is not None else None,
+                             out_dtype=out_dtype, norm=None if norm is None else (float32_param(norm[0]), norm[1]),
+                             mxfp4=tuple(mxfp4))
     return tuple(y.view(*x.shape[:-1], y.shape[1]) for y in products)
 
 

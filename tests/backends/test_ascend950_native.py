@@ -16,7 +16,8 @@ import torch
 
 import deepinfer.hal.ops  # noqa: F401  (registers the op specs)
 from deepinfer.hal import OpTable, UnsupportedInput
-from deepinfer.hal.formats import FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR, Quantized, decode_tokens, encode_tokens, quantize
+from deepinfer.hal.formats import (FP8_AMAX_FLOOR, MXFP4_AMAX_FLOOR, NVFP4_AMAX_FLOOR, Quantized, decode_tokens,
+                                   encode_tokens, quantize)
 from deepinfer.hal.spec import SPECS, compare
 from deepinfer_backends.ascend950 import Ascend950Backend
 from deepinfer_backends.ascend950.buffers import AI_CORES, layout
@@ -119,7 +120,8 @@ def _emulate(name: str, a: dict, *inputs):
     keys = ar.apply_rope(rn.rms_norm(x, weight[0], a["eps"]), positions.long(), table)
     stored = slots >= 0
     if a["fmt"] in ("fp8", "index_fp4", "fp4"):
-        assert a["amax_floor"] == {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR, "fp4": NVFP4_AMAX_FLOOR}[a["fmt"]]
+        floors = {"fp8": FP8_AMAX_FLOOR, "index_fp4": MXFP4_AMAX_FLOOR, "fp4": NVFP4_AMAX_FLOOR}
+        assert a["amax_floor"] == floors[a["fmt"]]
         rows = encode_tokens(keys, a["fmt"])
         cache[slots[stored].long()] = rows[stored]
         return [decode_tokens(rows, a["fmt"]).to(keys.dtype)]

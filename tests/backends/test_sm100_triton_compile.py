@@ -76,9 +76,9 @@ def _kernels():
     variants = ((1, False, 0, False), (5, True, 0, False), (2, True, 64, False), (2, False, 64, False),
                 (3, False, 0, True), (3, True, 0, True))
     for (weights, one_row, rope, gated), tiles in zip(variants, [*linear_skinny.TILES.values()] * 3):
-        for (norm, x, mxfp4), fp8 in itertools.product(
-                ((False, "*bf16", False), (True, "*fp32", tiles["block_n"] == 32)) if rope else ((False, "*bf16", False),),
-                (False, True)):
+        plain = (False, "*bf16", False)
+        inputs = (plain, (True, "*fp32", tiles["block_n"] == 32)) if rope else (plain,)
+        for (norm, x, mxfp4), fp8 in itertools.product(inputs, (False, True)):
             w, y = ("*u8", "*fp32") if fp8 else ("*bf16", "*bf16")
             # Triton passes a row count of 1 as a constant
             yield f"linear_skinny_kernel[{weights} weights, one row {one_row}, rope {rope}, gated {gated}, " \
@@ -97,9 +97,9 @@ def _kernels():
         dict(TILE_ROWS=align_fp8.BLOCK_M, GROUP=align_fp8.GROUP, BLOCK=align_fp8.BLOCK,
              ROUNDER=align_fp8.SUBNORMAL_ROUNDER)
     for x, scaled in (("*bf16", False), ("*fp32", False), ("*fp32", True)):
-        yield f"quantize_activations_kernel[{x} row_scale={scaled}]", quantize_activations.quantize_activations_kernel, \
-            dict(x=x, row_scale="*fp32" if scaled else x, data="*u8", scale="*u8", rows="i32", k="i32",
-                 x_stride="i32"), \
+        kernel = quantize_activations.quantize_activations_kernel
+        yield f"quantize_activations_kernel[{x} row_scale={scaled}]", kernel, dict(
+            x=x, row_scale="*fp32" if scaled else x, data="*u8", scale="*u8", rows="i32", k="i32", x_stride="i32"), \
             dict(HAS_ROW_SCALE=scaled, BLOCK_ROWS=quantize_activations.BLOCK_ROWS, BLOCK_K=quantize_activations.BLOCK_K,
                  BLOCK=quantize_activations.BLOCK)
     for experts in (16, 384):

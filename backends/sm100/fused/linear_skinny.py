@@ -187,11 +187,10 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
     float32 unless ``out_dtype`` says otherwise (``linear``'s dtype for quantized operands)."""
     rows, k = x.shape
     fp8 = isinstance(weights[0], Quantized)
-    scales = [w.scale for w in weights] if fp8 else None
+    scales = [w.scale for w in weights] if fp8 else [x] * len(weights)  # x: a pointer the kernel leaves unread
     weights = [w.data.view(torch.uint8) for w in weights] if fp8 else weights
-    w_up, s_up = (weights[-1], scales[-1] if fp8 else x) if gated else (x, x)
-    weights = weights[:-1] if gated else weights
-    scales = (scales[:-1] if gated else scales) if fp8 else [x] * len(weights)
+    w_up, s_up = (weights[-1], scales[-1]) if gated else (x, x)
+    weights, scales = (weights[:-1], scales[:-1]) if gated else (weights, scales)
     if gated and len(weights) > MAX_WEIGHTS:
         raise ValueError(f"a gated call takes at most {MAX_WEIGHTS} weights besides the up projection")
     widths = [w.shape[0] for w in weights]
@@ -227,8 +226,8 @@ def linear_skinny(x: torch.Tensor, weights: list[torch.Tensor], tiles: dict[str,
 
 def main() -> None:
     """Check the kernel against the float64 products on this GPU (one weight and several, bf16 and
-    FP8 weights), then the HAL ``stacked_linear`` (its RoPE and SwiGLU epilogues among the cases) against its OpSpec
-    reference and tolerance (:mod:`deepinfer_backends.sm100.selfcheck`)."""
+    FP8 weights), then the HAL ``stacked_linear`` (its RoPE and SwiGLU epilogues among the cases)
+    against its OpSpec reference and tolerance (:mod:`deepinfer_backends.sm100.selfcheck`)."""
     gen = torch.Generator().manual_seed(0)
     for widths, k, rows in (((1280, 512, 64, 512, 512), 4096, 1), ((4096,), 2048, 3), ((32768, 8192), 1280, 16),
                             ((16, 48, 32, 16, 64, 16, 32), 96, 5)):

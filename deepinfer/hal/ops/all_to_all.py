@@ -29,7 +29,7 @@ class DispatchHandle:
     (None on one rank, where nothing is exchanged); ``expert_order`` (int64 ``[M]``): expanded
     row ``i`` is received row ``expert_order[i]``; ``num_tokens`` and ``top_k``: the source
     ``topk_ids`` shape; ``group``: the process group (None: one rank); ``routed`` (bool ``[P]``,
-    None when every pair was routed): which pairs carry an expert's output (the others are
+    None when every pair is routed): which pairs carry an expert's output (the others are
     skipped by combine, whatever their rows hold); ``row_weights`` (float32 ``[M]``): the router
     weight of each expanded row, in expanded order (a row that carries no routed pair: any
     value), travelled with the rows across ranks."""
