@@ -5,9 +5,10 @@ Rows (``kind``):
 
 * ``engine``: ``LLM`` on the composed config (``model``, ``backend`` and the overrides), then on
   the reference backend of the same device (``study.reference``), per prompt length, batch size
-  and DSpark off/on. Greedy requests of random tokens are prefilled (``prefill_tok_s``: prompt
-  tokens over the prefill steps' wall time), then ``study.steps`` decode steps are timed one by
-  one (``step_ms``: median; ``decode_tok_s``: emitted tokens over the decode steps' wall time;
+  and DSpark off/on. ``prefill_tok_s``: prompt tokens over the median wall time of
+  ``study.prefill_repeats`` prefills, each of a batch of fresh greedy requests of random tokens
+  that ask for one token (the steps until every first token is out). Then ``study.steps``
+  decode steps of another such batch are timed one by one (``step_ms``: median; ``decode_tok_s``: emitted tokens over the decode steps' wall time;
   ``tok_s_per_user``: that over the batch).
 * ``hf``: transformers' ``DeepseekV3ForCausalLM`` with the widths of :data:`HF_WIDTHS` (random
   weights, bf16, eager PyTorch with SDPA attention, its own KV cache), same prompts and steps.
@@ -89,6 +90,8 @@ class Settings(StudySettings):
     """Prompt lengths of the reference backend."""
     steps: int = 32
     """Decode steps timed per point."""
+    prefill_repeats: int = 5
+    """Prefills timed per point (their median gives ``prefill_tok_s``)."""
     dspark: bool = False
     """Also every engine point with DSpark on (the composed ``decoding``)."""
     dspark_model: Optional[str] = None
@@ -129,11 +132,11 @@ def engine_config(app: AppConfig, backend: BackendConfig, model: ModelConfig, pr
 
 def engine_rows(app: AppConfig, prompts: list[int], batches: list[int], steps: int, bandwidth: Optional[float],
                 record, profile: tuple[int, ...] = (), trace_prefill: int = 0, trace_decode: int = 0,
-                floors: bool = True) -> None:
+                floors: bool = True, prefill_repeats: int = 1) -> None:
     """One engine's points (the engine ``app`` describes), each passed to ``record`` as it is
     measured (then the floor rows, with ``floors`` and a ``bandwidth``). Engines run one after
     another in this process. Each point runs once untimed first, so no kernel compiles while it
-    is timed. ``trace_prefill``: a batch size whose prefill at the first prompt length is traced
+    is timed; ``prefill_repeats`` prefills are timed per point. ``trace_prefill``: a batch size whose prefill at the first prompt length is traced
     once more, after the timed points, its heaviest kernels printed; ``trace_decode``: a batch
     size whose decode steps are traced eagerly by op."""
     llm = LLM.from_config(app)
@@ -141,7 +144,9 @@ def engine_rows(app: AppConfig, prompts: list[int], batches: list[int], steps: i
     for prompt in prompts:
         for batch in batches:
             _point(llm, prompt, batch, 4)  # untimed: the kernels of this point's shapes compile here
+            prefill_s = statistics.median(_prefill_seconds(llm, prompt, batch) for _ in range(max(1, prefill_repeats)))
             row = _point(llm, prompt, batch, steps, profile=batch in profile and prompt == prompts[0])
+            row["prefill_tok_s"] = round(batch * prompt / prefill_s)
             row.update(kind="engine", backend=app.backend.name, model=app.model.name,
                        dspark=bool(app.decoding.num_draft_tokens), prompt=prompt, batch=batch,
                        asynchronous=app.engine.async_scheduling)
@@ -158,12 +163,26 @@ def engine_rows(app: AppConfig, prompts: list[int], batches: list[int], steps: i
     torch.cuda.empty_cache()
 
 
+def _prefill_seconds(llm: LLM, prompt: int, batch: int) -> float:
+    """Wall time of the steps that prefill ``batch`` fresh ``prompt``-token requests, each asking
+    for one token, until every request has it."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
+    started = time.perf_counter()
+    while not all(r.finished for r in requests):
+        llm.step()
+    return time.perf_counter() - started
+
+
 def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False) -> dict:
+    """Decode of ``batch`` fresh ``prompt``-token requests, prefilled first: the median step time
+    and the emission rates of ``steps`` full-batch decode steps (the step that collects the
+    prefill's tokens left out), with ``profile`` the GPU's idle share over 8 of them."""
     budget = llm.config.engine.max_num_batched_tokens
     params = SamplingParams(temperature=0, max_tokens=(steps + 2) * (1 + (llm.dspark.k if llm.dspark else 0))
                             + math.ceil(batch * prompt / budget), ignore_eos=True)
     requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
-    prefill_s, decode_times, emitted, decoding = 0.0, [], 0, False
+    decode_times, emitted, decoding = [], 0, False
     tracing = None
     while not all(r.finished for r in requests):
         before = sum(len(r.output_token_ids) for r in requests)
@@ -171,8 +190,8 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
         stats = llm.step()
         elapsed = time.perf_counter() - started
         if stats.num_prefill_tokens:
-            prefill_s += elapsed
-        elif not decoding:
+            continue
+        if not decoding:
             decoding = stats.decode  # the first decode step collects the prefill's tokens (or none, in flight)
         elif stats.decode and stats.num_seqs == batch and len(decode_times) < steps:
             decode_times.append(elapsed)
@@ -185,7 +204,7 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
                 tracing.__exit__(None, None, None)
                 profile, tracing = False, _gpu_busy(tracing)
     decode_s = sum(decode_times)
-    row = dict(prefill_tok_s=round(batch * prompt / prefill_s), step_ms=round(1e3 * statistics.median(decode_times), 3),
+    row = dict(step_ms=round(1e3 * statistics.median(decode_times), 3),
                decode_tok_s=round(emitted / decode_s, 1), tok_s_per_user=round(emitted / decode_s / batch, 2),
                accepted_per_step=round(emitted / len(decode_times) / batch - 1, 3))
     if isinstance(tracing, dict):
@@ -418,11 +437,12 @@ def run(app: AppConfig, settings: Settings, record) -> None:
         engine_rows(engine_config(app, app.backend, app.model, settings.prompts, settings.batches, steps, dspark, 0.45,
                                   True), settings.prompts, settings.batches, steps, bandwidth, record, profile=profile,
                     trace_prefill=0 if dspark else settings.trace_prefill,
-                    trace_decode=0 if dspark else settings.trace_decode)
+                    trace_decode=0 if dspark else settings.trace_decode, prefill_repeats=settings.prefill_repeats)
     if settings.compare_async:
         prompts = settings.prompts[:1]
         engine_rows(engine_config(app, app.backend, app.model, prompts, settings.batches, steps, False, 0.45, False),
-                    prompts, settings.batches, steps, bandwidth, record, profile=profile, floors=False)
+                    prompts, settings.batches, steps, bandwidth, record, profile=profile, floors=False,
+                    prefill_repeats=settings.prefill_repeats)
     if settings.reference and app.backend.name != "reference":
         reference = BackendConfig(name="reference", device=app.backend.device)
         prompts, batches = settings.reference_prompts, settings.reference_batches
@@ -434,7 +454,8 @@ def run(app: AppConfig, settings: Settings, record) -> None:
         prompts, batches = settings.prompts[:1], settings.dspark_batches
         for dspark in (False, True):
             engine_rows(engine_config(app, app.backend, model, prompts, batches, steps, dspark, 0.1, True),
-                        prompts, batches, steps, bandwidth, record, profile=profile, floors=False)
+                        prompts, batches, steps, bandwidth, record, profile=profile, floors=False,
+                        prefill_repeats=settings.prefill_repeats)
     if settings.hf:
         hf_rows(settings.prompts, settings.batches, steps, settings.hf_max_kv_gib, record)
 
