@@ -19,6 +19,8 @@ import torch
 T = TypeVar("T")
 PINNED_SLOTS = 8
 """Pinned staging buffers used in turn; a buffer is refilled only after its copy has finished."""
+MIN_STAGING = 4096
+"""Smallest capacity (int64 elements) of a staging buffer."""
 
 
 class Runtime:
@@ -122,21 +124,24 @@ class CudaRuntime(Runtime):
         super().__init__(device)
         torch.cuda.set_device(device)
         self._pinned: list[torch.Tensor] = []
-        self._copied: list[torch.cuda.Event | None] = []
+        self._copied: list[torch.cuda.Event | None] = [None] * PINNED_SLOTS
         self._next = 0
         self._pool = None
 
     def upload(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The int64 ``array`` on the device, staged through the next pinned buffer of the ring
+        (waiting only if that buffer's last copy is still running). An array larger than the
+        buffers resizes every buffer of the ring at once, to a power of two, so that the ring
+        takes the largest step's size in one go rather than one buffer per step."""
         slot = self._next
         self._next = (slot + 1) % PINNED_SLOTS
-        if len(self._pinned) <= slot:
-            self._pinned.append(torch.empty(0, dtype=torch.int64).pin_memory())
-            self._copied.append(None)
         if self._copied[slot] is not None and not self._copied[slot].query():
             self._copied[slot].synchronize()
-        if self._pinned[slot].numel() < array.size:
-            self._pinned[slot] = torch.empty(max(array.size, 2 * self._pinned[slot].numel()),
-                                             dtype=torch.int64).pin_memory()
+        if not self._pinned or self._pinned[0].numel() < array.size:
+            capacity = max(MIN_STAGING, 1 << (int(array.size) - 1).bit_length())
+            # a buffer whose copy is still queued stays allocated until the copy is done (the
+            # caching host allocator records the copy's stream), so the old buffers may go
+            self._pinned = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(PINNED_SLOTS)]
         staging = self._pinned[slot][:array.size]
         staging.copy_(torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)))
         moved = staging.to(self.device, non_blocking=True) if out is None else out.copy_(staging, non_blocking=True)
