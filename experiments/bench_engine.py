@@ -8,8 +8,9 @@ Rows (``kind``):
   and DSpark off/on. ``prefill_tok_s``: prompt tokens over the median wall time of
   ``study.prefill_repeats`` prefills, each of a batch of fresh greedy requests of random tokens
   that ask for one token (the steps until every first token is out). Then ``study.steps``
-  decode steps of another such batch are timed one by one (``step_ms``: median; ``decode_tok_s``: emitted tokens over the decode steps' wall time;
-  ``tok_s_per_user``: that over the batch).
+  decode steps of another such batch are timed one by one (``step_ms``: median;
+  ``decode_tok_s``: emitted tokens over the decode steps' wall time; ``tok_s_per_user``: that
+  over the batch).
 * ``hf``: transformers' ``DeepseekV3ForCausalLM`` with the widths of :data:`HF_WIDTHS` (random
   weights, bf16, eager PyTorch with SDPA attention, its own KV cache), same prompts and steps.
 * ``ceiling``: device copy bandwidth (GB/s, a large device-to-device copy), and the dense bf16
@@ -91,7 +92,8 @@ class Settings(StudySettings):
     steps: int = 32
     """Decode steps timed per point."""
     prefill_repeats: int = 5
-    """Prefills timed per point (their median gives ``prefill_tok_s``)."""
+    """Prefills timed per point of the composed backend (their median gives ``prefill_tok_s``);
+    the reference backend's points time one."""
     dspark: bool = False
     """Also every engine point with DSpark on (the composed ``decoding``)."""
     dspark_model: Optional[str] = None
@@ -136,15 +138,17 @@ def engine_rows(app: AppConfig, prompts: list[int], batches: list[int], steps: i
     """One engine's points (the engine ``app`` describes), each passed to ``record`` as it is
     measured (then the floor rows, with ``floors`` and a ``bandwidth``). Engines run one after
     another in this process. Each point runs once untimed first, so no kernel compiles while it
-    is timed; ``prefill_repeats`` prefills are timed per point. ``trace_prefill``: a batch size whose prefill at the first prompt length is traced
-    once more, after the timed points, its heaviest kernels printed; ``trace_decode``: a batch
-    size whose decode steps are traced eagerly by op."""
+    is timed; ``prefill_repeats`` prefills are timed per point. ``trace_prefill``: a batch size
+    whose prefill at the first prompt length is traced once more, after the timed points, its
+    heaviest kernels printed; ``trace_decode``: a batch size whose decode steps are traced
+    eagerly by op."""
     llm = LLM.from_config(app)
     rows = []
     for prompt in prompts:
         for batch in batches:
             _point(llm, prompt, batch, 4)  # untimed: the kernels of this point's shapes compile here
-            prefill_s = statistics.median(_prefill_seconds(llm, prompt, batch) for _ in range(max(1, prefill_repeats)))
+            prefill_s = statistics.median(_prefill_seconds(llm, prompt, batch)
+                                          for _ in range(max(1, prefill_repeats)))
             row = _point(llm, prompt, batch, steps, profile=batch in profile and prompt == prompts[0])
             row["prefill_tok_s"] = round(batch * prompt / prefill_s)
             row.update(kind="engine", backend=app.backend.name, model=app.model.name,
