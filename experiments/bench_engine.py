@@ -57,7 +57,7 @@ from deepinfer.study import StudySettings, compose_study, study_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import ceilings  # noqa: E402
-from op_profile import host_syncs, idle_gaps, is_op_range, labelled_ops, op_table, op_times  # noqa: E402
+from op_profile import decode_kernels, gpu_busy, prefill_kernels  # noqa: E402
 
 HF_WIDTHS = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64,
                  num_key_value_heads=64, q_lora_rank=1280, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -157,9 +157,9 @@ def engine_rows(app: AppConfig, prompts: list[int], batches: list[int], steps: i
             rows.append(row)
             record(row)
     if trace_prefill:
-        print(prefill_kernels(llm, prompts[0], trace_prefill), flush=True)
+        print(prefill_kernels(llm, _prompts(llm, prompts[0], trace_prefill)), flush=True)
     if trace_decode:
-        print(decode_kernels(llm, prompts[0], trace_decode), flush=True)
+        print(decode_kernels(llm, _prompts(llm, prompts[0], trace_decode)), flush=True)
     for row in floor_rows(llm, rows, bandwidth) if floors and bandwidth else []:
         record(row)
     del llm
@@ -206,7 +206,7 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
             elif tracing is not None and len(decode_times) == steps // 2 + 8:
                 torch.cuda.synchronize()
                 tracing.__exit__(None, None, None)
-                profile, tracing = False, _gpu_busy(tracing)
+                profile, tracing = False, gpu_busy(tracing)
     decode_s = sum(decode_times)
     row = dict(step_ms=round(1e3 * statistics.median(decode_times), 3),
                decode_tok_s=round(emitted / decode_s, 1), tok_s_per_user=round(emitted / decode_s / batch, 2),
@@ -214,86 +214,6 @@ def _point(llm: LLM, prompt: int, batch: int, steps: int, profile: bool = False)
     if isinstance(tracing, dict):
         row.update(tracing)
     return row
-
-
-def prefill_kernels(llm: LLM, prompt: int, batch: int, top: int = 25) -> str:
-    """The prefill of ``batch`` fresh ``prompt``-token requests under the profiler: GPU-busy
-    share, kernel count, where the GPU waits (:func:`op_profile.idle_gaps`) and the host waits for
-    it (:func:`op_profile.host_syncs`), the GPU time of each HAL op (:mod:`op_profile`) and the ``top``
-    kernels by total GPU time."""
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
-    torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with labelled_ops(llm.ops), torch.profiler.profile(activities=activities) as prof:
-        started = time.perf_counter()
-        while not all(r.finished for r in requests):
-            llm.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - started
-    busy = _gpu_busy(prof, steps=1)
-    totals: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not is_op_range(e):
-            entry = totals.setdefault(e.name, [0.0, 0])
-            entry[0] += e.time_range.end - e.time_range.start
-            entry[1] += 1
-    gpu_us = sum(t for t, _ in totals.values())
-    lines = [f"prefill trace, {batch} x {prompt} tokens: wall {1e3 * wall:.1f} ms (traced, ops labelled), kernels "
-             f"{busy['gpu_kernels_per_step']:.0f}, GPU idle {busy['gpu_idle_pct']} %, "
-             f"kernel time {gpu_us / 1e3:.1f} ms", idle_gaps(prof), host_syncs(prof), "by op:", op_table(op_times(prof)), "by kernel:"]
-    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {us / 1e3:8.2f} ms {100 * us / gpu_us:5.1f} % x{count:<5d} {name[:110]}")
-    return "\n".join(lines)
-
-
-def decode_kernels(llm: LLM, prompt: int, batch: int, steps: int = 4) -> str:
-    """``steps`` decode steps of ``batch`` ``prompt``-token requests run eagerly (the captured
-    graphs set aside, so every HAL op call is labelled) under the profiler: kernels per step, and
-    per op its GPU time and kernel count over the steps. A graph replays the same kernels."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    requests = [llm.add_request(ids, params) for ids in _prompts(llm, prompt, batch)]
-    while llm.step().num_prefill_tokens:
-        pass
-    llm.step()
-    passes, llm.runner.passes = llm.runner.passes, {}
-    try:
-        torch.cuda.synchronize()
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with labelled_ops(llm.ops), torch.profiler.profile(activities=activities) as prof:
-            for _ in range(steps):
-                llm.step()
-            torch.cuda.synchronize()
-    finally:
-        llm.runner.passes = passes
-    while not all(r.finished for r in requests):
-        llm.step()
-    busy = _gpu_busy(prof, steps=steps)
-    return "\n".join([f"decode trace, batch {batch}, {steps} eager steps: kernels {busy['gpu_kernels_per_step']:.0f} "
-                      f"a step", "by op (all steps):", op_table(op_times(prof), top=60)])
-
-
-def _gpu_busy(prof, steps: int = 8) -> dict:
-    """GPU-busy share of the traced steps: the union of kernel (and copy) intervals over the span
-    from the first to the last one (``gpu_idle_pct``: all idle time, also the gaps between the
-    kernels of one step), the idle time between consecutive steps (``gpu_idle_between_steps_pct``:
-    from the end of a step's copy to the host to the start of the next device work), and kernels
-    per step."""
-    spans = sorted((e.time_range.start, e.time_range.end, "DtoH" in e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and not is_op_range(e))
-    busy, between, end, after_copy = 0.0, 0.0, -math.inf, None
-    for lo, hi, copy_down in spans:
-        if after_copy is not None and lo >= after_copy:
-            between += lo - after_copy
-            after_copy = None
-        busy += max(0.0, hi - max(lo, end))
-        end = max(end, hi)
-        if copy_down:
-            after_copy = hi
-    total = spans[-1][1] - spans[0][0]
-    return dict(gpu_idle_pct=round(100 * (1 - busy / total), 2),
-                gpu_idle_between_steps_pct=round(100 * between / total, 2),
-                gpu_kernels_per_step=round(len(spans) / steps, 1))
 
 
 def _prompts(llm: LLM, length: int, batch: int) -> list[list[int]]:

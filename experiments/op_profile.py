@@ -7,14 +7,20 @@ engine steps spends its kernel time in.
 
 Each op call runs inside a profiler range ``hal::<op>``, which the profiler also draws on the GPU
 timeline (from the op's first kernel to its last); a kernel counts for the op whose span it
-starts in, or as ``outside ops: <kernel name>``."""
+starts in, or as ``outside ops: <kernel name>``. :func:`prefill_kernels` and
+:func:`decode_kernels` trace an engine's prefill and eager decode steps that way, and
+:func:`gpu_busy` measures the GPU's idle share of a trace."""
 from __future__ import annotations
 
 import bisect
 import contextlib
 import functools
+import math
+import time
 
 import torch
+
+from deepinfer import SamplingParams
 
 PREFIX = "hal::"
 
@@ -126,3 +132,87 @@ def host_syncs(prof) -> str:
         counts[key] = counts.get(key, 0) + 1
     listed = ", ".join(f"{key} x{n}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     return f"host syncs: {sum(counts.values())}" + (f" ({listed})" if listed else "")
+
+
+def prefill_kernels(llm, prompts: list[list[int]], top: int = 25) -> str:
+    """The prefill of fresh requests of ``prompts`` (token ids) on ``llm`` under the profiler:
+    GPU-busy share, kernel count, where the GPU waits (:func:`idle_gaps`) and the host waits for
+    it (:func:`host_syncs`), the GPU time of each HAL op and the ``top`` kernels by total GPU
+    time."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    requests = [llm.add_request(ids, params) for ids in prompts]
+    batch, prompt = len(prompts), len(prompts[0])
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with labelled_ops(llm.ops), torch.profiler.profile(activities=activities) as prof:
+        started = time.perf_counter()
+        while not all(r.finished for r in requests):
+            llm.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    busy = gpu_busy(prof, steps=1)
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not is_op_range(e):
+            entry = totals.setdefault(e.name, [0.0, 0])
+            entry[0] += e.time_range.end - e.time_range.start
+            entry[1] += 1
+    gpu_us = sum(t for t, _ in totals.values())
+    lines = [f"prefill trace, {batch} x {prompt} tokens: wall {1e3 * wall:.1f} ms (traced, ops labelled), kernels "
+             f"{busy['gpu_kernels_per_step']:.0f}, GPU idle {busy['gpu_idle_pct']} %, "
+             f"kernel time {gpu_us / 1e3:.1f} ms", idle_gaps(prof), host_syncs(prof), "by op:",
+             op_table(op_times(prof)), "by kernel:"]
+    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {us / 1e3:8.2f} ms {100 * us / gpu_us:5.1f} % x{count:<5d} {name[:110]}")
+    return "\n".join(lines)
+
+
+def decode_kernels(llm, prompts: list[list[int]], steps: int = 4) -> str:
+    """``steps`` decode steps of fresh requests of ``prompts`` (token ids) on ``llm`` run eagerly
+    (the captured graphs set aside, so every HAL op call is labelled) under the profiler: kernels
+    per step, and per op its GPU time and kernel count over the steps. A graph replays the same
+    kernels."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    requests = [llm.add_request(ids, params) for ids in prompts]
+    while llm.step().num_prefill_tokens:
+        pass
+    llm.step()
+    passes, llm.runner.passes = llm.runner.passes, {}
+    try:
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with labelled_ops(llm.ops), torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                llm.step()
+            torch.cuda.synchronize()
+    finally:
+        llm.runner.passes = passes
+    while not all(r.finished for r in requests):
+        llm.step()
+    busy = gpu_busy(prof, steps=steps)
+    return "\n".join([f"decode trace, batch {len(prompts)}, {steps} eager steps: kernels "
+                      f"{busy['gpu_kernels_per_step']:.0f} a step", "by op (all steps):",
+                      op_table(op_times(prof), top=60)])
+
+
+def gpu_busy(prof, steps: int = 8) -> dict:
+    """GPU-busy share of the traced steps: the union of kernel (and copy) intervals over the span
+    from the first to the last one (``gpu_idle_pct``: all idle time, also the gaps between the
+    kernels of one step), the idle time between consecutive steps (``gpu_idle_between_steps_pct``:
+    from the end of a step's copy to the host to the start of the next device work), and kernels
+    per step."""
+    spans = sorted((e.time_range.start, e.time_range.end, "DtoH" in e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not is_op_range(e))
+    busy, between, end, after_copy = 0.0, 0.0, -math.inf, None
+    for lo, hi, copy_down in spans:
+        if after_copy is not None and lo >= after_copy:
+            between += lo - after_copy
+            after_copy = None
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+        if copy_down:
+            after_copy = hi
+    total = spans[-1][1] - spans[0][0]
+    return dict(gpu_idle_pct=round(100 * (1 - busy / total), 2),
+                gpu_idle_between_steps_pct=round(100 * between / total, 2),
+                gpu_kernels_per_step=round(len(spans) / steps, 1))
