@@ -217,6 +217,8 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
                               mla_kernel("mla_sparse_prefill", toolchain.HOPPER)[2], True),
     "mla_sparse_ws_split_bf16": ("mla_sparse_ws", "sparse_mla_ws", (128, 64, 100, 0, 0.1, "bf16"), {"splits": 3},
                                  True),
+    "grouped_gemm_fp8_k128_persistent": ("experimental.grouped_gemm_fp8_k128_persistent",
+                                         "grouped_gemm_fp8_k128_persistent", (48, 4096, 2048), {}, True),
     "key_decode_fp8": ("key_decode", "decode_rows", ("fp8",), {}, False),
     "key_decode_fp4": ("key_decode", "decode_rows", ("fp4",), {}, False),
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
@@ -256,10 +258,10 @@ def _spill_cases(arch: str, names) -> list:
 def test_kernel_compiles_for_hopper_within_a_ctas_limits(name):
     """nvcc and ptxas accept the generated code for sm_90a; its registers, shared memory and
     warpgroup register budgets fit one CTA of an H100/H200; the matrix kernels run on wgmma
-    (HGMMA in the SASS) and none on the older mma.sync (HMMA)."""
+    (HGMMA in the SASS, QGMMA for e4m3) and none on the older mma.sync (HMMA)."""
     cubin = _compile(name)
     cubin_checks.assert_fits(cubin)
-    assert (cubin.count("HGMMA") > 0) == KERNELS[name][4] and cubin.count("HMMA") == 0
+    assert (cubin.count("HGMMA") + cubin.count("QGMMA") > 0) == KERNELS[name][4] and cubin.count("HMMA") == 0
 
 
 @needs_tilelang
