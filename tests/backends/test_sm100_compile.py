@@ -15,6 +15,7 @@ from deepinfer.hal import SPECS, get_backend
 from deepinfer.hal.formats import quantize
 from deepinfer_backends.sm100 import gemm, linear, toolchain
 from deepinfer_backends.sm100.attention import mla_kernel
+from deepinfer_backends.sm100.grouped_gemm_native import native_tiles
 from tests.backends import cubin_checks
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -218,7 +219,7 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "mla_sparse_ws_split_bf16": ("mla_sparse_ws", "sparse_mla_ws", (128, 64, 100, 0, 0.1, "bf16"), {"splits": 3},
                                  True),
     "grouped_gemm_fp8_k128": ("grouped_gemm_fp8_k128", "grouped_gemm_fp8_k128", (48, 4096, 2048),
-                              {"block_n": 192}, True),
+                              native_tiles(2048), True),
     "key_decode_fp8": ("key_decode", "decode_rows", ("fp8",), {}, False),
     "key_decode_fp4": ("key_decode", "decode_rows", ("fp4",), {}, False),
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
