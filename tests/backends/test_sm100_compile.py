@@ -220,8 +220,6 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
                                  True),
     "grouped_gemm_fp8_k128": ("grouped_gemm_fp8_k128", "grouped_gemm_fp8_k128", (48, 4096, 2048),
                               native_tiles(2048), True),
-    "grouped_gemm_fp8_k128_pair": ("experimental.grouped_gemm_fp8_k128_pair", "grouped_gemm_fp8_k128_pair",
-                                   (48, 4096, 2048), native_tiles(2048), True),
     "key_decode_fp8": ("key_decode", "decode_rows", ("fp8",), {}, False),
     "key_decode_fp4": ("key_decode", "decode_rows", ("fp4",), {}, False),
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
@@ -236,8 +234,7 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
                                      (128, 64, 1e-6, "index_fp4", "bfloat16"), {}, False),
 }
 SPILLS = {(toolchain.HOPPER, "mla_sparse_decode"), (toolchain.HOPPER, "mla_sparse_decode_split"),
-          (toolchain.HOPPER, "mla_sparse_ws"), (toolchain.BLACKWELL, "mla_sparse_decode"),
-          (toolchain.HOPPER, "grouped_gemm_fp8_k128_pair")}
+          (toolchain.HOPPER, "mla_sparse_ws"), (toolchain.BLACKWELL, "mla_sparse_decode")}
 """Kernels ptxas is known to spill registers in on that arch (their GPU tests check their results)."""
 
 
