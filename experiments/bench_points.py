@@ -120,16 +120,19 @@ def _gemm_operand(g, shape: tuple[int, ...], fmt: str, spread: float = 1.0):
     return Quantized(data, scale, fmt, 32)
 
 
-def gemm_bytes(experts: int, rows: int, n: int, k: int, x_format: str = "bf16", w_format: str = "bf16") -> float:
+def gemm_bytes(experts: int, rows: int, n: int, k: int, x_format: str = "bf16", w_format: str = "bf16",
+               out_bf16: bool = False) -> float:
     """Bytes a grouped GEMM must move: its rows, the weights of at most ``rows`` experts, the result
-    (float32 for quantized operands)."""
+    (float32 for quantized operands unless ``out_bf16``)."""
     plain = x_format == w_format == "bf16"
     return (rows * k * BYTES_PER_VALUE[x_format] + min(experts, rows) * n * k * BYTES_PER_VALUE[w_format]
-            + rows * n * (2 if plain else 4))
+            + rows * n * (2 if plain or out_bf16 else 4))
 
 
 def grouped(experts: int, rows: int, n: int, k: int, label: str, x_format: str = "bf16", w_format: str = "bf16",
-            **kw) -> Point:
+            out_bf16: bool = False, **kw) -> Point:
+    """A grouped GEMM point; ``out_bf16`` asks quantized operands for a bf16 result (the MoE's down
+    projection)."""
     def build(ops):
         g = _gen()
         sizes = torch.bincount(torch.randint(0, experts, (rows,), device="cuda", generator=g), minlength=experts)
@@ -137,11 +140,12 @@ def grouped(experts: int, rows: int, n: int, k: int, label: str, x_format: str =
         w = _gemm_operand(g, (experts, n, k), w_format, k ** -0.5)
         if isinstance(w, Quantized):  # held as the model holds it: a parameter, which a backend may convert once
             w = Quantized(torch.nn.Parameter(w.data, requires_grad=False), w.scale, w.fmt, w.block)
-        return lambda: ops.grouped_gemm(x, w, sizes)
+        out_dtype = torch.bfloat16 if out_bf16 else None
+        return lambda: ops.grouped_gemm(x, w, sizes, out_dtype=out_dtype)
 
     plain = x_format == w_format == "bf16"
-    moved = gemm_bytes(experts, rows, n, k, x_format, w_format)
-    formats = "" if plain else f" x={x_format} w={w_format}"
+    moved = gemm_bytes(experts, rows, n, k, x_format, w_format, out_bf16)
+    formats = "" if plain else f" x={x_format} w={w_format}" + (" out=bf16" if out_bf16 else "")
     return Point("grouped_gemm", f"{label} E={experts} M={rows} N={n} K={k}{formats}", moved, 2.0 * rows * n * k,
                  build, dense_shape=(rows, n, k), reps=5, fp8=x_format == "fp8", **kw)
 
@@ -216,11 +220,13 @@ def _points() -> dict[str, Point]:
     e, m = _ep(384, 16384, 8)
     for x_format, w_format in quant_formats:
         points[f"moe_e384_t16384_ep8_w2_{x_format}_{w_format}"] = grouped(
-            e, m, HIDDEN, INTERMEDIATE, "EP8 T=16384 w2", x_format, w_format,
+            e, m, HIDDEN, INTERMEDIATE, "EP8 T=16384 w2", x_format, w_format, out_bf16=True,
             quick=(x_format, w_format) == ("fp8", "mxfp4"))
     e, m = _ep(384, 65536, 8)
     for x_format, w_format in quant_formats[:2]:  # 1024 rows an expert: w2 past the FP8 ridge (256 rows are not)
         points[f"moe_e384_t65536_ep8_w2_{x_format}_{w_format}"] = grouped(
+            e, m, HIDDEN, INTERMEDIATE, "EP8 T=65536 w2", x_format, w_format, out_bf16=True, quick=False)
+        points[f"moe_e384_t65536_ep8_w2_{x_format}_{w_format}_f32"] = grouped(
             e, m, HIDDEN, INTERMEDIATE, "EP8 T=65536 w2", x_format, w_format, quick=False)
     points["rms_hidden_256"] = rms(256, HIDDEN, True)
     points["rms_hidden_16384"] = rms(16384, HIDDEN, True, with_reference=True)

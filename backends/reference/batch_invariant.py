@@ -25,7 +25,7 @@ import torch
 from deepinfer.hal.formats import Quantized
 from deepinfer.hal.ops import all_to_all, indexer, mla, routing
 from deepinfer.hal.ops.activation import swiglu
-from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm, grouped_gemm_tiled, linear, result_dtype
+from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm, check_grouped_out_dtype, grouped_gemm_tiled, linear
 from deepinfer.hal.ops.grouped_swiglu import check_grouped_swiglu
 from deepinfer.hal.spec import SPECS
 
@@ -119,12 +119,13 @@ _attention = row_tiled(mla.sparse_attention, ("q", "keys", "valid"))
 _indexer_rows = row_tiled(indexer.indexer_logits, ("q", "weights"))
 
 
-def grouped_gemm(x: Rows, weight: Rows, group_sizes: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(x: Rows, weight: Rows, group_sizes: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`~deepinfer.hal.ops.grouped_gemm.grouped_gemm` on tiles of exactly :func:`row_tile`
     rows, each starting at its expert's segment start plus a multiple of the tile."""
     check_grouped_gemm(x, weight, group_sizes)
-    out = grouped_gemm_tiled(x, weight, group_sizes, row_tile(_device(x)), linear)
-    return out.to(result_dtype(x, weight))
+    out_dtype = check_grouped_out_dtype(x, weight, out_dtype)
+    return grouped_gemm_tiled(x, weight, group_sizes, row_tile(_device(x)), linear).to(out_dtype)
 
 
 def grouped_swiglu(x: Rows, w1: Rows, w3: Rows, group_sizes: torch.Tensor, limit: float | None,

@@ -91,10 +91,10 @@ class Sm100Backend(Backend):
 
     Activations are bf16 (float32 inputs are refused with a clear error). grouped_gemm takes
     bf16 operands, or FP8 / MXFP4 weights (UE8M0 per 32) beside bf16 or FP8 activations, decoded
-    to bf16 in shared memory (float32 result, like the reference). mla_sparse_decode reads fp8 or
-    bf16 main caches and the fp4 extra cache; it splits the key list over several CTAs when the
-    batch is too small to fill the GPU. The batch-invariant table (:data:`INVARIANT`) turns the
-    split off and fixes the GEMM tiles."""
+    to bf16 in shared memory (float32 result like the reference's, or bf16 when asked for).
+    mla_sparse_decode reads fp8 or bf16 main caches and the fp4 extra cache; it splits the key
+    list over several CTAs when the batch is too small to fill the GPU. The batch-invariant table
+    (:data:`INVARIANT`) turns the split off and fixes the GEMM tiles."""
 
     name = "sm100"
     options_type = KernelOptions

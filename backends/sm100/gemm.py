@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.formats import Quantized
+from deepinfer.hal.ops.grouped_gemm import check_grouped_out_dtype
 from deepinfer_backends.sm100 import toolchain
 from deepinfer_backends.sm100.fp8_scales import BLOCK_M
 from deepinfer_backends.sm100.launch import compiled, cuda_bf16, on_device, require
@@ -18,21 +19,24 @@ INVARIANT_TILES = {"block_m": 64, "block_n": 128, "threads": 128}
 is then the same wgmma sequence over K, in order)."""
 
 
-def grouped_gemm(x, weight, group_sizes: torch.Tensor, batch_invariant: bool = False,
-                 options: KernelOptions = DEFAULT, schedules: dict | None = None) -> torch.Tensor:
+def grouped_gemm(x, weight, group_sizes: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 batch_invariant: bool = False, options: KernelOptions = DEFAULT,
+                 schedules: dict | None = None) -> torch.Tensor:
     """``y[seg e] = x[seg e] @ weight[e].T`` (HAL ``grouped_gemm``): bf16 operands (bf16 result), or
-    a Quantized weight (``"fp8"`` / ``"mxfp4"``) beside a bf16 or ``"fp8"`` x (float32 result, see
-    :func:`_grouped_gemm_quant`). ``group_sizes`` must sum to ``M`` (not checked on the device:
-    that would cost a host sync). ``batch_invariant`` fixes the tiles (:data:`INVARIANT_TILES`);
-    there is never a split over K. ``options.tcgen05`` picks the Blackwell variant of the bf16 kernel.
+    a Quantized weight (``"fp8"`` / ``"mxfp4"``) beside a bf16 or ``"fp8"`` x (float32 result, or
+    bf16 for ``out_dtype=torch.bfloat16``; see :func:`_grouped_gemm_quant`). ``group_sizes`` must
+    sum to ``M`` (not checked on the device: that would cost a host sync). ``batch_invariant``
+    fixes the tiles (:data:`INVARIANT_TILES`); there is never a split over K. ``options.tcgen05``
+    picks the Blackwell variant of the bf16 kernel.
     Otherwise bf16 operands with at most :data:`SKINNY_BF16_ROWS_PER_EXPERT` rows per expert on
     average take :mod:`.fused.grouped_gemm_skinny` (with few experts, no schedule launch). Calls on
     the same ``group_sizes`` share one tile schedule launch (:func:`shared_schedule`), or those
     sharing ``schedules`` when given."""
     op = "grouped_gemm"
+    out_dtype = check_grouped_out_dtype(x, weight, out_dtype)
     if isinstance(x, Quantized) or isinstance(weight, Quantized):
         return _grouped_gemm_quant(x, weight, group_sizes, batch_invariant, tcgen05=options.tcgen05,
-                                   schedules=schedules, native=options.quant_gemm == "native")
+                                   schedules=schedules, native=options.quant_gemm == "native", out_dtype=out_dtype)
     cuda_bf16(op, "x", x)
     cuda_bf16(op, "weight", weight)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -147,10 +151,12 @@ bytes for the whole K in shared memory)."""
 
 def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: bool,
                         op: str = "grouped_gemm", tcgen05: bool = False,
-                        schedules: dict | None = None, native: bool = False) -> torch.Tensor:
+                        schedules: dict | None = None, native: bool = False,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``grouped_gemm`` with block-scaled operands: bf16 or ``"fp8"`` x, ``"fp8"`` or ``"mxfp4"``
     weight, UE8M0 scales per 32 along K. Decoded exactly to bf16 in the kernel; float32 result,
-    like the reference. ``native`` (``quant_gemm=native``) takes the FP8 tensor cores where
+    like the reference, rounded to ``out_dtype`` (in the native kernel's epilogue, else by a cast).
+    ``native`` (``quant_gemm=native``) takes the FP8 tensor cores where
     :func:`~.grouped_gemm_native.native_fits` says so."""
     from deepinfer.hal.ops.grouped_gemm import logical_shape
 
@@ -175,9 +181,9 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
 
         arch = toolchain.device_arch(x.data.device.index or 0) if isinstance(x, Quantized) and x.data.is_cuda else ""
         if native_fits(x, rows, w_shape[0], k, arch, batch_invariant, tcgen05):
-            return grouped_gemm_native(x, weight, group_sizes, op, schedules)
+            return grouped_gemm_native(x, weight, group_sizes, op, schedules, out_dtype)
     if k > QUANT_MAX_K:
-        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, schedules)
+        return _split_k(x, weight, group_sizes, batch_invariant, op, tcgen05, schedules).to(out_dtype)
     x_data, x_scale = (x.data, x.scale) if isinstance(x, Quantized) else (x, None)
     tensors = [t for t in (x_data, x_scale, weight.data, weight.scale) if t is not None]
     require(all(t.is_cuda for t in tensors), op,
@@ -203,7 +209,7 @@ def _grouped_gemm_quant(x, weight, group_sizes: torch.Tensor, batch_invariant: b
                               **tiles)
             kernel(x_data.contiguous(), x_scale.contiguous(), weight.data.contiguous(), weight.scale.contiguous(),
                    schedule[0], schedule[1], schedule[2], y)
-    return y
+    return y.to(out_dtype)
 
 
 def _split_k(x, weight, group_sizes: torch.Tensor, batch_invariant: bool, op: str, tcgen05: bool,

@@ -12,16 +12,11 @@ from deepinfer_backends.sm100.fp8_scales import BLOCK_M, GROUP, aligned
 from deepinfer_backends.sm100.gemm import SKINNY_ROWS_PER_EXPERT, shared_schedule
 from deepinfer_backends.sm100.launch import compiled, param_copy, require
 
-DEEP_K = 4096
-"""Reduction depth from which the native kernel takes its wider tile."""
-
-
-def native_tiles(k: int) -> dict:
-    """Tiles of the native FP8 grouped GEMM (128 rows a tile) for reduction depth ``k``: 208 columns
-    from ``DEEP_K`` on, else 192, the faster of the two on each side on an H100
-    (``experiments/results/grouped_gemm_fp8_k128_h100.md``). Either keeps a promoted accumulator
-    and a partial of at most 104 registers each."""
-    return {"block_n": 208 if k >= DEEP_K else 192}
+NATIVE_TILES = {"block_n": 208}
+"""Tiles of the native FP8 grouped GEMM (128 rows a tile): 208 columns, the faster beside 192 at
+K 2048 and 4096 on an H100 once the column scales are read before the mainloop
+(``experiments/results/fp8_grouped_gemm_epilogue.md``). The promoted accumulator and the partial
+take 104 registers each."""
 
 
 def native_fits(x, rows: int, experts: int, k: int, arch: str, batch_invariant: bool, tcgen05: bool) -> bool:
@@ -34,12 +29,13 @@ def native_fits(x, rows: int, experts: int, k: int, arch: str, batch_invariant: 
 
 
 def grouped_gemm_native(x: Quantized, weight: Quantized, group_sizes: torch.Tensor, op: str = "grouped_gemm",
-                        schedules: dict | None = None) -> torch.Tensor:
+                        schedules: dict | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``grouped_gemm`` of FP8 ``x`` and ``weight`` (checked by the caller) on the native kernel, float32
-    result: the activations' scales moved to one per 128 along K and gathered per tile by
-    :func:`~.fused.align_fp8.align_fp8` every call, the weights' to one per output column once per
-    parameter (:func:`~.launch.param_copy` keyed by the data; e4m3 copies, so MXFP4 weights take
-    twice their bytes again)."""
+    result, or bf16 rounded in the kernel's epilogue for ``out_dtype=torch.bfloat16`` (N a multiple
+    of 8; other N are rounded after): the activations' scales moved to one per 128 along K and
+    gathered per tile by :func:`~.fused.align_fp8.align_fp8` every call, the weights' to one per
+    output column once per parameter (:func:`~.launch.param_copy` keyed by the data; e4m3 copies,
+    so MXFP4 weights take twice their bytes again)."""
     from deepinfer_backends.sm100.fused.align_fp8 import align_fp8
     from deepinfer_backends.sm100.kernels import grouped_gemm_fp8_k128 as native
 
@@ -47,11 +43,13 @@ def grouped_gemm_native(x: Quantized, weight: Quantized, group_sizes: torch.Tens
     require(all(t.is_cuda for t in tensors), op,
             f"operands must be CUDA tensors, got {[str(t.device) for t in tensors]}")
     w, w_scale = param_copy(weight.data, "fp8_k128_columns", lambda _: aligned(weight, group=None))
-    rows = x.data.shape[0]
-    y = torch.empty(rows, w.shape[1], dtype=torch.float32, device=x.data.device)
+    rows, n = x.data.shape[0], w.shape[1]
+    bf16_epilogue = out_dtype == torch.bfloat16 and n % 8 == 0
+    y = torch.empty(rows, n, dtype=torch.bfloat16 if bf16_epilogue else torch.float32, device=x.data.device)
     if rows:
         schedule = shared_schedule(group_sizes, rows, BLOCK_M, x.data.device, schedules)
         x_data, x_scale = align_fp8(x.data, x.scale, schedule)
-        compiled(native.MODULE, "grouped_gemm_fp8_k128", *w.shape, **native_tiles(w.shape[2]))(
+        tiles = dict(NATIVE_TILES, out_dtype="bfloat16" if bf16_epilogue else "float32")
+        compiled(native.MODULE, "grouped_gemm_fp8_k128", *w.shape, **tiles)(
             x_data, x_scale, w, w_scale, schedule[0], schedule[1], schedule[2], y)
-    return y
+    return y.to(out_dtype)

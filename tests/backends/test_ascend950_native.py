@@ -172,7 +172,7 @@ def fake(monkeypatch):
 
 RUNS_NATIVELY = {"rms_norm": {"tiny_bf16_residual", "v41_hidden_bf16", "v41_latent_bf16"},
                  "grouped_gemm": {"tiny", "tiny_bf16", "tiny_fp8_fp8", "fp8_fp8_bf16", "no_rows",
-                                  "empty_experts_bf16"},
+                                  "empty_experts_bf16", "fp8_fp8_bf16_out", "fp8_fp8_float32_out"},
                  "mla_sparse_decode": {"tiny_bf16_bf16_cache", "tiny_bf16_fp8_fp4", "v41_bf16"},
                  "mla_sparse_prefill": {"tiny_bf16", "tiny_bf16_empty_rows"},
                  "apply_rope": {"tiny_bf16", "v41_query_tail_bf16"},

@@ -15,7 +15,7 @@ from deepinfer.hal import SPECS, get_backend
 from deepinfer.hal.formats import quantize
 from deepinfer_backends.sm100 import gemm, linear, toolchain
 from deepinfer_backends.sm100.attention import mla_kernel
-from deepinfer_backends.sm100.grouped_gemm_native import native_tiles
+from deepinfer_backends.sm100.grouped_gemm_native import NATIVE_TILES
 from tests.backends import cubin_checks
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -219,7 +219,9 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
     "mla_sparse_ws_split_bf16": ("mla_sparse_ws", "sparse_mla_ws", (128, 64, 100, 0, 0.1, "bf16"), {"splits": 3},
                                  True),
     "grouped_gemm_fp8_k128": ("grouped_gemm_fp8_k128", "grouped_gemm_fp8_k128", (48, 4096, 2048),
-                              native_tiles(2048), True),
+                              NATIVE_TILES, True),
+    "grouped_gemm_fp8_k128_bf16": ("grouped_gemm_fp8_k128", "grouped_gemm_fp8_k128", (48, 4096, 2048),
+                                   dict(NATIVE_TILES, out_dtype="bfloat16"), True),
     "key_decode_fp8": ("key_decode", "decode_rows", ("fp8",), {}, False),
     "key_decode_fp4": ("key_decode", "decode_rows", ("fp4",), {}, False),
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
@@ -304,6 +306,17 @@ def test_warp_specialised_kernels_store_whole_vectors():
     mla_stores = [line.split()[0] for line in _compile("mla_sparse_ws").sass if line.startswith("STG")]
     wide = sum(".128" in store for store in mla_stores)
     assert not any(".U16" in store for store in mla_stores) and len(mla_stores) - wide < wide
+
+
+@needs_tilelang
+def test_native_fp8_gemm_stores_bf16_results_a_sector_per_lane_pair():
+    """The native FP8 grouped GEMM's bf16 epilogue stores 16 bytes a lane (after its quad shuffles)
+    from registers: no 2- or 4-byte stores of the result, no local memory for the accumulator it
+    reads through a pointer."""
+    cubin = _compile("grouped_gemm_fp8_k128_bf16")
+    stores = [line.split()[0] for line in cubin.sass if line.startswith("STG")]
+    assert stores and all(".128" in store for store in stores) and len(stores) >= 208 // 16  # one per chunk pair
+    assert cubin.count("SHFL.BFLY") > 0 and cubin.count("STL") == 0 and cubin.count("LDL") == 0
 
 
 @needs_tilelang

@@ -156,32 +156,51 @@ def test_kernel_compiles_for_hopper():
     assert kernel is not None
 
 
+def test_kernel_refuses_a_bf16_result_it_cannot_store_whole():
+    fp8_k128 = _kernel_module()
+    with pytest.raises(ValueError, match="bfloat16 needs n=100 a multiple of 8"):
+        fp8_k128.grouped_gemm_fp8_k128.get_tir(4, 100, 640, out_dtype="bfloat16")
+    with pytest.raises(ValueError, match="must be one of"):
+        fp8_k128.grouped_gemm_fp8_k128.get_tir(4, 128, 640, out_dtype="float16")
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.gpu
 @gpu
-def test_kernel_matches_float64_on_its_operands():
+@pytest.mark.parametrize("n, tiles", [(384, {}), (200, {}), (576, {"block_n": 192}),
+                                      (384, {"out_dtype": "bfloat16"}), (200, {"out_dtype": "bfloat16"}),
+                                      (576, {"block_n": 192, "out_dtype": "bfloat16"})])
+def test_kernel_matches_float64_on_its_operands(n, tiles):
+    """Ragged segments (empty ones, a row alone, tiles past a segment's end) and partial column
+    blocks (200 and 576 columns), float32 or bf16 result."""
     kernel = _kernel_module()
 
     g = torch.Generator().manual_seed(2)
     sizes = torch.tensor([0, 130, 1, 255, 64, 0, 300])
-    n, k = 384, 640
+    k = 640
     x = torch.randn(int(sizes.sum()), k, generator=g).to(torch.float8_e4m3fn)
     w = torch.randn(len(sizes), n, k, generator=g).to(torch.float8_e4m3fn)
     x_scale = torch.exp2(torch.randint(-6, 2, (x.shape[0], k // 128), generator=g).float())
     w_scale = torch.exp2(torch.randint(-6, 2, (len(sizes), n), generator=g).float())
     args = [t.cuda() for t in (x, x_scale, w, w_scale, sizes)]
-    y = kernel.run(*args)
+    y = kernel.run(*args, **tiles)
     expected = kernel.reference(*args)
-    # the tensor cores accumulate a k-block's e4m3 products in fewer bits than float32 has
-    assert (y - expected).abs().max() <= 2 ** -10 * expected.abs().max()
+    assert y.dtype == (torch.bfloat16 if tiles.get("out_dtype") else torch.float32)
+    # the tensor cores accumulate a k-block's e4m3 products in fewer bits than float32 has; a bf16
+    # result may differ by its rounding besides
+    rounding = expected.abs() * 2.0 ** -8 if y.dtype == torch.bfloat16 else 0.0
+    assert ((y.float() - expected).abs() - rounding).max() <= 2 ** -10 * expected.abs().max()
+    if y.dtype == torch.bfloat16:  # every element written, each rounded once from the float32 kernel's value
+        exact = kernel.run(*args, **{**tiles, "out_dtype": "float32"})
+        assert ((y.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 2 ** -10 * expected.abs().max()).all()
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("w_format", ["fp8", "mxfp4"])
-def test_native_option_serves_the_kernel_within_its_tolerance_of_the_reference(w_format):
+@pytest.mark.parametrize("w_format, out_dtype", [("fp8", None), ("mxfp4", None), ("mxfp4", torch.bfloat16)])
+def test_native_option_serves_the_kernel_within_its_tolerance_of_the_reference(w_format, out_dtype):
     """``quant_gemm=native``: the op's result is the kernel's on the aligned operands, bit for bit,
     and within the alignment and FP8 accumulation of the reference backend's exact numbers;
     ``exact`` (the default) stays within float32 summation order of them."""
@@ -195,11 +214,16 @@ def test_native_option_serves_the_kernel_within_its_tolerance_of_the_reference(w
     wq = quantize(torch.randn(len(sizes), n, k, generator=g) * k ** -0.5, w_format)
     expected = get_backend("reference").implementations()["grouped_gemm"](xq, wq, sizes)
     on_gpu = [Quantized(q.data.cuda(), q.scale.cuda(), q.fmt, q.block) for q in (xq, wq)]
-    native = get_backend("sm100", {"quant_gemm": "native"}).implementations()["grouped_gemm"](*on_gpu, sizes.cuda())
+    native = get_backend("sm100", {"quant_gemm": "native"}).implementations()["grouped_gemm"](
+        *on_gpu, sizes.cuda(), out_dtype=out_dtype)
     x, x_scale = fp8_scales.aligned(xq)
     w, w_scale = fp8_scales.aligned(wq, group=None)
-    kernel = fp8_k128.run(*(t.cuda() for t in (x, x_scale, w, w_scale, sizes)))
-    assert torch.equal(native, kernel)
-    assert (native.cpu() - expected).abs().max() <= 2 ** -9 * expected.abs().max()
-    exact = get_backend("sm100").implementations()["grouped_gemm"](*on_gpu, sizes.cuda()).cpu()
-    assert (exact - expected).abs().max() <= 2 ** -16 * expected.abs().max()
+    tiles = {"out_dtype": "bfloat16"} if out_dtype == torch.bfloat16 else {}
+    kernel = fp8_k128.run(*(t.cuda() for t in (x, x_scale, w, w_scale, sizes)), **tiles)
+    assert native.dtype == (out_dtype or torch.float32) and torch.equal(native, kernel)
+    rounding = expected.abs() * 2.0 ** -8 if out_dtype == torch.bfloat16 else 0.0
+    assert ((native.cpu().float() - expected).abs() - rounding).max() <= 2 ** -9 * expected.abs().max()
+    exact = get_backend("sm100").implementations()["grouped_gemm"](*on_gpu, sizes.cuda(), out_dtype=out_dtype).cpu()
+    reference = get_backend("reference").implementations()["grouped_gemm"](xq, wq, sizes, out_dtype=out_dtype)
+    assert exact.dtype == reference.dtype
+    assert ((exact.float() - expected).abs() - rounding).max() <= 2 ** -16 * expected.abs().max()

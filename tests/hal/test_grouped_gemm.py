@@ -51,8 +51,9 @@ def expert_slice(weight, expert):
     return weight[expert]
 
 
-def grouped_gemm_float64(x, weight, group_sizes):
-    """Loop over experts; each segment's rows times that expert's transposed weight."""
+def grouped_gemm_float64(x, weight, group_sizes, out_dtype=None):
+    """Loop over experts; each segment's rows times that expert's transposed weight (in float64
+    whatever ``out_dtype``: the comparison rounds it as the op's result is)."""
     xs = float64_values(x)
     out = torch.zeros(xs.shape[0], output_features(weight), dtype=torch.float64)
     first_row = 0
@@ -135,6 +136,28 @@ def test_rows_after_the_segments_are_not_computed():
 def test_grouped_gemm_rejects_bad_group_sizes(sizes, match):
     with pytest.raises(ValueError, match=match):
         grouped_gemm(torch.zeros(4, 32), torch.zeros(2, 8, 32), torch.tensor(sizes))
+
+
+def test_bf16_out_is_the_float32_result_rounded_once():
+    g = torch.Generator().manual_seed(7)
+    x = quantize(torch.randn(9, 64, generator=g), "fp8")
+    weight = quantize(torch.randn(3, 24, 64, generator=g), "mxfp4")
+    sizes = torch.tensor([4, 0, 5])
+    y = grouped_gemm(x, weight, sizes, out_dtype=torch.bfloat16)
+    want = grouped_gemm_float64(x, weight, sizes)
+    assert y.dtype == torch.bfloat16
+    # round to nearest: within half a bf16 ulp (2^-8 of the value) of the float64 product, and float32's summation
+    assert ((y.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6).all()
+    assert torch.equal(y, grouped_gemm(x, weight, sizes, out_dtype=torch.float32).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("x_dtype, out_dtype", [(None, torch.float16), (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32)])
+def test_grouped_gemm_rejects_out_dtypes_it_does_not_write(x_dtype, out_dtype):
+    x = quantize(torch.zeros(4, 32), "fp8") if x_dtype is None else torch.zeros(4, 32, dtype=x_dtype)
+    weight = torch.zeros(2, 8, 32, dtype=x_dtype or torch.float32)
+    with pytest.raises(ValueError, match="out_dtype must be None or one of"):
+        grouped_gemm(x, weight, torch.tensor([2, 2]), out_dtype=out_dtype)
 
 
 def test_grouped_gemm_rejects_int32_group_sizes():

@@ -11,7 +11,7 @@ import torch
 
 from deepinfer.hal.backend import UnsupportedInput
 from deepinfer.hal.formats import Quantized, ue8m0_to_float
-from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm
+from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm, check_grouped_out_dtype
 from deepinfer_backends.ascend950.buffers import AI_CORES, Buffer, layout
 from deepinfer_backends.ascend950.emulate.plan import BlockPlan, WriteRecord
 
@@ -77,9 +77,12 @@ def unpack_scales(packed: torch.Tensor, count: int) -> torch.Tensor:
     return torch.stack((words & 0xFF, words >> 8), dim=-1).flatten(-2)[..., :count].to(torch.uint8)
 
 
-def grouped_gemm(x, weight, group_sizes: torch.Tensor, platform: str = "A5") -> torch.Tensor:
-    """:func:`deepinfer.hal.ops.grouped_gemm.grouped_gemm` as the ascend950 kernel plans it."""
+def grouped_gemm(x, weight, group_sizes: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 platform: str = "A5") -> torch.Tensor:
+    """:func:`deepinfer.hal.ops.grouped_gemm.grouped_gemm` as the ascend950 kernel plans it (a
+    bf16 ``out_dtype`` rounds the kernel's float32 result afterwards)."""
     check_grouped_gemm(x, weight, group_sizes)
+    result_dtype = check_grouped_out_dtype(x, weight, out_dtype)
     quantized = isinstance(x, Quantized) or isinstance(weight, Quantized)
     if quantized and not (isinstance(x, Quantized) and isinstance(weight, Quantized)
                           and x.fmt == weight.fmt == "fp8"):
@@ -110,7 +113,7 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, platform: str = "A5") -> 
             out[m0:m1, n0:n1] = acc.to(out_dtype)
             record.store(slice(m0, m1), slice(n0, n1))
     record.check(start)
-    return out.to(group_sizes.device)
+    return out.to(group_sizes.device, result_dtype)
 
 
 def _kind(operand) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.hal.formats import Quantized
-from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm
+from deepinfer.hal.ops.grouped_gemm import check_grouped_gemm, check_grouped_out_dtype
 from deepinfer_backends.ascend950.buffers import AI_CORES
 from deepinfer_backends.ascend950.emulate.grouped_gemm import SCALE_BLOCK, TILES, pack_scales
 from deepinfer_backends.ascend950.native.launch import Kernels, check_device, plan_offsets, refuse, round_up, whole
@@ -21,10 +21,12 @@ UNITY_SCALE = 127
 """The UE8M0 byte of 2^0, which the padded K blocks carry."""
 
 
-def grouped_gemm(kernels: Kernels, x, weight, group_sizes: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(kernels: Kernels, x, weight, group_sizes: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`deepinfer.hal.ops.grouped_gemm.grouped_gemm` on the NPU for bf16 x bf16, float32 x
-    float32 and FP8 x FP8 operands."""
+    float32 and FP8 x FP8 operands (a bf16 ``out_dtype`` rounds the kernel's float32 result afterwards)."""
     check_grouped_gemm(x, weight, group_sizes)
+    result_dtype = check_grouped_out_dtype(x, weight, out_dtype)
     quantized = isinstance(x, Quantized) or isinstance(weight, Quantized)
     if quantized and not (isinstance(x, Quantized) and isinstance(weight, Quantized) and x.fmt == weight.fmt == "fp8"):
         raise refuse(OP, f"the kernels take FP8 x FP8 or plain bf16/float32 operands, got x {_kind(x)} and weight "
@@ -41,7 +43,7 @@ def grouped_gemm(kernels: Kernels, x, weight, group_sizes: torch.Tensor) -> torc
     sizes = group_sizes.tolist()
     total = sum(sizes)
     if total == 0:
-        return result
+        return result.to(result_dtype)
     tiles = TILES["fp8" if quantized else x.dtype]
     segment = round_up(max(sizes), tiles.base_m)
     n_whole, k_whole = round_up(n, tiles.base_n), round_up(k, tiles.base_k * tiles.stages)
@@ -67,7 +69,7 @@ def grouped_gemm(kernels: Kernels, x, weight, group_sizes: torch.Tensor) -> torc
         out = kernel(_segments(x[:total], destination, experts * segment, k_whole, 0),
                      whole(weight, (experts, n_whole, k_whole)))
     result[:total] = out[destination, :n]
-    return result
+    return result.to(result_dtype)
 
 
 def _segments(values: torch.Tensor, destination: torch.Tensor, rows: int, cols: int, fill: int) -> torch.Tensor:

@@ -8,7 +8,12 @@ tile schedule). A 128-deep k-block is four ``k32`` e4m3 wgmmas into a float32 pa
 k-block's first wgmma clears, then one fused multiply-add per element,
 ``acc += partial * x_scale[row]`` (DeepGEMM's SM90 recipe promotes every 128 values of K too);
 the weights' column scales multiply the tile once, as it is stored. A weight scale per k-block
-would double the promotion's float32 work, which is what the tensor cores wait on.
+would double the promotion's float32 work, which is what the tensor cores wait on. The consumers
+read the tile's column scales into shared memory before their first k-block, so the store does
+not wait on global loads. With ``out_dtype="bfloat16"`` the product is rounded once and the four
+lanes of each quad swap their bf16 pairs (:data:`BF16_STORE`), so that each lane stores 16
+contiguous bytes and two lanes fill a 32-byte sector: the SM writes half the sectors of the
+float32 result (``experiments/results/fp8_grouped_gemm_epilogue.md``).
 
 Warp specialisation with hand-placed barriers: a producer warpgroup streams each k-block's tiles
 and the activations' scales by TMA into one ring stage (the scales gathered per tile and K-major,
@@ -37,20 +42,75 @@ _PASS_CONFIGS = {
 }
 CONSUMERS = 256  # two consumer warpgroups of 64 rows; the producer warpgroup follows them
 SHARED_BYTES = 227 * 1024  # an H100 / H200 CTA's dynamic shared memory
+OUT_DTYPES = ("float32", "bfloat16")
+
+BF16_STORE = r"""
+#include <cuda_bf16.h>
+// One consumer thread's wgmma accumulator (chunk c of 8 columns, row half h at acc[4c + 2h] and
+// acc[4c + 2h + 1]) times the column scales, rounded to bf16 and stored 8 columns a lane. Per pair
+// of chunks the quad's lanes hold a 4 x 4 matrix of bf16 pairs (lane, slot); two xor shuffles
+// transpose it, so that lane q holds slot q (row half q & 1, chunk c + q / 2) of all four lanes.
+template <int CHUNKS>
+__device__ __forceinline__ void deepinfer_store_bf16(const void* acc_, const void* ws_, void* y_, int ld,
+                                                     int rows, int cols) {
+  const float* acc = static_cast<const float*>(acc_);
+  const float* ws = static_cast<const float*>(ws_);
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(y_);
+  const int lane = threadIdx.x & 31, q = lane & 3;
+  const int row = ((threadIdx.x >> 5) & 7) * 16 + (lane >> 2);
+  const bool b1 = (q & 2) != 0, b0 = (q & 1) != 0;
+  #pragma unroll
+  for (int c = 0; c < CHUNKS; c += 2) {
+    unsigned v[4];
+    #pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int cc = c + (s >> 1), h = s & 1;
+      if (cc < CHUNKS) {
+        const float2 scale = *reinterpret_cast<const float2*>(ws + 8 * cc + 2 * q);
+        __nv_bfloat162 pair = __floats2bfloat162_rn(acc[4 * cc + 2 * h] * scale.x, acc[4 * cc + 2 * h + 1] * scale.y);
+        v[s] = *reinterpret_cast<unsigned*>(&pair);
+      } else {
+        v[s] = 0u;
+      }
+    }
+    #pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const unsigned got = __shfl_xor_sync(0xffffffffu, b1 ? v[t] : v[t + 2], 2);
+      if (b1) v[t] = got; else v[t + 2] = got;
+    }
+    #pragma unroll
+    for (int t = 0; t < 4; t += 2) {
+      const unsigned got = __shfl_xor_sync(0xffffffffu, b0 ? v[t] : v[t + 1], 1);
+      if (b0) v[t] = got; else v[t + 1] = got;
+    }
+    const int r = row + (q & 1) * 8, col = 8 * (c + (q >> 1));
+    if (c + (q >> 1) < CHUNKS && r < rows && col < cols)
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(y + static_cast<long>(r) * ld + col),
+                   "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+  }
+}
+"""
+"""CUDA of the bf16 epilogue; it reads the accumulator in the layout of TileLang's ``wgmma_gemm``
+fragment for two 64-row consumer warpgroups (the GPU test checks it against the reference)."""
 
 
 @tilelang.jit(pass_configs=_PASS_CONFIGS)
-def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 192, num_stages: int | None = None,
-                          stagger: bool = True, swizzle: int = 8):
+def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 208, num_stages: int | None = None,
+                          stagger: bool = True, swizzle: int = 8, out_dtype: str = "float32"):
     """Kernel ``(x e4m3 [m, k], x_scale float32 [k/128, tiles * 128], w e4m3 [experts, n, k], w_scale
-    float32 [experts, n], tile_expert, tile_row, tile_end int32 [tiles], y float32 [m, n])``; ``k`` a
+    float32 [experts, n], tile_expert, tile_row, tile_end int32 [tiles], y out_dtype [m, n])``; ``k`` a
     multiple of 128, ``m`` and ``tiles`` dynamic, ``tile_expert[t] >= experts`` an unused tile,
     ``x_scale[:, 128 t + i]`` the scales of tile ``t``'s row ``i`` (:func:`tile_scales`). Rows of a
     tile past its segment are multiplied but never stored; rows past ``m`` are read as zero.
-    ``num_stages`` defaults to as many as fit shared memory."""
+    ``num_stages`` defaults to as many as fit shared memory. ``out_dtype="bfloat16"`` needs ``n`` a
+    multiple of 8."""
     if k <= 0 or k % GROUP or block_n % 16:
         raise ValueError(f"k={k} must be a positive multiple of {GROUP}, block_n={block_n} a multiple of 16")
-    num_stages = num_stages or min(8, (SHARED_BYTES - 1024) // ((BLOCK_M + block_n) * GROUP + BLOCK_M * 4))
+    if out_dtype not in OUT_DTYPES or (out_dtype == "bfloat16" and n % 8):
+        raise ValueError(f"out_dtype={out_dtype!r} must be one of {OUT_DTYPES}; bfloat16 needs n={n} a multiple of 8")
+    bf16 = out_dtype == "bfloat16"
+    num_stages = num_stages or min(8, (SHARED_BYTES - 1024 - block_n * 4)
+                                   // ((BLOCK_M + block_n) * GROUP + BLOCK_M * 4))
     m = T.dynamic("m")
     tiles = T.dynamic("tiles")
     groups = k // GROUP
@@ -59,11 +119,13 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 192, num_
     def kernel(x: T.Tensor((m, k), E4M3), x_scale: T.Tensor((groups, tiles * BLOCK_M), "float"),
                w: T.Tensor((experts, n, k), E4M3), w_scale: T.Tensor((experts, n), "float"),
                tile_expert: T.Tensor((tiles,), "int32"), tile_row: T.Tensor((tiles,), "int32"),
-               tile_end: T.Tensor((tiles,), "int32"), y: T.Tensor((m, n), "float")):
-        with T.Kernel(T.ceildiv(n, block_n), tiles, threads=CONSUMERS + 128) as (bn, bt):
+               tile_end: T.Tensor((tiles,), "int32"), y: T.Tensor((m, n), out_dtype)):
+        with T.Kernel(T.ceildiv(n, block_n), tiles, threads=CONSUMERS + 128,
+                      prelude=BF16_STORE if bf16 else None) as (bn, bt):
             x_s = T.alloc_shared((num_stages, BLOCK_M, GROUP), E4M3)
             w_s = T.alloc_shared((num_stages, block_n, GROUP), E4M3)
             xs_s = T.alloc_shared((num_stages, BLOCK_M), "float")
+            ws_s = T.alloc_shared((block_n,), "float")
             part = T.alloc_fragment((BLOCK_M, block_n), "float")
             acc = T.alloc_fragment((BLOCK_M, block_n), "float")
             full = T.alloc_barrier([1] * num_stages)
@@ -87,6 +149,9 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 192, num_
                 else:  # consumers
                     T.set_max_nreg(232, 1)
                     live[0] = T.if_then_else((tx // 128) * 64 < rows, 1, 0)
+                    for j in T.Parallel(block_n):
+                        ws_s[j] = T.if_then_else(bn * block_n + j < n, w_scale[expert, bn * block_n + j], 0)
+                    T.sync_threads(1, CONSUMERS)
                     T.clear(acc)
                     if stagger:
                         if tx >= 128:
@@ -105,9 +170,13 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 192, num_
                                 if tx < 128:
                                     T.barrier_arrive(turn[0])
                         T.barrier_arrive(empty[slot])
-                    for i, j in T.Parallel(BLOCK_M, block_n):
-                        if i < rows and bn * block_n + j < n:
-                            y[row0 + i, bn * block_n + j] = acc[i, j] * w_scale[expert, bn * block_n + j]
+                    if bf16:
+                        T.call_extern("handle", f"deepinfer_store_bf16<{block_n // 8}>", acc.data, ws_s.data,
+                                      T.access_ptr(y[row0, bn * block_n], "w"), n, rows, n - bn * block_n)
+                    else:
+                        for i, j in T.Parallel(BLOCK_M, block_n):
+                            if i < rows and bn * block_n + j < n:
+                                y[row0 + i, bn * block_n + j] = acc[i, j] * ws_s[j]
 
     return kernel
 
@@ -130,23 +199,32 @@ def run(x, x_scale, w, w_scale, group_sizes, **tiles) -> torch.Tensor:
     from deepinfer_backends.sm100.launch import compiled
 
     schedule = tile_schedule(group_sizes, x.shape[0], BLOCK_M)
-    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    dtype = torch.bfloat16 if tiles.get("out_dtype") == "bfloat16" else torch.float32
+    y = torch.empty(x.shape[0], w.shape[1], dtype=dtype, device=x.device)
     if x.shape[0]:
         compiled(MODULE, "grouped_gemm_fp8_k128", *w.shape, **tiles)(x, tile_scales(x_scale, schedule), w, w_scale,
                                                                      *schedule, y)
     return y
 
 
-CONFIGS = ({"block_n": 192}, {"block_n": 192, "stagger": False}, {"block_n": 208}, {"block_n": 128})
+def error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest ``|got - want|`` beyond ``got``'s rounding (half a bf16 ulp of ``|want|`` for a
+    bf16 result), relative to the largest ``|want|``."""
+    rounding = want.abs() * 2.0 ** -8 if got.dtype == torch.bfloat16 else 0.0
+    return ((got.float() - want).abs() - rounding).clamp(min=0).max().item() / want.abs().max().item()
+
+
+CONFIGS = ({"block_n": 208}, {"block_n": 208, "out_dtype": "bfloat16"}, {"block_n": 192},
+           {"block_n": 192, "out_dtype": "bfloat16"}, {"block_n": 208, "stagger": False})
 """The tiles :func:`main` sweeps."""
-SHAPES = (("16 experts x 512 rows", 16, 512, 4096, 4096), ("16 experts x 2048 rows", 16, 2048, 4096, 4096),
-          ("48 experts x 256 rows, w2", 48, 256, 4096, 2048), ("48 experts x 1024 rows", 48, 1024, 4096, 4096),
+SHAPES = (("16 experts x 512 rows", 16, 512, 4096, 4096), ("48 experts x 256 rows, w2", 48, 256, 4096, 2048),
+          ("48 experts x 1024 rows, w2", 48, 1024, 4096, 2048), ("48 experts x 1024 rows", 48, 1024, 4096, 4096),
           ("dense 8192^3", 1, 8192, 8192, 8192))
 """The compute-bound MoE shapes :func:`main` times: (label, experts, rows an expert, n, k)."""
 
 
 def main() -> None:
-    """Check against :func:`reference` (float64, relative to the largest ``|y|``) and time the tiles
+    """Check against :func:`reference` (float64, :func:`error`) and time the tiles
     over compute-bound MoE shapes, beside ``torch._scaled_mm`` on 8192^3 (the card's dense FP8 rate).
     The launch (tile schedule and gathered scales included) is timed as the op would make it."""
     from tilelang.profiler import do_bench
@@ -167,14 +245,14 @@ def main() -> None:
         for tiles in CONFIGS:
             try:
                 got = run(x, x_scale, w, w_scale, sizes, **tiles)
-                error = ((got - want).abs().max() / want.abs().max()).item()
+                err = error(got, want)
                 ms = do_bench(lambda: run(x, x_scale, w, w_scale, sizes, **tiles))
             except Exception as exc:  # a tile that does not compile is reported, the sweep goes on
                 print(f"{label} {tiles}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             rate = 2 * x.shape[0] * n * k / ms / 1e9
             print(f"{label} m={x.shape[0]} n={n} k={k} {tiles}: {ms:.3f} ms {rate:.0f} TFLOP/s "
-                  f"{rate / dense:.3f} of _scaled_mm, error {error:.1e} {'PASS' if error < 1e-3 else 'FAIL'}",
+                  f"{rate / dense:.3f} of _scaled_mm, error {err:.1e} {'PASS' if err < 1e-3 else 'FAIL'}",
                   flush=True)
 
 

@@ -38,7 +38,8 @@ def linear(x: Operand, weight: Operand, out_dtype: torch.dtype | None = None) ->
     return (values(x) @ values(weight).T).to(out_dtype or result_dtype(x, weight))
 
 
-def grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Per-expert GEMMs over contiguous row segments: ``y[seg e] = x[seg e] @ weight[e].T``.
 
     ``x [M, K]``, ``weight [E, N, K]``, ``group_sizes int64 [E]`` (non-negative, summing to at most
@@ -47,13 +48,17 @@ def grouped_gemm(x: Operand, weight: Operand, group_sizes: torch.Tensor) -> torc
     anything in them). float32 accumulation; result ``[M, N]`` in ``x.dtype`` for plain operands,
     float32 if either is :class:`Quantized` (``x``: ``"fp8"`` data ``[M, K]``, scale ``[M, K/32]``;
     ``weight``: ``"fp8"`` data ``[E, N, K]`` or ``"mxfp4"`` data ``uint8 [E, N, K/2]``, scale
-    ``[E, N, K/32]``). ``group_sizes`` is never read on the host (see :func:`grouped_gemm_tiled`)."""
+    ``[E, N, K/32]``). With a quantized operand, ``out_dtype=torch.bfloat16`` rounds the float32
+    result to bf16 once (DeepInfer's down projection writes bf16 for its combine); see
+    :func:`check_grouped_out_dtype`. ``group_sizes`` is never read on the host (see
+    :func:`grouped_gemm_tiled`)."""
     check_grouped_gemm(x, weight, group_sizes)
+    out_dtype = check_grouped_out_dtype(x, weight, out_dtype)
     rows, experts = logical_shape(x, "x", ACTIVATION_FORMATS)[0], group_sizes.shape[0]
     tile_rows = max(1, -(-rows // max(experts, 1)))
     x_values = values(x)
     out = grouped_gemm_tiled(x_values, weight, group_sizes, tile_rows, lambda rows, w: rows @ values(w).T)
-    return out.to(result_dtype(x, weight))
+    return out.to(out_dtype)
 
 
 def grouped_gemm_tiled(x: Operand, weight: Operand, group_sizes: torch.Tensor, tile_rows: int, gemm) -> torch.Tensor:
@@ -164,6 +169,19 @@ def check_out_dtype(op: str, out_dtype: torch.dtype | None) -> None:
                          f"or torch.float32 (the unrounded accumulator), got {out_dtype}")
 
 
+def check_grouped_out_dtype(x: Operand, weight: Operand, out_dtype: torch.dtype | None) -> torch.dtype:
+    """The result dtype of ``grouped_gemm(x, weight, ..., out_dtype)``: None gives the operands'
+    (:func:`result_dtype`); with a quantized operand float32 or bfloat16 may be asked for, plain
+    operands give ``x.dtype`` only."""
+    quantized = isinstance(x, Quantized) or isinstance(weight, Quantized)
+    allowed = (torch.float32, torch.bfloat16) if quantized else (x.dtype,)
+    if out_dtype is not None and out_dtype not in allowed:
+        raise ValueError(f"grouped_gemm: out_dtype must be None or one of {[str(d) for d in allowed]} for these "
+                         f"operands (float32 or bfloat16 with a quantized operand, x's dtype for plain ones), "
+                         f"got {out_dtype}")
+    return out_dtype or result_dtype(x, weight)
+
+
 def _check_segment_sizes(group_sizes: torch.Tensor, num_experts: int, num_rows: int) -> None:
     if (not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype != torch.int64
             or tuple(group_sizes.shape) != (num_experts,)):
@@ -210,11 +228,12 @@ def _linear_case(lead, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32, out_dt
     return make
 
 
-def _grouped_case(sizes, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32):
+def _grouped_case(sizes, n, k, x_fmt=None, w_fmt=None, dtype=torch.float32, out_dtype=None):
     def make(gen: torch.Generator, device: torch.device):
-        return {"x": _operand((sum(sizes), k), x_fmt, gen, device, dtype),
+        args = {"x": _operand((sum(sizes), k), x_fmt, gen, device, dtype),
                 "weight": _operand((len(sizes), n, k), w_fmt, gen, device, dtype, spread=k ** -0.5),
                 "group_sizes": torch.tensor(sizes, dtype=torch.int64, device=device)}
+        return args if out_dtype is None else {**args, "out_dtype": out_dtype}
     return make
 
 
@@ -274,5 +293,14 @@ register(OpSpec(
                                                               torch.bfloat16), "real", torch.bfloat16),
         OpCase("v41_experts_fp8_mxfp4_bf16", _grouped_case((9, 27, 0, 28), 2048, 4096, "fp8", "mxfp4",
                                                            torch.bfloat16), "real", torch.bfloat16),
+        # the float32 result rounded to bf16 (the MoE's down projection)
+        OpCase("fp8_fp8_bf16_out", _grouped_case((2, 3, 1), 16, 256, "fp8", "fp8", torch.bfloat16, torch.bfloat16),
+               dtype=torch.bfloat16),
+        OpCase("fp8_mxfp4_bf16_out", _grouped_case((0, 3, 0, 70), 40, 128, "fp8", "mxfp4", torch.bfloat16,
+                                                   torch.bfloat16), dtype=torch.bfloat16),
+        OpCase("fp8_fp8_float32_out", _grouped_case((2, 3, 1), 16, 256, "fp8", "fp8", torch.bfloat16, torch.float32),
+               dtype=torch.bfloat16, tolerance=FLOAT32_OUTPUT),
+        OpCase("v41_down_fp8_mxfp4_bf16_out", _grouped_case((9, 27, 0, 28), 4096, 2048, "fp8", "mxfp4",
+                                                            torch.bfloat16, torch.bfloat16), "real", torch.bfloat16),
     ),
 ))

@@ -127,7 +127,8 @@ class MoE(nn.Module):
                 weights: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' output rounded to ``x.dtype``, plus ``shared`` (the shared expert's,
         in ``x.dtype``): the gate on ``logits`` with the dispatch (``moe_route``; or the dispatch of
-        the given ``weights`` and ``ids``), the grouped SwiGLU and down GEMMs, combine (which adds it).
+        the given ``weights`` and ``ids``), the grouped SwiGLU and down GEMMs (the down GEMM writes
+        ``x.dtype``, as DeepInfer's writes bf16 for its combine), combine (which adds it).
         With FP8 activations the router weights multiply the SwiGLU's float32 products ahead of
         their cast, as DeepInfer's fused SwiGLU and cast does, and combine sums the rows as they
         are; otherwise combine weights them."""
@@ -151,8 +152,8 @@ class MoE(nn.Module):
         weighted = fmt is None or handle.row_weights is None
         if fmt is not None:
             hidden = ops.quantize_activations(hidden, fmt, None if weighted else handle.row_weights)
-        return ops.ep_combine(ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes), handle, add=shared,
-                              weighted=weighted)
+        down = ops.grouped_gemm(hidden, experts.operand("w2"), group_sizes, out_dtype=x.dtype)
+        return ops.ep_combine(down, handle, add=shared, weighted=weighted)
 
 
 def cast_expert_activations(model: nn.Module, fmt: str | None) -> nn.Module:
