@@ -53,6 +53,7 @@ BF16_STORE = r"""
 template <int CHUNKS>
 __device__ __forceinline__ void deepinfer_store_bf16(const void* acc_, const void* ws_, void* y_, int ld,
                                                      int rows, int cols) {
+  static_assert(CHUNKS % 2 == 0, "block_n must be a multiple of 16");
   const float* acc = static_cast<const float*>(acc_);
   const float* ws = static_cast<const float*>(ws_);
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(y_);
@@ -65,13 +66,9 @@ __device__ __forceinline__ void deepinfer_store_bf16(const void* acc_, const voi
     #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int cc = c + (s >> 1), h = s & 1;
-      if (cc < CHUNKS) {
-        const float2 scale = *reinterpret_cast<const float2*>(ws + 8 * cc + 2 * q);
-        __nv_bfloat162 pair = __floats2bfloat162_rn(acc[4 * cc + 2 * h] * scale.x, acc[4 * cc + 2 * h + 1] * scale.y);
-        v[s] = *reinterpret_cast<unsigned*>(&pair);
-      } else {
-        v[s] = 0u;
-      }
+      const float2 scale = *reinterpret_cast<const float2*>(ws + 8 * cc + 2 * q);
+      __nv_bfloat162 pair = __floats2bfloat162_rn(acc[4 * cc + 2 * h] * scale.x, acc[4 * cc + 2 * h + 1] * scale.y);
+      v[s] = *reinterpret_cast<unsigned*>(&pair);
     }
     #pragma unroll
     for (int t = 0; t < 2; ++t) {
@@ -84,7 +81,7 @@ __device__ __forceinline__ void deepinfer_store_bf16(const void* acc_, const voi
       if (b0) v[t] = got; else v[t + 1] = got;
     }
     const int r = row + (q & 1) * 8, col = 8 * (c + (q >> 1));
-    if (c + (q >> 1) < CHUNKS && r < rows && col < cols)
+    if (r < rows && col < cols)
       asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(y + static_cast<long>(r) * ld + col),
                    "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
   }
