@@ -17,6 +17,27 @@ NATIVE_TILES = {"block_n": 208}
 K 2048 and 4096 on an H100 once the column scales are read before the mainloop
 (``experiments/results/fp8_grouped_gemm_epilogue.md``). The promoted accumulator and the partial
 take 104 registers each."""
+BLOCKS_A_CTA = (5, 2)
+"""Column blocks one CTA may take in turn with the bf16 epilogue, the first that divides the
+column blocks and leaves :data:`MIN_WAVES` waves: its producer loads the next block while the
+consumers store. The bf16 result gains from it at K 2048 and keeps its rate at 4096; the float32
+one does not gain (``experiments/results/fp8_grouped_gemm_epilogue.md``)."""
+MIN_WAVES = 2
+"""Fewest waves of CTAs (one a streaming multiprocessor) a choice of several blocks a CTA must
+leave: with fewer, the last wave's idle SMs cost more than the stores hidden."""
+
+
+def native_blocks(rows: int, n: int, sms: int, bf16: bool) -> int:
+    """Column blocks a CTA for ``rows`` rows (at least ``rows / 128`` row tiles) and ``n`` columns on
+    a GPU of ``sms`` SMs: one for a float32 result, else the first of :data:`BLOCKS_A_CTA` that
+    divides the column blocks and leaves :data:`MIN_WAVES` waves."""
+    columns = -(-n // NATIVE_TILES["block_n"])
+    tiles = rows // BLOCK_M
+    if bf16:
+        for blocks in BLOCKS_A_CTA:
+            if columns % blocks == 0 and tiles * (columns // blocks) >= MIN_WAVES * sms:
+                return blocks
+    return 1
 
 
 def native_fits(x, rows: int, experts: int, k: int, arch: str, batch_invariant: bool, tcgen05: bool) -> bool:
@@ -49,7 +70,9 @@ def grouped_gemm_native(x: Quantized, weight: Quantized, group_sizes: torch.Tens
     if rows:
         schedule = shared_schedule(group_sizes, rows, BLOCK_M, x.data.device, schedules)
         x_data, x_scale = align_fp8(x.data, x.scale, schedule)
-        tiles = dict(NATIVE_TILES, out_dtype="bfloat16" if bf16_epilogue else "float32")
+        sms = torch.cuda.get_device_properties(x.data.device).multi_processor_count
+        tiles = dict(NATIVE_TILES, out_dtype="bfloat16" if bf16_epilogue else "float32",
+                     blocks=native_blocks(rows, n, sms, bf16_epilogue))
         compiled(native.MODULE, "grouped_gemm_fp8_k128", *w.shape, **tiles)(
             x_data, x_scale, w, w_scale, schedule[0], schedule[1], schedule[2], y)
     return y.to(out_dtype)

@@ -222,6 +222,8 @@ KERNELS = {  # name: (kernel module, factory, args, kwargs, uses the tensor core
                               NATIVE_TILES, True),
     "grouped_gemm_fp8_k128_bf16": ("grouped_gemm_fp8_k128", "grouped_gemm_fp8_k128", (48, 4096, 2048),
                                    dict(NATIVE_TILES, out_dtype="bfloat16"), True),
+    "grouped_gemm_fp8_k128_bf16_blocks": ("grouped_gemm_fp8_k128", "grouped_gemm_fp8_k128", (48, 4096, 2048),
+                                          dict(NATIVE_TILES, out_dtype="bfloat16", blocks=5), True),
     "key_decode_fp8": ("key_decode", "decode_rows", ("fp8",), {}, False),
     "key_decode_fp4": ("key_decode", "decode_rows", ("fp4",), {}, False),
     "rms_norm": ("rms_norm", "rms_norm", (4096, 1e-6, "bfloat16", "bfloat16"), {"threads": 256}, False),
@@ -309,11 +311,12 @@ def test_warp_specialised_kernels_store_whole_vectors():
 
 
 @needs_tilelang
-def test_native_fp8_gemm_stores_bf16_results_a_sector_per_lane_pair():
+@pytest.mark.parametrize("name", ["grouped_gemm_fp8_k128_bf16", "grouped_gemm_fp8_k128_bf16_blocks"])
+def test_native_fp8_gemm_stores_bf16_results_a_sector_per_lane_pair(name):
     """The native FP8 grouped GEMM's bf16 epilogue stores 16 bytes a lane (after its quad shuffles)
     from registers: no 2- or 4-byte stores of the result, no local memory for the accumulator it
-    reads through a pointer."""
-    cubin = _compile("grouped_gemm_fp8_k128_bf16")
+    reads through a pointer, also when a CTA stores several column blocks from inside its loop."""
+    cubin = _compile(name)
     stores = [line.split()[0] for line in cubin.sass if line.startswith("STG")]
     assert stores and all(".128" in store for store in stores) and len(stores) >= 208 // 16  # one per chunk pair
     assert cubin.count("SHFL.BFLY") > 0 and cubin.count("STL") == 0 and cubin.count("LDL") == 0

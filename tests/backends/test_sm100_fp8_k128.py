@@ -156,6 +156,20 @@ def test_kernel_compiles_for_hopper():
     assert kernel is not None
 
 
+def test_native_option_takes_several_column_blocks_a_cta_only_for_bf16_results_with_waves_to_spare():
+    from deepinfer_backends.sm100.grouped_gemm_native import native_blocks
+
+    # 4096 columns are 20 blocks of 208: 384 row tiles x 4 CTA columns = 1536 CTAs >= 2 x 132
+    assert native_blocks(49152, 4096, 132, bf16=True) == 5
+    assert native_blocks(49152, 4096, 132, bf16=False) == 1
+    # 48 row tiles: 5 blocks a CTA would leave 192 CTAs (< 264), 2 blocks 480
+    assert native_blocks(6144, 4096, 132, bf16=True) == 2
+    assert native_blocks(1024, 4096, 132, bf16=True) == 1  # 8 tiles: one block a CTA
+    # 1536 columns are 8 blocks: 5 does not divide them
+    assert native_blocks(49152, 1536, 132, bf16=True) == 2
+    assert native_blocks(49152, 208 * 7, 132, bf16=True) == 1
+
+
 def test_kernel_refuses_a_bf16_result_it_cannot_store_whole():
     fp8_k128 = _kernel_module()
     with pytest.raises(ValueError, match="bfloat16 needs n=100 a multiple of 8"):
@@ -171,10 +185,13 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @gpu
 @pytest.mark.parametrize("n, tiles", [(384, {}), (200, {}), (576, {"block_n": 192}),
                                       (384, {"out_dtype": "bfloat16"}), (200, {"out_dtype": "bfloat16"}),
-                                      (576, {"block_n": 192, "out_dtype": "bfloat16"})])
+                                      (576, {"block_n": 192, "out_dtype": "bfloat16"}),
+                                      (576, {"out_dtype": "bfloat16", "blocks": 2}),
+                                      (200, {"out_dtype": "bfloat16", "blocks": 5}), (384, {"blocks": 2})])
 def test_kernel_matches_float64_on_its_operands(n, tiles):
     """Ragged segments (empty ones, a row alone, tiles past a segment's end) and partial column
-    blocks (200 and 576 columns), float32 or bf16 result."""
+    blocks (200 and 576 columns), float32 or bf16 result; several column blocks a CTA, some of
+    them past ``n`` (576 columns are 3 blocks of 208, 200 columns 1)."""
     kernel = _kernel_module()
 
     g = torch.Generator().manual_seed(2)

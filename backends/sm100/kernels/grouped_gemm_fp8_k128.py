@@ -22,7 +22,9 @@ are one aligned 512-byte box; a box starting at a segment's first row would be m
 most segments); each of two consumer warpgroups (64 rows of a 128-row tile) issues its wgmmas,
 promotes and only then hands the stage back.
 ``stagger`` holds the second warpgroup back by one k-block at the start, so that one
-warpgroup's promotion tends to run while the other's wgmmas keep the tensor cores busy.
+warpgroup's promotion tends to run while the other's wgmmas keep the tensor cores busy. With
+``blocks`` above one a CTA computes that many adjacent column blocks of its row tile in turn, so
+that only its first block waits for the ring to fill.
 
 The HAL's block-scaled operands carry UE8M0 scales per 32 along K;
 :func:`~deepinfer_backends.sm100.fp8_scales.aligned` moves them to this kernel's granularity. Hopper only (wgmma, TMA,
@@ -93,36 +95,51 @@ fragment for two 64-row consumer warpgroups (the GPU test checks it against the 
 
 @tilelang.jit(pass_configs=_PASS_CONFIGS)
 def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 208, num_stages: int | None = None,
-                          stagger: bool = True, swizzle: int = 8, out_dtype: str = "float32"):
+                          stagger: bool = True, swizzle: int = 8, out_dtype: str = "float32", blocks: int = 1):
     """Kernel ``(x e4m3 [m, k], x_scale float32 [k/128, tiles * 128], w e4m3 [experts, n, k], w_scale
     float32 [experts, n], tile_expert, tile_row, tile_end int32 [tiles], y out_dtype [m, n])``; ``k`` a
     multiple of 128, ``m`` and ``tiles`` dynamic, ``tile_expert[t] >= experts`` an unused tile,
     ``x_scale[:, 128 t + i]`` the scales of tile ``t``'s row ``i`` (:func:`tile_scales`). Rows of a
     tile past its segment are multiplied but never stored; rows past ``m`` are read as zero.
     ``num_stages`` defaults to as many as fit shared memory. ``out_dtype="bfloat16"`` needs ``n`` a
-    multiple of 8."""
-    if k <= 0 or k % GROUP or block_n % 16:
-        raise ValueError(f"k={k} must be a positive multiple of {GROUP}, block_n={block_n} a multiple of 16")
+    multiple of 8. ``blocks`` adjacent column blocks a CTA, in turn through one ring: the producer
+    loads the next block's first k-blocks while the consumers store the last one."""
+    if k <= 0 or k % GROUP or block_n % 16 or blocks < 1:
+        raise ValueError(f"k={k} must be a positive multiple of {GROUP}, block_n={block_n} a multiple of 16, "
+                         f"blocks={blocks} at least 1")
     if out_dtype not in OUT_DTYPES or (out_dtype == "bfloat16" and n % 8):
         raise ValueError(f"out_dtype={out_dtype!r} must be one of {OUT_DTYPES}; bfloat16 needs n={n} a multiple of 8")
     bf16 = out_dtype == "bfloat16"
-    num_stages = num_stages or min(8, (SHARED_BYTES - 1024 - block_n * 4)
+    num_stages = num_stages or min(8, (SHARED_BYTES - 1024 - blocks * block_n * 4)
                                    // ((BLOCK_M + block_n) * GROUP + BLOCK_M * 4))
     m = T.dynamic("m")
     tiles = T.dynamic("tiles")
     groups = k // GROUP
+
+    @T.macro
+    def store(acc, ws_s, y, row0, rows, col0, b):
+        """Column block ``b`` of the CTA's (from column ``col0``): ``acc`` times its column scales into
+        ``y``, rows below ``rows`` and columns below ``n``."""
+        if bf16:
+            T.call_extern("handle", f"deepinfer_store_bf16<{block_n // 8}>", acc.data,
+                          T.access_ptr(ws_s[b * block_n], "r"), T.access_ptr(y[row0, col0 + b * block_n], "w"),
+                          n, rows, n - col0 - b * block_n)
+        else:
+            for i, j in T.Parallel(BLOCK_M, block_n):
+                if i < rows and col0 + b * block_n + j < n:
+                    y[row0 + i, col0 + b * block_n + j] = acc[i, j] * ws_s[b * block_n + j]
 
     @T.prim_func
     def kernel(x: T.Tensor((m, k), E4M3), x_scale: T.Tensor((groups, tiles * BLOCK_M), "float"),
                w: T.Tensor((experts, n, k), E4M3), w_scale: T.Tensor((experts, n), "float"),
                tile_expert: T.Tensor((tiles,), "int32"), tile_row: T.Tensor((tiles,), "int32"),
                tile_end: T.Tensor((tiles,), "int32"), y: T.Tensor((m, n), out_dtype)):
-        with T.Kernel(T.ceildiv(n, block_n), tiles, threads=CONSUMERS + 128,
+        with T.Kernel(T.ceildiv(T.ceildiv(n, block_n), blocks), tiles, threads=CONSUMERS + 128,
                       prelude=BF16_STORE if bf16 else None) as (bn, bt):
             x_s = T.alloc_shared((num_stages, BLOCK_M, GROUP), E4M3)
             w_s = T.alloc_shared((num_stages, block_n, GROUP), E4M3)
             xs_s = T.alloc_shared((num_stages, BLOCK_M), "float")
-            ws_s = T.alloc_shared((block_n,), "float")
+            ws_s = T.alloc_shared((blocks * block_n,), "float")
             part = T.alloc_fragment((BLOCK_M, block_n), "float")
             acc = T.alloc_fragment((BLOCK_M, block_n), "float")
             full = T.alloc_barrier([1] * num_stages)
@@ -132,28 +149,31 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 208, num_
             tx = T.get_thread_binding()
             T.use_swizzle(panel_size=swizzle)
             expert, row0, rows = tile_expert[bt], tile_row[bt], tile_end[bt] - tile_row[bt]
+            col0 = bn * blocks * block_n
             if expert < experts:
                 if tx >= CONSUMERS:  # producer
                     T.set_max_nreg(40, 0)
-                    for kb in T.serial(groups):
+                    for kb in T.serial(blocks * groups):
                         slot = kb % num_stages
+                        kg = kb % groups
+                        c0 = col0 + (kb // groups) * block_n
                         T.barrier_wait(empty[slot], ((kb // num_stages) & 1) ^ 1)
-                        T.tma_copy(x[row0:row0 + BLOCK_M, kb * GROUP:(kb + 1) * GROUP], x_s[slot, :, :],
+                        T.tma_copy(x[row0:row0 + BLOCK_M, kg * GROUP:(kg + 1) * GROUP], x_s[slot, :, :],
                                    barrier=full[slot])
-                        T.tma_copy(x_scale[kb, bt * BLOCK_M:(bt + 1) * BLOCK_M], xs_s[slot, :], barrier=full[slot])
-                        T.tma_copy(w[expert, bn * block_n:(bn + 1) * block_n, kb * GROUP:(kb + 1) * GROUP],
+                        T.tma_copy(x_scale[kg, bt * BLOCK_M:(bt + 1) * BLOCK_M], xs_s[slot, :], barrier=full[slot])
+                        T.tma_copy(w[expert, c0:c0 + block_n, kg * GROUP:(kg + 1) * GROUP],
                                    w_s[slot, :, :], barrier=full[slot], annotations={"emit_arrive": 1})
                 else:  # consumers
                     T.set_max_nreg(232, 1)
                     live[0] = T.if_then_else((tx // 128) * 64 < rows, 1, 0)
-                    for j in T.Parallel(block_n):
-                        ws_s[j] = T.if_then_else(bn * block_n + j < n, w_scale[expert, bn * block_n + j], 0)
+                    for j in T.Parallel(blocks * block_n):
+                        ws_s[j] = T.if_then_else(col0 + j < n, w_scale[expert, col0 + j], 0)
                     T.sync_threads(1, CONSUMERS)
                     T.clear(acc)
                     if stagger:
                         if tx >= 128:
                             T.barrier_wait(turn[0], 0)
-                    for kb in T.serial(groups):
+                    for kb in T.serial(blocks * groups):
                         slot = kb % num_stages
                         T.barrier_wait(full[slot], (kb // num_stages) & 1)
                         if live[0]:
@@ -167,13 +187,11 @@ def grouped_gemm_fp8_k128(experts: int, n: int, k: int, block_n: int = 208, num_
                                 if tx < 128:
                                     T.barrier_arrive(turn[0])
                         T.barrier_arrive(empty[slot])
-                    if bf16:
-                        T.call_extern("handle", f"deepinfer_store_bf16<{block_n // 8}>", acc.data, ws_s.data,
-                                      T.access_ptr(y[row0, bn * block_n], "w"), n, rows, n - bn * block_n)
-                    else:
-                        for i, j in T.Parallel(BLOCK_M, block_n):
-                            if i < rows and bn * block_n + j < n:
-                                y[row0 + i, bn * block_n + j] = acc[i, j] * ws_s[j]
+                        if blocks > 1 and kb % groups == groups - 1:
+                            store(acc, ws_s, y, row0, rows, col0, kb // groups)
+                            T.clear(acc)
+                    if blocks == 1:  # after the loop: a store inside it spills the accumulator
+                        store(acc, ws_s, y, row0, rows, col0, 0)
 
     return kernel
 
@@ -211,7 +229,8 @@ def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).abs() - rounding).clamp(min=0).max().item() / want.abs().max().item()
 
 
-CONFIGS = ({"block_n": 208}, {"block_n": 208, "out_dtype": "bfloat16"}, {"block_n": 192},
+CONFIGS = ({"block_n": 208}, {"block_n": 208, "out_dtype": "bfloat16"},
+           {"block_n": 208, "out_dtype": "bfloat16", "blocks": 5}, {"block_n": 192},
            {"block_n": 192, "out_dtype": "bfloat16"}, {"block_n": 208, "stagger": False})
 """The tiles :func:`main` sweeps."""
 SHAPES = (("16 experts x 512 rows", 16, 512, 4096, 4096), ("48 experts x 256 rows, w2", 48, 256, 4096, 2048),
