@@ -94,10 +94,10 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, out_dtype: torch.dtype | 
     if not quantized and x.dtype not in TILES:
         raise UnsupportedInput(f"ascend950 grouped_gemm takes bf16 or float32 operands, got {x.dtype}")
     tiles = TILES["fp8" if quantized else x.dtype]
-    out_dtype = torch.float32 if quantized else x.dtype
-    layout(tiles.buffers(torch.finfo(out_dtype).bits // 8), platform)
+    kernel_dtype = torch.float32 if quantized else x.dtype
+    layout(tiles.buffers(torch.finfo(kernel_dtype).bits // 8), platform)
     rows, n = (x.data if quantized else x).shape[0], (weight.data if quantized else weight).shape[1]
-    out = torch.zeros(rows, n, dtype=out_dtype)
+    out = torch.zeros(rows, n, dtype=kernel_dtype)
     record = WriteRecord(rows, n)
     plan = BlockPlan(AI_CORES[platform])
     start = 0
@@ -110,7 +110,7 @@ def grouped_gemm(x, weight, group_sizes: torch.Tensor, out_dtype: torch.dtype | 
         for expert, m0, m1, n0, n1 in core_tiles:
             acc = _fp8_tile(x, weight, expert, m0, m1, n0, n1, tiles) if quantized else \
                 _plain_tile(x, weight, expert, m0, m1, n0, n1, tiles)
-            out[m0:m1, n0:n1] = acc.to(out_dtype)
+            out[m0:m1, n0:n1] = acc.to(kernel_dtype)
             record.store(slice(m0, m1), slice(n0, n1))
     record.check(start)
     return out.to(group_sizes.device, result_dtype)
